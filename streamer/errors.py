@@ -1,0 +1,5 @@
+"""The one exception type for user errors: the CLI prints its message on one line and exits 2."""
+
+
+class StreamerError(Exception):
+    """Bad input (file, tensor, type, value, budget). The message names the bad thing."""
