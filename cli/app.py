@@ -1,0 +1,48 @@
+"""The typer app with one error policy: a StreamerError or an I/O error is one line on stderr and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import typer
+
+from streamer.errors import StreamerError
+
+
+def fail(message: str) -> "typer.Exit":
+    print(f"error: {message}", file=sys.stderr)
+    return typer.Exit(2)
+
+
+def _guard(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except StreamerError as e:
+            raise fail(str(e)) from None
+        except OSError as e:  # disk full, unreadable file, broken pipe: no traceback
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            raise fail(f"{e.strerror or e}{where}") from None
+        except MemoryError:
+            raise fail("out of memory (try a smaller --ram-budget or -c/--ctx-size)") from None
+
+    return wrapper
+
+
+class App(typer.Typer):
+    """typer.Typer whose commands all go through _guard."""
+
+    def command(self, *args, **kwargs):
+        register = super().command(*args, **kwargs)
+
+        def deco(f):
+            register(_guard(f))
+            return f
+
+        return deco
+
+
+app = App(help="Run Qwen3 and Qwen3-MoE GGUF models, streaming MoE experts from disk under a RAM budget.",
+          no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)

@@ -1,0 +1,64 @@
+"""`stream-run inspect`: what is in a GGUF and what running it costs in memory."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from cli.options import CtxSize, ModelArg
+
+
+def inspect(
+    model: ModelArg,
+    ctx_size: CtxSize = 4096,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
+) -> None:
+    """Metadata, tensor counts and bytes by type, resident vs expert bytes, KV bytes per token."""
+    from streamer.config import ModelConfig
+    from streamer.gguf_file import GGUFFile
+    from streamer.io import human
+
+    gf = GGUFFile(model)
+    cfg = ModelConfig.from_gguf(gf)
+    by_type: dict[str, list[int]] = {}
+    expert = 0
+    for t in gf.tensors.values():
+        c = by_type.setdefault(t.type_name, [0, 0])
+        c[0] += 1
+        c[1] += t.nbytes
+        if "_exps." in t.name:
+            expert += t.nbytes
+    total = sum(t.nbytes for t in gf.tensors.values())
+    n_ctx = ctx_size or cfg.n_ctx_train
+    info = {
+        "file": str(model), "file_bytes": gf.size, "config": cfg.__dict__,
+        "tensors_by_type": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},
+        "resident_bytes": total - expert, "expert_bytes": expert,
+        "expert_bytes_per_layer_expert": expert // max(cfg.n_layer * cfg.n_expert, 1),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token, "kv_bytes_at_ctx": cfg.kv_bytes_per_token * n_ctx, "ctx": n_ctx,
+        "tokenizer": {k: gf.get(f"tokenizer.ggml.{k}") for k in ("model", "pre", "bos_token_id", "eos_token_id")},
+        "n_vocab_tokens": gf.array_len("tokenizer.ggml.tokens"),
+    }
+    if as_json:
+        print(json.dumps(info))
+        return
+    c = cfg
+    print(f"file      {model} ({human(gf.size)})")
+    print(f"arch      {c.arch}: {c.n_layer} layers, hidden {c.n_embd}, heads {c.n_head}/{c.n_head_kv} "
+          f"(head_dim {c.head_dim}), vocab {c.n_vocab}, {'tied' if c.tied else 'untied'} head")
+    if c.is_moe:
+        print(f"experts   {c.n_expert} per layer, {c.n_expert_used} used, expert ff {c.n_ff_exp}")
+    else:
+        print(f"ffn       {c.n_ff}")
+    print(f"rope      theta {c.rope_theta:g}, context {c.n_ctx_train}, rms eps {c.rms_eps:g}")
+    for k, v in info["tensors_by_type"].items():
+        print(f"type      {k:<6} {v['count']:>5} tensors  {human(v['bytes']):>12}")
+    print(f"resident  {human(total - expert)} (non-expert weights)")
+    if c.is_moe:
+        print(f"experts   {human(expert)} ({human(info['expert_bytes_per_layer_expert'])} per expert per layer)")
+    print(f"kv cache  {human(c.kv_bytes_per_token)} per token, {human(info['kv_bytes_at_ctx'])} at -c {n_ctx}")
+    tk = info["tokenizer"]
+    print(f"tokenizer {tk['model']}/{tk['pre']}, {info['n_vocab_tokens']} tokens, bos {tk['bos_token_id']}, "
+          f"eos {tk['eos_token_id']}")

@@ -1,0 +1,30 @@
+"""Flags shared by several commands, as Annotated aliases (defaults stay in each command's signature)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ModelArg = Annotated[Path, typer.Argument(help="GGUF model file (qwen3 or qwen3moe).", show_default=False)]
+CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's limit).")]
+Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="Compute threads [default: physical cores].")]
+NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of text or full context).")]
+Temp = Annotated[Optional[float], typer.Option("--temp", help="Temperature; <= 0 is greedy.")]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="Top-k sampling (<= 0: off).")]
+TopP = Annotated[Optional[float], typer.Option("--top-p", help="Top-p (nucleus) sampling.")]
+MinP = Annotated[Optional[float], typer.Option("--min-p", help="Min-p sampling.")]
+RepeatPenalty = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for repeated tokens (1.0 = off).")]
+RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look back over (-1 = all).")]
+FreqPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Frequency penalty.")]
+PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="Presence penalty.")]
+Seed = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
+RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM budget for everything resident, e.g. 8G "
+                                                  "[default: a fraction of available memory].")]
+NoStream = Annotated[bool, typer.Option("--no-stream", help="Keep all experts resident (mmap); no streaming.")]
+ExpertTopP = Annotated[float, typer.Option("--expert-top-p", help="Per token, drop routed experts beyond this "
+                                           "cumulative weight (1.0 = off).")]
+Prefetch = Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Router-lookahead expert prefetch.")]
+NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not load or save the learned expert-usage profile.")]
+Profile = Annotated[Optional[str], typer.Option("--profile", help="Runtime preset from profiles/ (e.g. 8g) or a TOML file.")]

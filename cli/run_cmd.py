@@ -1,0 +1,174 @@
+"""`stream-run run` (raw completion, or logits for given tokens) and `stream-run chat` (multi-turn REPL)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.options import (CtxSize, ExpertTopP, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
+                         PresencePenalty, RamBudget, RepeatLastN, RepeatPenalty, Seed, Temp, Threads, TopK, TopP)
+
+
+def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn):
+    from streamer.session import open_model
+    return open_model(model, n_ctx=ctx_size or None, threads=threads, ram_budget=ram_budget, stream=not no_stream,
+                      expert_top_p=expert_top_p, prefetch=prefetch, learn=not no_learn)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    from streamer.errors import StreamerError
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise StreamerError(f"--tokens must be comma-separated integers, got {text!r}") from None
+
+
+def run(
+    model: ModelArg,
+    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text.")] = None,
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a UTF-8 file.")] = None,
+    tokens: Annotated[Optional[str], typer.Option("--tokens", help="Prompt as token ids, e.g. 1,2,3.")] = None,
+    logits_out: Annotated[Optional[Path], typer.Option("--logits-out", help="With --tokens: write float32 logits "
+                                                       "(n_tokens, vocab) of every prompt position to this .npy.")] = None,
+    n_predict: NPredict = -1,
+    temp: Temp = 0.0,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    frequency_penalty: FreqPenalty = 0.0,
+    presence_penalty: PresencePenalty = 0.0,
+    seed: Seed = -1,
+    ctx_size: CtxSize = 4096,
+    threads: Threads = None,
+    ram_budget: RamBudget = None,
+    no_stream: NoStream = False,
+    expert_top_p: ExpertTopP = 1.0,
+    prefetch: Prefetch = True,
+    no_learn: NoLearn = False,
+    display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
+                                                 help="Echo the prompt before the completion.")] = True,
+) -> None:
+    """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr."""
+    import numpy as np
+
+    from streamer.errors import StreamerError
+    from streamer.generate import Generator
+    from streamer.io import atomic_save_npy, read_text
+    from streamer.sampler import Sampler, SamplerParams
+
+    if sum(x is not None for x in (prompt, file, tokens)) != 1:
+        raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
+    if logits_out is not None and tokens is None:
+        raise StreamerError("--logits-out needs --tokens")
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    if logits_out is not None:
+        ids = _parse_tokens(tokens)
+        logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
+        atomic_save_npy(logits_out, logits.astype(np.float32))
+        print(f"wrote logits {logits.shape} to {logits_out}", file=sys.stderr)
+        return
+    tok = s.tokenizer
+    text = read_text(file) if file is not None else prompt
+    ids = _parse_tokens(tokens) if tokens is not None else tok.encode(text)
+    if not ids:
+        raise StreamerError("the prompt is empty")
+    params = SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
+                           presence_penalty, None if seed < 0 else seed)
+    sampler = Sampler(params)
+    if temp > 0:
+        print(f"sampling with seed {sampler.seed}", file=sys.stderr)
+    gen = Generator(s.model, s.model.new_cache(), sampler, tok.eog_ids)
+    out = sys.stdout
+    if display_prompt:
+        out.write(tok.decode(ids))
+        out.flush()
+    dec = tok.stream_decoder()
+    try:
+        for t in gen.generate(ids, n_predict):
+            piece = dec.push(t)
+            if piece:
+                out.write(piece)
+                out.flush()
+    except KeyboardInterrupt:
+        gen.stop_reason = "interrupted"
+    out.write(dec.flush() + "\n")
+    out.flush()
+    print(gen.stats.line() + f" | stop: {gen.stop_reason}", file=sys.stderr)
+    s.report(sys.stderr)
+
+
+def chat(
+    model: ModelArg,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
+    no_think: Annotated[bool, typer.Option("--no-think", help="Answer without a thinking block.")] = False,
+    n_predict: NPredict = -1,
+    temp: Temp = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    min_p: MinP = None,
+    repeat_penalty: RepeatPenalty = 1.0,
+    repeat_last_n: RepeatLastN = 64,
+    frequency_penalty: FreqPenalty = 0.0,
+    presence_penalty: PresencePenalty = 0.0,
+    seed: Seed = -1,
+    ctx_size: CtxSize = 4096,
+    threads: Threads = None,
+    ram_budget: RamBudget = None,
+    no_stream: NoStream = False,
+    expert_top_p: ExpertTopP = 1.0,
+    prefetch: Prefetch = True,
+    no_learn: NoLearn = False,
+) -> None:
+    """Multi-turn chat. Reads one user turn per line (from a terminal or a pipe); Ctrl-C stops a reply,
+    /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
+    (thinking: temp 0.6, top-k 20, top-p 0.95; --no-think: 0.7, 20, 0.8)."""
+    from streamer.chat import Conversation, sampler_params
+    from streamer.errors import StreamerError
+    from streamer.generate import Generator
+    from streamer.sampler import Sampler
+
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    params = sampler_params(not no_think, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                            seed=None if seed < 0 else seed)
+    sampler = Sampler(params)
+    gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids)
+    conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
+    tty = sys.stdin.isatty()
+    if tty:
+        print("chat: one message per line; Ctrl-C stops a reply, /reset starts over, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            if tty:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            break
+        if not line:
+            break
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            conv.reset()
+            continue
+        try:
+            for piece in conv.send(line):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write(" [interrupted]")
+        except StreamerError as e:  # e.g. the context is full: the session survives
+            print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"[{gen.stats.line()}]", file=sys.stderr)
+    s.report(sys.stderr)

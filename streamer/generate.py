@@ -1,0 +1,86 @@
+"""The prefill/decode loop. It yields tokens as they are sampled; the CLI and chat only consume it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from streamer.kv_cache import KVCache
+from streamer.sampler import Sampler
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    gen_tokens: int = 0
+    gen_s: float = 0.0
+
+    def line(self) -> str:
+        pr = self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+        gr = self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
+        return (f"prompt: {self.prompt_tokens} tok in {self.prompt_s:.2f} s ({pr:.2f} tok/s) | "
+                f"generation: {self.gen_tokens} tok in {self.gen_s:.2f} s ({gr:.2f} tok/s)")
+
+
+@dataclass
+class Generator:
+    """Owns one KV cache and the token history in it. `pending` is the last sampled token, which is not yet
+    in the cache (it is decoded at the start of the next step, or prepended to the next prompt)."""
+
+    model: object
+    cache: KVCache
+    sampler: Sampler
+    stop_ids: frozenset = frozenset()
+    history: list = field(default_factory=list)
+    pending: int | None = None
+    stop_reason: str = ""
+    stats: Stats = field(default_factory=Stats)
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.history.clear()
+        self.pending = None
+
+    def feed(self, ids) -> np.ndarray:
+        """Prefill `ids` (after any pending token); return the logits of the last position."""
+        ids = ([self.pending] if self.pending is not None else []) + list(ids)
+        self.pending = None
+        t0 = time.perf_counter()
+        logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache)
+        self.stats.prompt_s += time.perf_counter() - t0
+        self.stats.prompt_tokens += len(ids)
+        self.history.extend(ids)
+        return logits
+
+    def generate(self, prompt_ids, n_predict: int = -1) -> Iterator[int]:
+        """Yield sampled tokens until an end-of-generation token (not yielded), n_predict tokens (-1: no limit)
+        or a full context. stop_reason says which: 'eog', 'length' or 'context'."""
+        logits = self.feed(prompt_ids)
+        n = 0
+        while True:
+            if n_predict >= 0 and n >= n_predict:
+                self.stop_reason = "length"
+                return
+            tok = self.sampler(logits, self.history)
+            self.pending = tok
+            if tok in self.stop_ids:
+                self.stop_reason = "eog"
+                return
+            n += 1
+            yield tok
+            if self.cache.room() == 0:
+                self.stop_reason = "context"
+                return
+            if n_predict >= 0 and n >= n_predict:
+                self.stop_reason = "length"
+                return
+            t0 = time.perf_counter()
+            self.pending = None
+            logits = self.model.forward(np.array([tok], dtype=np.int64), self.cache)
+            self.history.append(tok)
+            self.stats.gen_s += time.perf_counter() - t0
+            self.stats.gen_tokens += 1

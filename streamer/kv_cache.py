@@ -1,0 +1,43 @@
+"""Per-layer K/V storage preallocated for the whole context. K is stored after RoPE. Memory comes from
+np.zeros (calloc), so pages are only committed as positions are filled."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamer.config import ModelConfig
+from streamer.errors import StreamerError
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, n_ctx: int):
+        if n_ctx <= 0:
+            raise StreamerError(f"context size must be positive, got {n_ctx}")
+        shape = (cfg.n_layer, cfg.n_head_kv, n_ctx, cfg.head_dim)  # (layer, kv head, position, channel)
+        self.k = np.zeros(shape, dtype=np.float32)
+        self.v = np.zeros(shape, dtype=np.float32)
+        self.n_ctx = n_ctx
+        self.n = 0  # positions filled
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def room(self) -> int:
+        return self.n_ctx - self.n
+
+    def check_room(self, m: int) -> None:
+        if self.n + m > self.n_ctx:
+            raise StreamerError(f"context overflow: {self.n} + {m} tokens exceed the context size {self.n_ctx} "
+                                f"(raise it with -c/--ctx-size)")
+
+    def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
+        m = k.shape[0]
+        self.k[layer, :, pos0:pos0 + m, :] = k.transpose(1, 0, 2)
+        self.v[layer, :, pos0:pos0 + m, :] = v.transpose(1, 0, 2)
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (their slots are simply overwritten later)."""
+        assert 0 <= n <= self.n
+        self.n = n

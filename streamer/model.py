@@ -1,0 +1,155 @@
+"""Qwen3 forward pass: embed -> L x (attention + FFN) -> norm -> head, over zero-copy views of the GGUF.
+
+The FFN of each layer is a pluggable object (dense SwiGLU here, MoE in streamer.moe) called as
+`ffn(layer, h) -> (m, n_embd)`; hooks get `after_attention(layer, x)` so an expert prefetcher can look
+ahead. Prefill (many tokens, matrix-matrix kernels) and decode (one token, matrix-vector) share the layer code.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from streamer import ops
+from streamer.config import ModelConfig
+from streamer.errors import StreamerError
+from streamer.gguf_file import GGUFFile
+from streamer.kernels import QMatrix
+from streamer.kv_cache import KVCache
+
+
+def qmatrix(gf: GGUFFile, name: str) -> QMatrix:
+    t = gf.tensors[name]
+    return QMatrix(gf.view(name), t.qtype, t.shape[-1], name)
+
+
+def linear(w: QMatrix, h: np.ndarray) -> np.ndarray:
+    """(m, n_in) -> (m, n_out): matrix-vector kernel for one row, matrix-matrix otherwise."""
+    if h.shape[0] == 1:
+        return w.matvec(h[0]).reshape(1, -1)
+    return w.matmul(h)
+
+
+class FFN(Protocol):
+    def __call__(self, layer: int, h: np.ndarray) -> np.ndarray: ...
+
+
+class DenseFFN:
+    """SwiGLU: down(silu(gate h) * up h), weights used in place from the mmap."""
+
+    def __init__(self, gf: GGUFFile, n_layer: int):
+        self.w = [tuple(qmatrix(gf, f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up", "down")) for i in range(n_layer)]
+
+    def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
+        gate, up, down = self.w[layer]
+        g = linear(gate, h)
+        return linear(down, ops.swiglu(g, linear(up, h), g))
+
+
+class Layer:
+    def __init__(self, gf: GGUFFile, i: int):
+        b = f"blk.{i}."
+        self.attn_norm = gf.view(b + "attn_norm.weight")
+        self.ffn_norm = gf.view(b + "ffn_norm.weight")
+        self.q_norm = gf.view(b + "attn_q_norm.weight")
+        self.k_norm = gf.view(b + "attn_k_norm.weight")
+        self.wq, self.wk, self.wv, self.wo = (qmatrix(gf, b + f"attn_{p}.weight") for p in ("q", "k", "v", "output"))
+
+
+class Model:
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ffn: FFN | None = None, n_ctx: int | None = None):
+        self.gf, self.cfg = gf, cfg
+        self.layers = [Layer(gf, i) for i in range(cfg.n_layer)]
+        self.ffn = ffn if ffn is not None else DenseFFN(gf, cfg.n_layer)
+        self.embd = qmatrix(gf, "token_embd.weight")
+        self.head = self.embd if cfg.tied else qmatrix(gf, "output.weight")
+        self.out_norm = gf.view("output_norm.weight")
+        self.n_ctx = n_ctx or min(4096, cfg.n_ctx_train)  # llama.cpp-like default: 4096 or the model's limit
+        self.cos, self.sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
+        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        self.hooks: list = []  # objects with after_attention(layer, x)
+        self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg, self.n_ctx)
+
+    def matrices(self) -> list[QMatrix]:
+        mats = [self.embd, self.head]
+        for L in self.layers:
+            mats += [L.wq, L.wk, L.wv, L.wo]
+        return mats + [m for ws in getattr(self.ffn, "w", []) for m in ws]
+
+    def warmup(self) -> None:
+        """Run every kernel once on tiny inputs so numba compiles (or loads from its cache) before timing starts."""
+        seen = set()
+        for m in self.matrices():
+            if m.qtype not in seen:
+                seen.add(m.qtype)
+                one = QMatrix(m._w[:1], m.qtype, m.n_in, m.name)
+                one.matvec(np.zeros(m.n_in, np.float32))
+                one.matmul(np.zeros((2, m.n_in), np.float32))
+        self.embd.rows(np.zeros(1, np.int64))
+        cfg, L = self.cfg, self.layers[0]
+        cache = KVCache(cfg, 3)
+        for m in (2, 1):
+            x = np.zeros((m, cfg.n_embd), np.float32)
+            ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, x)
+            q = np.zeros((m, cfg.n_head, cfg.head_dim), np.float32)
+            ops.head_norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
+            ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
+            ops.swiglu(x, x, x)
+        if hasattr(self.ffn, "warmup"):
+            self.ffn.warmup()
+
+    def check_tokens(self, ids: np.ndarray) -> None:
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.n_vocab):
+            bad = int(ids[(ids < 0) | (ids >= self.cfg.n_vocab)][0])
+            raise StreamerError(f"token id {bad} is out of range (vocabulary has {self.cfg.n_vocab} tokens)")
+
+    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self.check_tokens(ids)
+        cache.check_room(len(ids))
+        outs = []
+        for s in range(0, len(ids), self.ubatch):
+            chunk = ids[s:s + self.ubatch]
+            last = s + self.ubatch >= len(ids)
+            x = self._layers(chunk, cache)
+            if all_logits:
+                outs.append(self._head(x))
+            elif last:
+                outs.append(self._head(x[-1:])[0])
+        return np.concatenate(outs) if all_logits else outs[0]
+
+    def prefill(self, ids, cache: KVCache) -> np.ndarray:
+        return self.forward(ids, cache)
+
+    def decode(self, token: int, cache: KVCache) -> np.ndarray:
+        return self.forward(np.array([token], dtype=np.int64), cache)
+
+    def _head(self, x: np.ndarray) -> np.ndarray:
+        h = ops.rmsnorm(x, self.out_norm, self.cfg.rms_eps, np.empty_like(x))
+        return linear(self.head, h)
+
+    def _layers(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        cfg, m, pos0 = self.cfg, len(ids), cache.n
+        x = self.embd.rows(ids)
+        h = np.empty_like(x)
+        for i, L in enumerate(self.layers):
+            ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
+            q = linear(L.wq, h).reshape(m, cfg.n_head, cfg.head_dim)
+            k = linear(L.wk, h).reshape(m, cfg.n_head_kv, cfg.head_dim)
+            v = linear(L.wv, h).reshape(m, cfg.n_head_kv, cfg.head_dim)
+            ops.head_norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, pos0)
+            ops.head_norm_rope(k, L.k_norm, cfg.rms_eps, self.cos, self.sin, pos0)
+            cache.store(i, pos0, k, v)
+            att = ops.attention(q, cache.k[i], cache.v[i], pos0, self.scale, np.empty_like(q))
+            x += linear(L.wo, att.reshape(m, -1))
+            for hook in self.hooks:
+                hook.after_attention(i, x)
+            ops.rmsnorm(x, L.ffn_norm, cfg.rms_eps, h)
+            x += self.ffn(i, h)
+        cache.n = pos0 + m
+        return x

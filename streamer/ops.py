@@ -1,0 +1,98 @@
+"""Small numba kernels of the forward pass that are not matrix products: RMSNorm, per-head norm + NEOX RoPE,
+causal grouped-query attention over the KV cache, SwiGLU. Flat functions over arrays, float32 in and out,
+sums of squares in float64 as ggml does."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rmsnorm(x, w, eps, out):
+    """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, row by row; x and out are (m, n)."""
+    m, n = x.shape
+    for i in range(m):
+        ss = 0.0
+        for j in range(n):
+            ss += np.float64(x[i, j]) * x[i, j]
+        r = np.float32(1.0 / np.sqrt(ss / n + eps))
+        for j in range(n):
+            out[i, j] = x[i, j] * r * w[j]
+    return out
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def head_norm_rope(x, w, eps, cos, sin, pos0):
+    """In place on x (m, n_head, head_dim): RMSNorm each head with w, then NEOX RoPE at position pos0 + i:
+    channel j pairs with j + head_dim/2 (the "half" layout of Qwen3; ggml's GGML_ROPE_TYPE_NEOX)."""
+    m, nh, hd = x.shape
+    half = hd // 2
+    for i in range(m):
+        p = pos0 + i
+        for h in range(nh):
+            ss = 0.0
+            for j in range(hd):
+                ss += np.float64(x[i, h, j]) * x[i, h, j]
+            r = np.float32(1.0 / np.sqrt(ss / hd + eps))
+            for j in range(half):
+                a = x[i, h, j] * r * w[j]
+                b = x[i, h, j + half] * r * w[j + half]
+                c = cos[p, j]
+                s = sin[p, j]
+                x[i, h, j] = a * c - b * s
+                x[i, h, j + half] = a * s + b * c
+    return x
+
+
+def rope_tables(n_ctx: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of pos * theta^(-2j/head_dim) for every position, (n_ctx, head_dim/2) float32."""
+    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def attention(q, kc, vc, pos0, scale, out):
+    """Causal GQA: q (m, n_head, hd) at positions pos0.., kc/vc (n_kv, n_ctx, hd) already holding those
+    positions; query head h reads kv head h // (n_head / n_kv). Writes out (m, n_head, hd)."""
+    m, nh, hd = q.shape
+    group = nh // kc.shape[0]
+    for t in prange(nh * m):
+        h = t // m
+        i = t % m
+        g = h // group
+        n = pos0 + i + 1
+        s = np.empty(n, dtype=np.float32)
+        mx = np.float32(-np.inf)
+        for j in range(n):
+            acc = np.float32(0.0)
+            for d in range(hd):
+                acc += q[i, h, d] * kc[g, j, d]
+            acc *= scale
+            s[j] = acc
+            mx = max(mx, acc)
+        tot = 0.0
+        for j in range(n):
+            e = np.exp(s[j] - mx)
+            s[j] = e
+            tot += e
+        inv = np.float32(1.0 / tot)
+        for d in range(hd):
+            out[i, h, d] = 0.0
+        for j in range(n):
+            pj = s[j] * inv
+            for d in range(hd):
+                out[i, h, d] += pj * vc[g, j, d]
+    return out
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def swiglu(gate, up, out):
+    """out = silu(gate) * up, elementwise over (m, n)."""
+    m, n = gate.shape
+    for i in range(m):
+        for j in range(n):
+            g = gate[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
+    return out

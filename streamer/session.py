@@ -1,0 +1,73 @@
+"""Open a model file into everything a command needs: file, config, model, tokenizer, with kernels warmed up."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from streamer.config import ModelConfig
+from streamer.gguf_file import GGUFFile
+
+
+@contextmanager
+def notice_if_slow(message: str, after_s: float = 0.5, stream=None):
+    """Print `message` to stderr if the block is still running after `after_s` (e.g. numba compiling on a
+    first run), then how long it took. Silent when fast (kernels loaded from numba's cache)."""
+    stream = stream or sys.stderr
+    shown = threading.Event()
+
+    def show():
+        shown.set()
+        print(message, end="", file=stream, flush=True)
+
+    timer = threading.Timer(after_s, show)
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if shown.is_set():
+            print(f" done in {time.perf_counter() - t0:.1f} s", file=stream, flush=True)
+
+
+@dataclass
+class Session:
+    gf: GGUFFile
+    cfg: ModelConfig
+    model: object
+    _tokenizer: object = None
+
+    def report(self, stream) -> None:
+        """Print the FFN's one-line traffic summary (MoE streaming), if it has one."""
+        summary = getattr(self.model.ffn, "summary", None)
+        if summary is not None:
+            print(summary(), file=stream)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from streamer.tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_gguf(self.gf)
+        return self._tokenizer
+
+
+def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn_options) -> Session:
+    from streamer import kernels
+    from streamer.model import Model
+
+    if threads:
+        kernels.set_threads(threads)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    ffn = None
+    if cfg.is_moe:
+        from streamer.moe import build_moe_ffn
+        ffn = build_moe_ffn(gf, cfg, n_ctx=n_ctx, **ffn_options)
+    model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
+    with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
+        model.warmup()
+    return Session(gf, cfg, model)

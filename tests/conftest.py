@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny synthetic GGUFs written once per test session (the writer is the project's own;
+the oracles the tests compare against are not)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory):
+    """synth_model(preset, qtype, **spec) -> path of a model written once per session per arguments."""
+    from streamer.synth.writer import spec_for, write_model
+
+    root = tmp_path_factory.mktemp("models")
+    made: dict = {}
+
+    def make(preset: str = "tiny", qtype: str = "Q8_0", layers=None, **kw) -> Path:
+        key = (preset, qtype, layers, tuple(sorted(kw.items())))
+        if key not in made:
+            name = "-".join([preset, qtype, str(layers)] + [f"{k}={v}" for k, v in sorted(kw.items())])
+            kw.setdefault("real_vocab", False)
+            made[key] = Path(write_model(root / f"{name}.gguf", spec_for(preset, qtype, layers, **kw)))
+        return made[key]
+
+    return make

@@ -1,0 +1,78 @@
+"""The dense forward pass against the float64 reference (tests/reference.py), and the KV cache against
+full recomputation."""
+
+import numpy as np
+import pytest
+
+from reference import Reference
+from streamer.session import open_model
+
+PROMPT = np.array([1, 5, 200, 17, 99, 3, 250, 8, 8, 42, 7], dtype=np.int64)
+
+
+def cosines(a, b):
+    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+# Q8_0/F16/BF16: the only error is float32 accumulation (and int8 activation rounding if the kernels quantize x),
+# ~1e-4 relative after 2 layers: 0.999 per position leaves a wide margin yet fails on any wrong scale, row,
+# RoPE pairing or head mapping (those give cosines near 0). K-quants carry the same float32 arithmetic; their
+# weights are exact in both paths (gguf-py dequantizes the same bytes), so the same bound holds.
+@pytest.mark.parametrize("qtype", ["Q8_0", "F16", "BF16", "Q4_K", "Q5_K", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_float64_reference(synth_model, qtype, tied):
+    path = synth_model("tiny", qtype, tied=tied)
+    s = open_model(path)
+    got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    want = Reference(str(path)).logits(PROMPT)
+    assert got.shape == (len(PROMPT), s.cfg.n_vocab)
+    assert cosines(got, want).min() >= 0.999
+    # and the scale is right, not just the direction
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_cached_decode_equals_full_recompute(synth_model, qtype):
+    s = open_model(synth_model("tiny", qtype))
+    full = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    cache = s.model.new_cache()
+    # a 4-token prefill, then one token at a time through the cache
+    steps = [s.model.forward(PROMPT[:4], cache, all_logits=True)]
+    steps += [s.model.forward(PROMPT[i:i + 1], cache, all_logits=True) for i in range(4, len(PROMPT))]
+    steps = np.concatenate(steps)
+    tol = 1e-3 * np.abs(full).max()  # matvec vs matmul kernels round differently; same math
+    assert np.abs(steps - full).max() <= tol
+    assert cache.n == len(PROMPT)
+
+
+def test_prefill_returns_last_position_and_chunks(synth_model):
+    s = open_model(synth_model("tiny", "Q8_0"))
+    full = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    s.model.ubatch = 3  # force several prefill chunks
+    last = s.model.prefill(PROMPT, s.model.new_cache())
+    assert np.abs(last - full[-1]).max() <= 1e-3 * np.abs(full).max()
+
+
+def test_truncate_then_continue_matches(synth_model):
+    s = open_model(synth_model("tiny", "Q8_0"))
+    cache = s.model.new_cache()
+    s.model.forward(PROMPT, cache)
+    cache.truncate(5)  # rewind, then feed a different continuation
+    alt = np.array([11, 12, 13], dtype=np.int64)
+    got = s.model.forward(alt, cache, all_logits=True)
+    want = s.model.forward(np.concatenate([PROMPT[:5], alt]), s.model.new_cache(), all_logits=True)[5:]
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_context_overflow_and_bad_tokens_are_user_errors(synth_model):
+    from streamer.errors import StreamerError
+
+    s = open_model(synth_model("tiny", "Q8_0"), n_ctx=8)
+    cache = s.model.new_cache()
+    with pytest.raises(StreamerError, match="context overflow"):
+        s.model.forward(PROMPT, cache)
+    with pytest.raises(StreamerError, match="token id 261 is out of range"):
+        s.model.forward(np.array([1, 261]), s.model.new_cache())
+    with pytest.raises(StreamerError, match="token id -1"):
+        s.model.forward(np.array([-1]), s.model.new_cache())
