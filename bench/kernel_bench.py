@@ -1,0 +1,89 @@
+"""Kernel micro-benchmark: matvec (decode) and m=32 matmul (prefill) per weight format.
+
+    python bench/kernel_bench.py [--threads 2] [--formats Q8_0,Q4_K] [--shapes 1024x3072,151936x1024]
+
+Prints weight-bytes throughput in GB/s (what decode speed is bound by) and GFLOP/s for matmul,
+best and median of repeated calls. Weights are random valid blocks with sane f16 scales.
+"""
+import argparse
+import datetime
+import platform
+import time
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from streamer.kernels import QMatrix, set_threads
+
+FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+SHAPES = ["1024x3072", "3072x1024", "151936x1024"]  # n_out x n_in: ffn_down, ffn_up/gate, head
+SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
+    if qtype == T.F32:
+        return rng.standard_normal((n_out, n_in), dtype=np.float32)
+    if qtype == T.F16:
+        return rng.standard_normal((n_out, n_in), dtype=np.float32).astype(np.float16)
+    if qtype == T.BF16:
+        f = rng.standard_normal((n_out, n_in), dtype=np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = n_in // block
+    raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        d = (rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb))).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8)[..., None].reshape(n_out, nb, 2)
+    return raw.reshape(n_out, nb * size)
+
+
+def timeit(fn, min_time: float, min_reps: int = 5) -> tuple[float, float]:
+    fn()  # compile / warm
+    ts = []
+    t_end = time.perf_counter() + min_time
+    while len(ts) < min_reps or time.perf_counter() < t_end:
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[0], ts[len(ts) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--m", type=int, default=32, help="activation rows for matmul")
+    ap.add_argument("--time", type=float, default=0.5, help="seconds per measurement")
+    ap.add_argument("--no-matmul", action="store_true")
+    args = ap.parse_args()
+    set_threads(args.threads)
+    rng = np.random.default_rng(0)
+    print(f"# kernel_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  "
+          f"{platform.processor() or platform.machine()}  numba {numba.__version__}")
+    print(f"{'format':6} {'shape':>12} {'MB':>7} | {'matvec GB/s best':>16} {'med':>6} {'us':>8} | "
+          f"{'matmul m=%d GB/s' % args.m:>16} {'GFLOP/s':>8} {'med':>6}")
+    for shape in args.shapes.split(","):
+        n_out, n_in = map(int, shape.split("x"))
+        x = rng.standard_normal(n_in, dtype=np.float32)
+        X = rng.standard_normal((args.m, n_in), dtype=np.float32)
+        out = np.empty(n_out, np.float32)
+        OUT = np.empty((args.m, n_out), np.float32)
+        for name in args.formats.split(","):
+            qtype = T[name]
+            q = QMatrix(random_weight(qtype, n_out, n_in, rng), qtype, n_in, name=name)
+            gb = (q.nbytes + q.extra_bytes) / 1e9
+            best, med = timeit(lambda: q.matvec(x, out), args.time)
+            line = f"{name:6} {shape:>12} {q.nbytes / 1e6:7.1f} | {gb / best:16.2f} {gb / med:6.2f} {best * 1e6:8.0f} |"
+            if not args.no_matmul:
+                flop = 2.0 * args.m * n_out * n_in
+                best, med = timeit(lambda: q.matmul(X, OUT), args.time, min_reps=2)
+                line += f" {gb / best:16.2f} {flop / best / 1e9:8.1f} {flop / med / 1e9:6.1f}"
+            print(line, flush=True)
+            del q
+
+
+if __name__ == "__main__":
+    main()

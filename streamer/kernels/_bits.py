@@ -1,0 +1,44 @@
+"""Bit-level helpers shared by the kernels: IEEE half and bfloat16 decoding inside numba.
+
+numba has no float16 type on the CPU, so the conversions are LLVM intrinsics: `fpext half`
+lowers to vcvtph2ps (F16C) and vectorises; bf16 is the top half of an f32.
+"""
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# Fast-math flags for every kernel: reassociation and contraction let LLVM vectorise the
+# reductions and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    """The low 16 bits of an integer, read as an IEEE half, widened to float32 (exact)."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type.width > 16:
+            v = builder.trunc(v, ir.IntType(16))
+        elif v.type.width < 16:
+            v = builder.zext(v, ir.IntType(16))
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, h):
+    """The low 16 bits of an integer, read as a bfloat16, widened to float32 (exact)."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        v = builder.trunc(v, ir.IntType(16)) if v.type.width > 16 else v
+        v = builder.zext(v, ir.IntType(32)) if v.type.width < 32 else v
+        return builder.bitcast(builder.shl(v, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+    return types.float32(h), codegen

@@ -1,0 +1,116 @@
+"""QMatrix: one 2-D GGUF weight over a zero-copy view, bound once to its format's kernels."""
+from typing import Callable, NamedTuple
+
+import numba
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from ..errors import StreamerError
+from . import floats, k_quants, q8_0
+from .gemm import TILE
+
+
+class Kernels(NamedTuple):
+    matvec: Callable  # (w, x, out, xs) -> None; xs is a scratch of n_in // 32 f32 group sums
+    matmul: Callable  # (w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
+    rows: Callable    # (w, ids, out) -> None
+    view: type        # dtype the kernels see the data as
+
+
+SUPPORTED: dict[T, Kernels] = {
+    T.F32: Kernels(floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32),
+    T.F16: Kernels(floats.f16_matvec, floats.f16_matmul, floats.f16_rows, np.uint16),
+    T.BF16: Kernels(floats.bf16_matvec, floats.bf16_matmul, floats.bf16_rows, np.uint16),
+    T.Q8_0: Kernels(q8_0.q8_0_matvec, q8_0.q8_0_matmul, q8_0.q8_0_rows, np.uint8),
+    T.Q4_0: Kernels(q8_0.q4_0_matvec, q8_0.q4_0_matmul, q8_0.q4_0_rows, np.uint8),
+    T.Q4_K: Kernels(k_quants.q4_k_matvec, k_quants.q4_k_matmul, k_quants.q4_k_rows, np.uint8),
+    T.Q5_K: Kernels(k_quants.q5_k_matvec, k_quants.q5_k_matmul, k_quants.q5_k_rows, np.uint8),
+    T.Q6_K: Kernels(k_quants.q6_k_matvec, k_quants.q6_k_matmul, k_quants.q6_k_rows, np.uint8),
+}
+SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
+
+# Scratch shared by all matrices (only the main thread runs kernels): keyed by size.
+_group_sums: dict[int, np.ndarray] = {}
+_tiles: dict[int, np.ndarray] = {}
+
+
+def _tile_scratch(n_in: int) -> np.ndarray:
+    buf = _tiles.get(n_in)
+    if buf is None:
+        buf = _tiles[n_in] = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, n_in), np.float32)
+    return buf
+
+
+class QMatrix:
+    """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
+
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_mv", "_xs")
+
+    def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
+        qtype = T(qtype) if isinstance(qtype, int) else qtype
+        k = SUPPORTED.get(qtype)
+        if k is None:
+            tname = getattr(qtype, "name", str(qtype))
+            raise StreamerError(f"tensor {name!r} has type {tname}, which stream-run does not support "
+                                f"(supported: {SUPPORTED_NAMES})")
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if data.ndim != 2 or n_in % block or data.nbytes != data.shape[0] * (n_in // block) * type_size:
+            raise StreamerError(f"tensor {name!r}: {qtype.name} data of shape {data.shape} and dtype {data.dtype} "
+                                f"does not hold rows of {n_in} elements")
+        if not data.flags.c_contiguous:
+            raise StreamerError(f"tensor {name!r}: weight view is not contiguous")
+        w = data.view(k.view)  # O(1): same bytes, the element type the kernels index by
+        w.flags.writeable = False  # kernels see one (read-only) array type, as from the mmap
+        self.name, self.qtype, self.n_in, self._w, self._k = name, qtype, n_in, w, k
+        self.n_out = data.shape[0]
+        self.nbytes = data.nbytes
+        self.extra_bytes = 0
+        self._mv = k.matvec
+        ng = max(n_in // 32, 1)
+        self._xs = _group_sums.get(ng)
+        if self._xs is None:
+            self._xs = _group_sums[ng] = np.empty(ng, np.float32)
+
+    def __repr__(self) -> str:
+        return f"QMatrix({self.name!r}, {self.qtype.name}, {self.n_out}x{self.n_in})"
+
+    def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x f32[n_in] -> f32[n_out] (decode)."""
+        if x.shape != (self.n_in,):
+            raise ValueError(f"{self.name}: x has shape {x.shape}, expected ({self.n_in},)")
+        if out is None:
+            out = np.empty(self.n_out, np.float32)
+        self._mv(self._w, x, out, self._xs)
+        return out
+
+    def matmul(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """X f32[m, n_in] -> f32[m, n_out] (prefill)."""
+        X = np.ascontiguousarray(X, np.float32)
+        m = X.shape[0]
+        if X.ndim != 2 or X.shape[1] != self.n_in:
+            raise ValueError(f"{self.name}: X has shape {X.shape}, expected (m, {self.n_in})")
+        if out is None:
+            out = np.empty((m, self.n_out), np.float32)
+        if m == 1:
+            self._mv(self._w, X[0], out[0], self._xs)
+        else:
+            self._k.matmul(self._w, X, out, _tile_scratch(self.n_in))
+        return out
+
+    def rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Dequantize only rows ids -> f32[len(ids), n_in] (embedding gather)."""
+        ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_out):
+            raise IndexError(f"{self.name}: row ids out of range [0, {self.n_out})")
+        if out is None:
+            out = np.empty((ids.size, self.n_in), np.float32)
+        self._k.rows(self._w, ids, out)
+        return out
+
+
+def set_threads(n: int) -> None:
+    """Threads the parallel kernels use (numba.set_num_threads; per calling thread)."""
+    top = numba.config.NUMBA_NUM_THREADS
+    if not 1 <= n <= top:
+        raise StreamerError(f"threads={n} is out of range (1..{top} on this machine)")
+    numba.set_num_threads(n)

@@ -1,0 +1,200 @@
+"""Kernels against the oracle: gguf.quants.dequantize(bytes, qtype) in float64 times the input.
+
+Tolerance (one formula, derived once): every kernel forms each output as sums of f32 products of
+values that are exact in f32 (f16/bf16 widen exactly; d*sc*q products of <=24 significant bits),
+possibly split into a scale term and an offset term (Q4_K/Q5_K mins, Q4_0's -8, Q6_K's -32) and
+summed in any order. Higham's bound for any-order f32 summation of n such products gives
+    |out - ref| <= gamma_n * sum_k A_k |x_k|,   gamma_n ~ n u,  u = 2^-24,
+where A_k is |w_k| plus the magnitude of any offset term the kernel may split off (_magnitude),
+and n counts the products plus the per-block scalings (n_in + n_in/16 + 8). Gradual underflow adds
+at most n_in * 2^-149. Quantized activations (if a kernel used them) would add their own bound.
+"""
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from streamer.errors import StreamerError
+from streamer.kernels import SUPPORTED, QMatrix, set_threads
+
+U = 2.0 ** -24
+FORMATS = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+# Byte offsets of the f16 scale fields inside one block, per format.
+SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+def _f16_values(rng, n, regime):
+    """Finite f16 values: 'normal' (1e-4..1), or 'extreme' (huge up to 65504, tiny, subnormal, zero)."""
+    sign = rng.choice([-1.0, 1.0], n)
+    if regime == "normal":
+        return (sign * 10 ** rng.uniform(-4, 0, n)).astype(np.float16)
+    if regime == "subnormal":
+        return (rng.integers(1, 0x400, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)).view(np.float16)
+    kind = rng.integers(0, 4, n)
+    huge = sign * rng.uniform(1e3, 65504, n)
+    tiny = sign * rng.uniform(6.2e-5, 1e-4, n)
+    sub = _f16_values(rng, n, "subnormal").astype(np.float64)
+    return np.select([kind == 0, kind == 1, kind == 2], [huge, tiny, sub], 0.0).astype(np.float16)
+
+
+def make_weight(qtype, n_out, n_in, rng, regime="normal"):
+    """(data as a GGUF view would give it, the same bytes as uint8 for the oracle)."""
+    if qtype == T.F32:
+        w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+        if regime != "normal":
+            w *= np.float32(10.0) ** rng.integers(-40, 30, (n_out, n_in)).astype(np.float32)
+        return w, w.view(np.uint8)
+    if qtype == T.F16:
+        w = _f16_values(rng, n_out * n_in, regime).reshape(n_out, n_in)
+        return w, w.view(np.uint8)
+    if qtype == T.BF16:
+        # bf16 bits with exponents kept in +-2^60 (and subnormals): sums stay finite in f32.
+        f = rng.standard_normal(n_out * n_in).astype(np.float32)
+        if regime != "normal":
+            f *= np.float32(2.0) ** rng.integers(-60, 60, f.size).astype(np.float32)
+            f[::7] = np.float32(1e-39) * rng.standard_normal(f[::7].size).astype(np.float32)
+        b = (f.view(np.uint32) >> 16).astype(np.uint16).reshape(n_out, n_in)
+        return b.view(np.uint8), b.view(np.uint8)
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = n_in // block
+    raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        raw[:, :, off:off + 2] = _f16_values(rng, n_out * nb, regime).view(np.uint8).reshape(n_out, nb, 2)
+    raw = raw.reshape(n_out, nb * size)
+    return raw, raw
+
+
+def _magnitude(qtype, raw, deq):
+    """A >= |w| elementwise, plus any offset term a kernel may split off (see module docstring)."""
+    a = np.abs(deq.astype(np.float64))
+    n_out = raw.shape[0]
+    if qtype in (T.Q4_K, T.Q5_K):  # w = d*sc*q - dmin*m: zero d to isolate the min term
+        size = GGML_QUANT_SIZES[qtype][1]
+        r = raw.reshape(n_out, -1, size).copy()
+        r[:, :, 0:2] = 0
+        mins = np.abs(dequantize(r.reshape(n_out, -1), qtype).astype(np.float64))
+        a = np.abs(deq.astype(np.float64) + mins) + mins
+    elif qtype == T.Q4_0:  # d*(q-8) may be split as d*q - 8d
+        d = raw.reshape(n_out, -1, 18)[:, :, 0:2].copy().view(np.float16).astype(np.float64)
+        a = a + 8 * np.repeat(np.abs(d[:, :, 0]), 32, axis=1)
+    elif qtype == T.Q6_K:  # d*sc*(q-32) may be split as d*sc*q - 32*d*sc
+        b = raw.reshape(n_out, -1, 210)
+        d = b[:, :, 208:210].copy().view(np.float16).astype(np.float64)
+        sc = b[:, :, 192:208].view(np.int8).astype(np.float64)
+        a = a + 32 * np.repeat(np.abs(d * sc).reshape(n_out, -1), 16, axis=1)
+    return a
+
+
+def _tolerance(qtype, raw, deq, X):
+    """Per-output bound gamma_n * A|x| + n * 2^-149 (X: [m, n_in]) -> [m, n_out]."""
+    n_in = X.shape[1]
+    n = n_in + n_in // 16 + 8
+    a = _magnitude(qtype, raw, deq)
+    return (n * U / (1 - n * U)) * (np.abs(X.astype(np.float64)) @ a.T) + n_in * 2.0 ** -149
+
+
+def _n_ins(qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    if block == 256:
+        return [256, 768, 2048]  # one super-block, Qwen3 expert_ff, Qwen3-30B hidden
+    if block == 32:
+        return [32, 96, 1024]
+    return [1, 33, 1024]
+
+
+CASES = [(q, n_in, n_out) for q in FORMATS for n_in in _n_ins(q) for n_out in (1, 3, 7, 33)]
+
+
+def _check(qtype, n_out, n_in, regime, seed):
+    rng = np.random.default_rng(seed)
+    data, raw = make_weight(qtype, n_out, n_in, rng, regime)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in)
+    q = QMatrix(data, qtype, n_in, name="w")
+    assert (q.n_out, q.n_in, q.nbytes) == (n_out, n_in, raw.nbytes)
+
+    x = rng.standard_normal(n_in).astype(np.float32)
+    ref = deq.astype(np.float64) @ x.astype(np.float64)
+    err = np.abs(q.matvec(x) - ref)
+    tol = _tolerance(qtype, raw, deq, x[None])[0]
+    assert np.all(err <= tol), f"matvec: worst err/tol {np.max(err / tol):.3g}"
+
+    for m in (1, 5, 37):
+        X = rng.standard_normal((m, n_in)).astype(np.float32)
+        ref = X.astype(np.float64) @ deq.astype(np.float64).T
+        err = np.abs(q.matmul(X) - ref)
+        tol = _tolerance(qtype, raw, deq, X)
+        assert np.all(err <= tol), f"matmul m={m}: worst err/tol {np.max(err / tol):.3g}"
+
+    # Dequantization itself is exact: the same f32 values the oracle produces.
+    ids = rng.integers(0, n_out, 9)
+    np.testing.assert_array_equal(q.rows(ids), deq[ids])
+
+
+@pytest.mark.parametrize("qtype,n_in,n_out", CASES, ids=[f"{q.name}-{i}x{o}" for q, i, o in CASES])
+def test_against_oracle(qtype, n_in, n_out):
+    _check(qtype, n_out, n_in, "normal", seed=n_in * 100 + n_out)
+
+
+@pytest.mark.parametrize("regime", ["extreme", "subnormal"])
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_extreme_scales(qtype, regime):
+    if regime == "subnormal" and qtype in (T.F32, T.BF16):
+        pytest.skip("subnormal f16 scales apply to F16 and the block formats")
+    _check(qtype, 33, _n_ins(qtype)[1], regime, seed=7)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_readonly_memmap_view_is_used_in_place(tmp_path, qtype):
+    rng = np.random.default_rng(3)
+    n_in = _n_ins(qtype)[1]
+    data, raw = make_weight(qtype, 5, n_in, rng)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    view = np.memmap(path, dtype=data.dtype, mode="r", shape=data.shape)
+    q = QMatrix(view, qtype, n_in, name="w")
+    assert np.shares_memory(q._w, view)
+    x = rng.standard_normal(n_in).astype(np.float32)
+    ref = dequantize(raw, qtype).reshape(5, n_in).astype(np.float64) @ x
+    np.testing.assert_allclose(q.matvec(x), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+def test_bf16_accepts_uint16_view():
+    rng = np.random.default_rng(4)
+    data, raw = make_weight(T.BF16, 3, 64, rng)
+    x = rng.standard_normal(64).astype(np.float32)
+    a = QMatrix(data, T.BF16, 64).matvec(x)
+    b = QMatrix(data.view(np.uint16), T.BF16, 64).matvec(x)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("qtype", [T.IQ2_XS, T.Q4_1, T.Q5_0, T.Q2_K, T.Q8_K])
+def test_unsupported_type_names_tensor_and_type(qtype):
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = np.zeros((4, size * 2), np.uint8)
+    with pytest.raises(StreamerError) as e:
+        QMatrix(data, qtype, block * 2, name="blk.0.attn_q.weight")
+    msg = str(e.value)
+    assert "'blk.0.attn_q.weight'" in msg and qtype.name in msg and "Q4_K" in msg and "\n" not in msg
+
+
+def test_wrong_row_bytes_names_tensor():
+    with pytest.raises(StreamerError, match="blk.3.ffn_down.weight"):
+        QMatrix(np.zeros((4, 100), np.uint8), T.Q8_0, 96, name="blk.3.ffn_down.weight")
+
+
+def test_dispatch_table_covers_the_formats():
+    assert set(SUPPORTED) == set(FORMATS)
+
+
+def test_rows_out_of_range_and_threads():
+    q = QMatrix(np.zeros((4, 32), np.float32), T.F32, 32)
+    with pytest.raises(IndexError):
+        q.rows(np.array([4]))
+    with pytest.raises(StreamerError):
+        set_threads(0)
+    set_threads(1)
+    try:
+        assert q.matvec(np.ones(32, np.float32)).shape == (4,)
+    finally:
+        import numba
+        set_threads(numba.config.NUMBA_NUM_THREADS)
