@@ -19,9 +19,12 @@ from streamer.kernels import QMatrix
 from streamer.kv_cache import KVCache
 
 
-def qmatrix(gf: GGUFFile, name: str) -> QMatrix:
+def qmatrix(gf: GGUFFile, name: str, expert: int | None = None) -> QMatrix:
+    """A weight as a zero-copy QMatrix; for a 3-D expert stack, the slab of one expert."""
     t = gf.tensors[name]
-    return QMatrix(gf.view(name), t.qtype, t.shape[-1], name)
+    if expert is None:
+        return QMatrix(gf.view(name), t.qtype, t.shape[-1], name)
+    return QMatrix(gf.view(name)[expert], t.qtype, t.shape[-1], f"{name}[{expert}]")
 
 
 def linear(w: QMatrix, h: np.ndarray) -> np.ndarray:
@@ -40,6 +43,9 @@ class DenseFFN:
 
     def __init__(self, gf: GGUFFile, n_layer: int):
         self.w = [tuple(qmatrix(gf, f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up", "down")) for i in range(n_layer)]
+
+    def matrices(self) -> list[QMatrix]:
+        return [m for ws in self.w for m in ws]
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         gate, up, down = self.w[layer]
@@ -68,7 +74,7 @@ class Model:
         self.n_ctx = n_ctx or min(4096, cfg.n_ctx_train)  # llama.cpp-like default: 4096 or the model's limit
         self.cos, self.sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
-        self.hooks: list = []  # objects with after_attention(layer, x)
+        self.hooks: list = [self.ffn] if hasattr(self.ffn, "after_attention") else []  # after_attention(layer, x)
         self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
 
     def new_cache(self) -> KVCache:
@@ -78,7 +84,7 @@ class Model:
         mats = [self.embd, self.head]
         for L in self.layers:
             mats += [L.wq, L.wk, L.wv, L.wo]
-        return mats + [m for ws in getattr(self.ffn, "w", []) for m in ws]
+        return mats + self.ffn.matrices()
 
     def warmup(self) -> None:
         """Run every kernel once on tiny inputs so numba compiles (or loads from its cache) before timing starts."""
@@ -99,8 +105,6 @@ class Model:
             ops.head_norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
-        if hasattr(self.ffn, "warmup"):
-            self.ffn.warmup()
 
     def check_tokens(self, ids: np.ndarray) -> None:
         if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.n_vocab):

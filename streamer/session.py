@@ -65,7 +65,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     cfg = ModelConfig.from_gguf(gf)
     ffn = None
     if cfg.is_moe:
-        from streamer.moe import build_moe_ffn
+        from streamer.experts.build import build_moe_ffn
         ffn = build_moe_ffn(gf, cfg, n_ctx=n_ctx, **ffn_options)
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):

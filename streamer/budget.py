@@ -1,0 +1,95 @@
+"""The RAM budget: what is resident is paid for first (the process as it stands, non-expert weights, KV
+cache, scratch, a safety margin); what remains is the expert cache. The OS page cache counts too, which is
+why expert reads bypass it (see experts/store.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from streamer.errors import StreamerError
+from streamer.io import human, parse_size
+
+DEFAULT_FRACTION = 0.8  # of available memory, when no --ram-budget is given
+
+
+def cgroup_limit() -> int | None:
+    """This process's cgroup memory limit (v1 or v2), or None if unlimited or unknown."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        if ctrls == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
+            fname = f"/sys/fs/cgroup{path}/memory.max"
+        elif "memory" in ctrls.split(","):
+            fname = f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            with open(fname) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text != "max" and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+def default_budget() -> int:
+    avail = psutil.virtual_memory().available
+    limit = cgroup_limit()
+    if limit is not None:
+        avail = min(avail, limit)
+    return int(DEFAULT_FRACTION * avail)
+
+
+@dataclass(frozen=True)
+class Plan:
+    budget: int
+    baseline: int  # process RSS before the model's memory
+    nonexpert: int
+    kv: int
+    scratch: int
+    margin: int
+    expert_total: int  # all experts of the file
+    slot_bytes: int
+
+    @property
+    def expert_cache(self) -> int:
+        return self.budget - self.baseline - self.nonexpert - self.kv - self.scratch - self.margin
+
+    @property
+    def fits_resident(self) -> bool:
+        """Everything, experts included, fits: no reason to stream."""
+        return self.expert_cache >= self.expert_total
+
+    def line(self) -> str:
+        return (f"RAM budget {human(self.budget)}: process {human(self.baseline)}, non-expert weights "
+                f"{human(self.nonexpert)}, KV cache {human(self.kv)}, scratch {human(self.scratch)}, margin "
+                f"{human(self.margin)} -> expert cache {human(max(self.expert_cache, 0))} of {human(self.expert_total)}")
+
+
+def scratch_bytes(cfg, ubatch: int = 512) -> int:
+    """Activations of one prefill chunk, with room for each temporary the forward pass makes."""
+    widest = max(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff_exp or cfg.n_ff, cfg.n_ff)
+    return 64 * 2**20 + ubatch * (8 * cfg.n_embd + 6 * widest) * 4 + cfg.n_vocab * 4 * 2
+
+
+def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
+    b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
+    nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
+    plan = Plan(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg),
+                128 * 2**20 + b // 32, expert_total, slot_bytes)
+    need_cache = cfg.n_expert_used * slot_bytes
+    if plan.expert_cache < need_cache:
+        need = b - plan.expert_cache + need_cache
+        raise StreamerError(f"--ram-budget {human(b)} is too small for this model: it needs at least {human(need)} "
+                            f"(process {human(plan.baseline)} + non-expert weights {human(nonexpert)} + KV cache "
+                            f"{human(kv_bytes)} + scratch and margin {human(plan.scratch + plan.margin)} + one layer's "
+                            f"{cfg.n_expert_used} experts {human(need_cache)}); lower -c/--ctx-size or raise the budget")
+    return plan

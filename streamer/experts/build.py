@@ -1,0 +1,53 @@
+"""Assemble the MoE FFN for a file and a RAM budget: resident when everything fits (or --no-stream), else a
+streaming source over a budgeted cache with learned pins."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+
+from streamer.budget import make_plan
+from streamer.experts.cache import ExpertCache
+from streamer.experts.source import ResidentSource, StreamingSource
+from streamer.experts.store import ExpertLayout
+from streamer.experts.usage import Usage
+from streamer.moe import MoEFFN
+from streamer.profiler import Profiler
+
+PIN_SHARE = 0.5  # at most this share of the expert cache is pinned; the rest stays LRU
+
+
+def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bool = True,
+                  expert_top_p: float = 1.0, prefetch: bool = True, learn: bool = True,
+                  expert_cache_bytes: int | None = None, direct: bool | None = None, n_readers: int = 4,
+                  verbose: bool = True) -> MoEFFN:
+    """expert_cache_bytes overrides the budget plan (tests size the cache exactly)."""
+    prof = Profiler(cfg.n_layer)
+    usage = Usage(gf, cfg.n_layer, cfg.n_expert, learn)
+    layout = ExpertLayout(gf, cfg)
+    plan = None
+    if expert_cache_bytes is None and stream:
+        n_ctx = n_ctx or min(4096, cfg.n_ctx_train)
+        plan = make_plan(ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * n_ctx)
+        if verbose:
+            print(plan.line(), file=sys.stderr)
+        if plan.fits_resident:
+            stream = False
+            if verbose:
+                print("all experts fit in the budget: using them in place (no streaming)", file=sys.stderr)
+        expert_cache_bytes = plan.expert_cache
+    if not stream:
+        source = ResidentSource(gf, cfg, prof)
+    else:
+        n_slots = min(expert_cache_bytes // layout.slot_bytes, cfg.n_layer * cfg.n_expert)
+        if n_slots < cfg.n_expert_used:
+            from streamer.errors import StreamerError
+            raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
+                                f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
+        pin_cap = min(int(PIN_SHARE * n_slots), n_slots - 2 * cfg.n_expert_used)
+        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0))
+        source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
+    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch and stream)
+    ffn.plan = plan
+    atexit.register(ffn.close)
+    return ffn

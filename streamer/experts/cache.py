@@ -1,0 +1,108 @@
+"""The expert cache: a fixed arena of equal slots (allocated once, so its size is the budget we were given),
+split into a pinned tier (experts learned to be hot; never evicted) and an LRU tier (cachetools) of idle
+experts. Experts in use by the current layer, or still being read, sit in neither tier and cannot be
+evicted. Thread-safe: reader threads complete entries while the compute thread acquires and releases."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from cachetools import LRUCache
+
+from streamer.experts.store import aligned_empty
+
+
+class Entry:
+    __slots__ = ("key", "slot", "future", "refs", "pinned", "prefetched")
+
+    def __init__(self, key, slot: int, pinned: bool, prefetched: bool):
+        self.key, self.slot, self.pinned, self.prefetched = key, slot, pinned, prefetched
+        self.refs = 0
+        self.future: Future | None = None  # result: (gate, up, down) QMatrix over this slot
+
+
+class _Idle(LRUCache):
+    """Idle unpinned experts in LRU order; evicting one hands its slot back."""
+
+    def __init__(self, maxsize, on_evict):
+        super().__init__(maxsize)
+        self.on_evict = on_evict
+
+    def popitem(self):
+        key, entry = super().popitem()
+        self.on_evict(entry)
+        return key, entry
+
+
+class ExpertCache:
+    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0):
+        assert n_slots >= 1
+        self.n_slots, self.slot_bytes = n_slots, slot_bytes
+        self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.entries: dict = {}
+        self.idle = _Idle(n_slots, self._evicted)
+        self.lock = threading.Lock()
+        self.pin_set = set(pins)
+        self.pin_capacity = min(pin_capacity, n_slots)
+        self.n_pinned = 0
+        self.peak_slots = 0  # most slots ever held: the budget test reads it
+        self.evictions = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slots * self.slot_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        return (self.n_slots - len(self.free)) * self.slot_bytes
+
+    def _evicted(self, entry: Entry) -> None:
+        del self.entries[entry.key]
+        self.free.append(entry.slot)
+        self.evictions += 1
+
+    def acquire(self, key, prefetch: bool = False) -> tuple[Entry | None, bool]:
+        """(entry, created). A demand acquire takes a reference (release() gives it back); a prefetch does
+        not. A new entry has a slot but no data: the caller must start its read and set entry.future.
+        (None, False) when every slot is pinned, in use or being read."""
+        with self.lock:
+            e = self.entries.get(key)
+            if e is not None:
+                if not prefetch:
+                    e.refs += 1
+                    self.idle.pop(key, None)
+                return e, False
+            if not self.free:
+                if not self.idle:
+                    return None, False
+                self.idle.popitem()
+            pinned = key in self.pin_set and self.n_pinned < self.pin_capacity
+            self.n_pinned += pinned
+            e = self.entries[key] = Entry(key, self.free.pop(), pinned, prefetch)
+            e.refs = 0 if prefetch else 1
+            self.peak_slots = max(self.peak_slots, self.n_slots - len(self.free))
+            return e, True
+
+    def loaded(self, e: Entry) -> None:
+        """A read finished: an unreferenced, unpinned entry becomes idle (evictable)."""
+        with self.lock:
+            if e.refs == 0 and not e.pinned and self.entries.get(e.key) is e:
+                self.idle[e.key] = e
+
+    def release(self, e: Entry) -> None:
+        with self.lock:
+            e.refs -= 1
+            assert e.refs >= 0, e.key
+            if e.refs == 0 and not e.pinned and e.future is not None and e.future.done():
+                self.idle[e.key] = e
+
+    def discard(self, e: Entry) -> None:
+        """Forget an entry whose read failed."""
+        with self.lock:
+            if self.entries.get(e.key) is e:
+                del self.entries[e.key]
+                self.idle.pop(e.key, None)
+                self.free.append(e.slot)
+                self.n_pinned -= e.pinned

@@ -1,0 +1,123 @@
+"""Expert sources: where the MoE layer gets an expert's (gate, up, down) matrices.
+
+Both have the same four calls: request (start making an expert available; False if there is no room),
+wait (block until it is, return the matrices), release (done computing with it) and prefetch.
+- ResidentSource: experts used in place from the mmap (everything fits, or --no-stream).
+- StreamingSource: experts read with explicit preads into the budgeted ExpertCache.
+"""
+
+from __future__ import annotations
+
+import time
+
+from streamer.errors import StreamerError
+from streamer.experts.cache import ExpertCache
+from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
+from streamer.kernels import QMatrix
+from streamer.model import qmatrix
+from streamer.profiler import Profiler
+
+DEMAND, PREFETCH = 0, 1
+
+
+class ResidentSource:
+    def __init__(self, gf, cfg, profiler: Profiler):
+        self.prof = profiler
+        self.gf = gf
+        self.mats: dict = {}
+
+    def request(self, layer: int, e: int) -> bool:
+        self.prof.layers[layer].hit_pinned += 1  # resident: every expert is always there
+        return True
+
+    def wait(self, layer: int, e: int):
+        m = self.mats.get((layer, e))
+        if m is None:
+            m = self.mats[(layer, e)] = tuple(qmatrix(self.gf, f"blk.{layer}.ffn_{p}_exps.weight", e) for p in PARTS)
+        return m
+
+    def release(self, layer: int, e: int) -> None:
+        pass
+
+    def prefetch(self, layer: int, experts) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StreamingSource:
+    def __init__(self, path: str, layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
+                 n_readers: int = 4, direct: bool | None = None):
+        self.layout, self.cache, self.prof = layout, cache, profiler
+        self.reader = ExpertReader(path, layout, direct)
+        self.pool = ReaderPool(n_readers)
+
+    def _load(self, entry) -> tuple:
+        layer, e = entry.key
+        buf = self.cache.arena[entry.slot]
+        offs = self.reader.read(layer, e, buf)
+        mats = tuple(QMatrix(buf[o:o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
+                     for o, p in zip(offs, self.layout.parts[layer]))
+        self.cache.loaded(entry)
+        return mats
+
+    def _start(self, entry, priority: int) -> None:
+        entry.future = self.pool.submit(priority, self._load, entry)
+
+    def request(self, layer: int, e: int) -> bool:
+        entry, created = self.cache.acquire((layer, e))
+        if entry is None:
+            return False
+        st = self.prof.layers[layer]
+        if created:
+            st.miss += 1
+            st.read_bytes += self.layout.expert_bytes(layer)
+            self._start(entry, DEMAND)
+        elif entry.prefetched:
+            entry.prefetched = False
+            st.hit_prefetched += 1
+            st.prefetch_used += 1
+        elif entry.pinned:
+            st.hit_pinned += 1
+        else:
+            st.hit_lru += 1
+        return True
+
+    def prefetch(self, layer: int, experts) -> None:
+        st = self.prof.layers[layer]
+        for e in experts:
+            if (layer, e) in self.cache.entries:
+                continue
+            entry, created = self.cache.acquire((layer, e), prefetch=True)
+            if entry is None:
+                return  # no idle slot to reuse: prefetching would evict what is in use
+            if created:
+                st.prefetch_issued += 1
+                st.prefetch_bytes += self.layout.expert_bytes(layer)
+                self._start(entry, PREFETCH)
+
+    def wait(self, layer: int, e: int):
+        entry = self.cache.entries[(layer, e)]
+        fut = entry.future
+        if not fut.done():
+            t0 = time.perf_counter()
+            try:
+                fut.result()
+            finally:
+                self.prof.layers[layer].stall_s += time.perf_counter() - t0
+        try:
+            return fut.result()
+        except StreamerError:
+            self.cache.discard(entry)
+            raise
+        except OSError as err:
+            self.cache.discard(entry)
+            raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
+
+    def release(self, layer: int, e: int) -> None:
+        self.cache.release(self.cache.entries[(layer, e)])
+
+    def close(self) -> None:
+        self.pool.close()
+        self.reader.close()

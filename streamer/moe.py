@@ -1,0 +1,115 @@
+"""Qwen3-MoE FFN: router softmax over all experts, top-k, renormalised weights (norm_topk_prob), optional
+expert top-p, SwiGLU per selected expert, weighted sum. Experts come from an ExpertSource (resident or
+streamed); each layer's experts are computed in ascending id order, so the floating-point sum per token is
+the same whatever the cache did, and streamed logits are bit-identical to resident ones.
+
+Prefill groups tokens by expert (each expert's weights are read once per chunk). Decode computes only the
+routed experts, and the router lookahead predicts the next layer's experts for the prefetcher."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from streamer import ops
+from streamer.model import linear, qmatrix
+
+
+def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """logits (m, n_expert) -> expert ids (m, k) and weights (m, k), by descending weight. With top_p < 1,
+    per token keep the smallest prefix whose cumulative weight reaches top_p of the total, rescale the
+    survivors to the same total, and mark the dropped ones with id -1 and weight 0."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=1)
+    w /= w.sum(axis=1, keepdims=True)
+    if top_p >= 1.0:
+        return ids, w
+    total = w.sum(axis=1, keepdims=True)
+    cum = np.cumsum(w, axis=1)
+    n_keep = (cum < top_p * total).sum(axis=1) + 1  # index of the first prefix reaching top_p, plus one
+    keep = np.arange(k)[None, :] < n_keep[:, None]
+    kept = np.where(keep, w, 0.0)
+    w = kept * (total / kept.sum(axis=1, keepdims=True))
+    return np.where(keep, ids, -1), w.astype(np.float32)
+
+
+class MoEFFN:
+    def __init__(self, gf, cfg, source, profiler, usage=None, expert_top_p: float = 1.0, prefetch: bool = True):
+        self.gf, self.cfg, self.source, self.prof, self.usage = gf, cfg, source, profiler, usage
+        self.top_p, self.prefetch = expert_top_p, prefetch
+        self.router = [qmatrix(gf, f"blk.{i}.ffn_gate_inp.weight") for i in range(cfg.n_layer)]
+        self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
+        self.predicted: dict[int, np.ndarray] = {}
+        self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
+
+    # ---- router lookahead (a model hook) ----
+    def after_attention(self, layer: int, x: np.ndarray) -> None:
+        """Right after layer L's attention, apply layer L+1's ffn_norm and router to the residual: the
+        experts it picks are prefetched while layer L computes. Decode only (one token)."""
+        nxt = layer + 1
+        if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer:
+            return
+        h = ops.rmsnorm(x, self.ffn_norm[nxt], self.cfg.rms_eps, np.empty_like(x))
+        ids, _ = route(self.router[nxt].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.top_p)
+        self.predicted[nxt] = ids[0][ids[0] >= 0]
+
+    # ---- the FFN ----
+    def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
+        m, st = h.shape[0], self.prof.layers[layer]
+        ids, w = route(linear(self.router[layer], h), self.cfg.n_expert_used, self.top_p)
+        used = ids >= 0
+        st.routed += int(used.sum())
+        st.dropped += int((~used).sum())
+        if self.usage is not None:
+            self.usage.record(layer, ids[used])
+        pred = self.predicted.pop(layer, None)
+        if pred is not None and m == 1:
+            st.recall_hit += len(np.intersect1d(pred, ids[0][used[0]]))
+            st.recall_total += int(used[0].sum())
+        if layer == 0:
+            self.prof.tokens += m
+        out = np.zeros_like(h)
+        experts = np.unique(ids[used])
+        nxt = self.predicted.get(layer + 1) if m == 1 else None
+        self._run(layer, experts, h, ids, w, out, nxt)
+        return out
+
+    def _run(self, layer, experts, h, ids, w, out, prefetch_next) -> None:
+        """Request experts ahead (up to the window), compute each in ascending id order as it arrives."""
+        src, pending, i = self.source, deque(), 0
+        for e in experts:
+            while i < len(experts) and len(pending) < self.window and src.request(layer, int(experts[i])):
+                pending.append(int(experts[i]))
+                i += 1
+            if prefetch_next is not None and i == len(experts):
+                src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
+                prefetch_next = None
+            if not pending:
+                raise RuntimeError("expert cache has no free slot for a demand read")  # the budget plan prevents it
+            e = pending.popleft()
+            gate, up, down = src.wait(layer, e)
+            try:
+                rows, slot = np.nonzero(ids == e)
+                x = h[rows]
+                g = linear(gate, x)
+                y = linear(down, ops.swiglu(g, linear(up, x), g))
+                out[rows] += w[rows, slot][:, None].astype(np.float32) * y
+            finally:
+                src.release(layer, e)
+
+    def matrices(self) -> list:
+        """Routers, and one expert of each layer straight from the mmap (for kernel warm-up only)."""
+        return self.router + [qmatrix(self.gf, f"blk.{i}.ffn_{p}_exps.weight", 0)
+                              for i in range(self.cfg.n_layer) for p in ("gate", "up", "down")]
+
+    def summary(self) -> str:
+        return self.prof.summary()
+
+    def close(self) -> None:
+        self.source.close()
+        if self.usage is not None:
+            self.usage.save()

@@ -1,0 +1,92 @@
+"""Per-layer expert traffic: hits by tier, misses, bytes requested, prefetch issued/used/wasted and recall,
+time stalled on I/O; with the process's real disk reads (psutil) beside our own byte counts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+
+import psutil
+
+
+def disk_read_bytes() -> int:
+    try:
+        return psutil.Process().io_counters().read_bytes
+    except (psutil.Error, AttributeError):  # not available on every platform
+        return 0
+
+
+@dataclass
+class LayerStats:
+    routed: int = 0  # expert uses after top-k / top-p
+    hit_pinned: int = 0
+    hit_lru: int = 0
+    hit_prefetched: int = 0  # first use of an expert a prefetch brought in (or had in flight)
+    miss: int = 0  # demand reads
+    dropped: int = 0  # experts removed by expert top-p (never read)
+    read_bytes: int = 0  # bytes requested by demand reads
+    prefetch_issued: int = 0
+    prefetch_bytes: int = 0
+    prefetch_used: int = 0
+    recall_hit: int = 0  # |predicted ∩ routed| summed over decode steps
+    recall_total: int = 0  # |routed| summed over the same steps
+    stall_s: float = 0.0  # compute thread waiting for reads
+
+    @property
+    def hits(self) -> int:
+        return self.hit_pinned + self.hit_lru + self.hit_prefetched
+
+    def add(self, other: "LayerStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Profiler:
+    def __init__(self, n_layer: int):
+        self.layers = [LayerStats() for _ in range(n_layer)]
+        self.t0 = time.perf_counter()
+        self.disk0 = disk_read_bytes()
+        self.tokens = 0  # tokens run through the model (prefill + decode)
+
+    def totals(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers:
+            t.add(s)
+        return t
+
+    def report(self) -> dict:
+        t = self.totals()
+        wall = time.perf_counter() - self.t0
+        return {
+            "tokens": self.tokens,
+            "wall_s": wall,
+            "hit_rate": t.hits / t.routed if t.routed else None,
+            "read_bytes": t.read_bytes + t.prefetch_bytes,
+            "read_bytes_per_token": (t.read_bytes + t.prefetch_bytes) / max(self.tokens, 1),
+            "disk_read_bytes": disk_read_bytes() - self.disk0,
+            "prefetch_recall": t.recall_hit / t.recall_total if t.recall_total else None,
+            "prefetch_wasted": t.prefetch_issued - t.prefetch_used,
+            "stall_share": t.stall_s / wall if wall > 0 else 0.0,
+            "totals": asdict(t),
+            "layers": [asdict(s) for s in self.layers],
+        }
+
+    def summary(self) -> str:
+        r = self.report()
+        hit = "n/a" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+        rec = "n/a" if r["prefetch_recall"] is None else f"{100 * r['prefetch_recall']:.1f}%"
+        return (f"experts: hit rate {hit}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
+                f"(disk {r['disk_read_bytes'] / 2**20:.0f} MiB total), prefetch recall {rec}, "
+                f"I/O stall {100 * r['stall_share']:.0f}% of wall time")
+
+    def table(self) -> str:
+        head = (f"{'layer':>5} {'routed':>7} {'pinned':>7} {'lru':>7} {'prefet':>7} {'miss':>7} {'drop':>6} "
+                f"{'MiB read':>9} {'pf iss':>7} {'pf used':>7} {'recall':>7} {'stall s':>8}")
+        rows = [head]
+        for i, s in enumerate(self.layers + [self.totals()]):
+            rec = f"{100 * s.recall_hit / s.recall_total:6.1f}%" if s.recall_total else f"{'-':>7}"
+            name = "all" if i == len(self.layers) else str(i)
+            rows.append(f"{name:>5} {s.routed:>7} {s.hit_pinned:>7} {s.hit_lru:>7} {s.hit_prefetched:>7} {s.miss:>7} "
+                        f"{s.dropped:>6} {(s.read_bytes + s.prefetch_bytes) / 2**20:>9.1f} {s.prefetch_issued:>7} "
+                        f"{s.prefetch_used:>7} {rec} {s.stall_s:>8.3f}")
+        return "\n".join(rows)
