@@ -1,0 +1,129 @@
+"""Text -> pieces before BPE: special-token partition, then the qwen2 split regex.
+
+The qwen2 pattern from tokenizer.json needs \\p{L} / \\p{N}, which the standard `re` lacks. The letter and
+number classes are therefore built once from `unicodedata` as explicit ranges, and `\\s` is spelled out as
+Unicode White_Space (what llama.cpp's unicode-data table and oniguruma use; `re`'s own `\\s` would add
+U+001C..U+001F). llama.cpp runs this pattern with std::regex over a "collapsed" text in which every
+non-ASCII code point stands for its class (letter / number / whitespace / other); a backtracking `re` over
+the same classes makes the same leftmost-first choices, so the pieces are the same.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from functools import lru_cache
+
+# llama-vocab.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, the form llama.cpp runs (ASCII-only case folding):
+# (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
+#   | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2")  # names llama.cpp maps to QWEN2
+
+# Unicode White_Space (PropList.txt), as in llama.cpp's gen-unicode-data.py.
+WHITESPACE = frozenset([*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
+                        0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
+
+# Python's `re` tests BMP class members with a bitmap but walks astral ranges one by one, which made the
+# split 8x slower. So the classes hold BMP code points only, and astral characters (emoji, CJK Ext. B ...)
+# are first replaced one-for-one by a BMP stand-in of the same class; spans are the same in both strings.
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+_STAND_IN = {"L": "\u00aa", "N": "\u00b2"}  # ª (Lo) and ² (No); anything else -> ¦ (So)
+_OTHER = "\u00a6"
+
+# llama.cpp's unicode-data.cpp is generated from Unicode 15.1; Python 3.11's unicodedata is 14.0. These are
+# all the code points that are L or N in 15.1 but unassigned in 14.0 (computed with Python 3.13's 15.1 data).
+# All are astral, so only the stand-in lookup needs them. Characters added in Unicode 16 are unassigned
+# for llama.cpp (HF tokenizers' oniguruma already knows them, so HF and llama.cpp differ there).
+UNICODE_15_1_LN = (
+    (0x1123F, 0x11240, "L"), (0x11F02, 0x11F02, "L"), (0x11F04, 0x11F10, "L"), (0x11F12, 0x11F33, "L"),
+    (0x11F50, 0x11F59, "N"), (0x1342F, 0x1342F, "L"), (0x13441, 0x13446, "L"), (0x1B132, 0x1B132, "L"),
+    (0x1B155, 0x1B155, "L"), (0x1D2C0, 0x1D2D3, "N"), (0x1DF25, 0x1DF2A, "L"), (0x1E030, 0x1E06D, "L"),
+    (0x1E4D0, 0x1E4EB, "L"), (0x1E4F0, 0x1E4F9, "N"), (0x2B739, 0x2B739, "L"), (0x2EBF0, 0x2EE5D, "L"),
+    (0x31350, 0x323AF, "L"),
+)
+
+
+def _ranges(cps: list[int]) -> str:
+    """Sorted code points -> a regex class body of \\U escapes (safe inside [...] whatever the character)."""
+    out, i = [], 0
+    while i < len(cps):
+        j = i
+        while j + 1 < len(cps) and cps[j + 1] == cps[j] + 1:
+            j += 1
+        out.append(f"\\U{cps[i]:08x}" if i == j else f"\\U{cps[i]:08x}-\\U{cps[j]:08x}")
+        i = j + 1
+    return "".join(out)
+
+
+@lru_cache(maxsize=1)
+def unicode_classes() -> tuple[str, str, str]:
+    """(letters, numbers, whitespace) of the BMP as regex class bodies, from this Python's unicodedata."""
+    cat = unicodedata.category
+    letters, numbers = [], []
+    for cp in range(0x10000):
+        c = cat(chr(cp))[0]
+        if c == "L":
+            letters.append(cp)
+        elif c == "N":
+            numbers.append(cp)
+    return _ranges(letters), _ranges(numbers), _ranges(sorted(WHITESPACE))
+
+
+@lru_cache(maxsize=1)
+def qwen2_regex() -> re.Pattern:
+    L, N, S = unicode_classes()
+    pattern = (
+        r"'(?:[sS]|[tT]|[rR][eE]|[vV][eE]|[mM]|[lL][lL]|[dD])"
+        rf"|[^\r\n{L}{N}]?[{L}]+"
+        rf"|[{N}]"
+        rf"| ?[^{S}{L}{N}]+[\r\n]*"
+        rf"|[{S}]*[\r\n]+"
+        rf"|[{S}]+(?![^{S}])"
+        rf"|[{S}]+"
+    )
+    return re.compile(pattern)
+
+
+@lru_cache(maxsize=4096)
+def _stand_in(ch: str) -> str:
+    cat = unicodedata.category(ch)
+    if cat == "Cn":
+        cp = ord(ch)
+        cat = next((c for lo, hi, c in UNICODE_15_1_LN if lo <= cp <= hi), cat)
+    return _STAND_IN.get(cat[0], _OTHER)
+
+
+def split_words(text: str) -> list[str]:
+    """The qwen2 pre-tokenizer: every character lands in exactly one piece (the last three
+    alternatives cover whitespace, the fourth everything that is not a letter, number or space)."""
+    pat = qwen2_regex()
+    if not _ASTRAL.search(text):
+        return pat.findall(text)
+    collapsed = _ASTRAL.sub(lambda m: _stand_in(m.group()), text)
+    return [text[m.start():m.end()] for m in pat.finditer(collapsed)]
+
+
+def partition_specials(text: str, specials: list[tuple[str, int]]) -> list[str | int]:
+    """Split `text` on special-token texts the way llama.cpp's tokenizer_st_partition does.
+
+    `specials` is (text, id) sorted longest first. Each token in turn claims all its non-overlapping
+    left-to-right occurrences in the fragments still raw; the result alternates str fragments (non-empty)
+    and int ids. Longest-first is what makes "<|im_start|>" win over any shorter token inside it.
+    """
+    frags: list[str | int] = [text] if text else []
+    for tok_text, tok_id in specials:
+        if tok_text not in text:  # fragments are substrings of text: one C-level scan rules most tokens out
+            continue
+        out: list[str | int] = []
+        for f in frags:
+            if isinstance(f, int) or tok_text not in f:
+                out.append(f)
+                continue
+            parts = f.split(tok_text)
+            for k, part in enumerate(parts):
+                if k:
+                    out.append(tok_id)
+                if part:
+                    out.append(part)
+        frags = out
+    return frags
