@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 from cli.app import app
+from cli.bench_cmd import bench, profile
+from cli.demo_cmd import demo
 from cli.info_cmd import inspect
 from cli.run_cmd import chat, run
 from cli.synth_cmd import synth
+from cli.tokenize_cmd import tokenize
 
-app.command()(run)
-app.command()(chat)
-app.command()(inspect)
-app.command()(synth)
-
-try:  # the tokenizer command lands with the tokenizer
-    from cli.tokenize_cmd import tokenize
-    app.command()(tokenize)
-except ImportError:
-    pass
+for command in (run, chat, bench, profile, inspect, tokenize, synth, demo):
+    app.command()(command)
 
 
 def main() -> None:

@@ -10,11 +10,23 @@ import typer
 
 
 def progress_printer(label: str):
-    """A (done, total) callback that redraws one stderr line."""
+    """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%."""
+    from streamer.io import human
+
+    tty = sys.stderr.isatty()
+    last = [-1]
+
     def show(done: int, total: int) -> None:
-        end = "\n" if done >= total else ""
-        print(f"\r{label}: {done / 2**30:.2f} / {total / 2**30:.2f} GiB ({100 * done / max(total, 1):.0f}%)",
-              end=end, file=sys.stderr, flush=True)
+        pct = int(100 * done / max(total, 1))
+        step = pct if tty else pct // 10 * 10
+        if step == last[0]:
+            return
+        last[0] = step
+        line = f"{label}: {human(done)} / {human(total)} ({pct}%)"
+        if tty:
+            print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
     return show
 
 

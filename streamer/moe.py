@@ -8,6 +8,7 @@ routed experts, and the router lookahead predicts the next layer's experts for t
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import numpy as np
@@ -45,6 +46,7 @@ class MoEFFN:
         self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
         self.predicted: dict[int, np.ndarray] = {}
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
+        self._save = weakref.finalize(self, usage.save) if usage is not None else None  # once: close(), GC or exit
 
     # ---- router lookahead (a model hook) ----
     def after_attention(self, layer: int, x: np.ndarray) -> None:
@@ -111,5 +113,5 @@ class MoEFFN:
 
     def close(self) -> None:
         self.source.close()
-        if self.usage is not None:
-            self.usage.save()
+        if self._save is not None:
+            self._save()

@@ -43,7 +43,12 @@ class LayerStats:
 
 class Profiler:
     def __init__(self, n_layer: int):
-        self.layers = [LayerStats() for _ in range(n_layer)]
+        self.n_layer = n_layer
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (e.g. between the prefill and decode phases of a benchmark)."""
+        self.layers = [LayerStats() for _ in range(self.n_layer)]
         self.t0 = time.perf_counter()
         self.disk0 = disk_read_bytes()
         self.tokens = 0  # tokens run through the model (prefill + decode)

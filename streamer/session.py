@@ -48,6 +48,16 @@ class Session:
             print(summary(), file=stream)
 
     @property
+    def profiler(self):
+        """The expert traffic profiler (MoE only), else None."""
+        return getattr(self.model.ffn, "prof", None)
+
+    def close(self) -> None:
+        close = getattr(self.model.ffn, "close", None)
+        if close is not None:
+            close()
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             from streamer.tokenizer import Tokenizer

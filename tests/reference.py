@@ -58,7 +58,7 @@ class Reference:
             out.append({int(e): we / kept for e, we in keep})
         return out
 
-    def ffn(self, i, h, top_p):
+    def ffn(self, i, h, top_p, trace):
         W = self.w
         silu = lambda z: z / (1.0 + np.exp(-z))
         if f"blk.{i}.ffn_gate_inp.weight" not in W:
@@ -66,13 +66,17 @@ class Reference:
             return (silu(h @ g.T) * (h @ u.T)) @ d.T
         out = np.zeros_like(h)
         G, U, D = (W[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
-        for t, sel in enumerate(self.route(h, W[f"blk.{i}.ffn_gate_inp.weight"], top_p)):
+        routes = self.route(h, W[f"blk.{i}.ffn_gate_inp.weight"], top_p)
+        if trace is not None:
+            trace[i] = routes
+        for t, sel in enumerate(routes):
             for e, we in sel.items():
                 out[t] += we * ((silu(G[e] @ h[t]) * (U[e] @ h[t])) @ D[e].T)
         return out
 
-    def logits(self, tokens, top_p: float = 1.0) -> np.ndarray:
-        """All-position logits (n, vocab) for the token sequence starting at position 0."""
+    def logits(self, tokens, top_p: float = 1.0, trace: dict | None = None) -> np.ndarray:
+        """All-position logits (n, vocab) for the token sequence starting at position 0. trace, if given,
+        receives each MoE layer's routing: trace[layer] = [{expert: weight} per token]."""
         W, n = self.w, len(tokens)
         pos = np.arange(n, dtype=np.float64)
         x = W["token_embd.weight"][np.asarray(tokens)]
@@ -92,6 +96,6 @@ class Reference:
                 p = np.exp(s - s.max(axis=1, keepdims=True))
                 att[:, hh] = (p / p.sum(axis=1, keepdims=True)) @ v[:, g]
             x = x + att.reshape(n, -1) @ W[b + "attn_output.weight"].T
-            x = x + self.ffn(i, self.rmsnorm(x, W[b + "ffn_norm.weight"]), top_p)
+            x = x + self.ffn(i, self.rmsnorm(x, W[b + "ffn_norm.weight"]), top_p, trace)
         head = W.get("output.weight", W["token_embd.weight"])
         return self.rmsnorm(x, W["output_norm.weight"]) @ head.T

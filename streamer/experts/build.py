@@ -3,7 +3,6 @@ streaming source over a budgeted cache with learned pins."""
 
 from __future__ import annotations
 
-import atexit
 import sys
 
 from streamer.budget import make_plan
@@ -49,5 +48,4 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
         source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
     ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch and stream)
     ffn.plan = plan
-    atexit.register(ffn.close)
     return ffn

@@ -9,6 +9,7 @@ wait (block until it is, return the matrices), release (done computing with it) 
 from __future__ import annotations
 
 import time
+import weakref
 
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
@@ -52,6 +53,7 @@ class StreamingSource:
         self.layout, self.cache, self.prof = layout, cache, profiler
         self.reader = ExpertReader(path, layout, direct)
         self.pool = ReaderPool(n_readers)
+        self._close = weakref.finalize(self, _shutdown, self.pool, self.reader)  # at close(), GC or exit
 
     def _load(self, entry) -> tuple:
         layer, e = entry.key
@@ -119,5 +121,9 @@ class StreamingSource:
         self.cache.release(self.cache.entries[(layer, e)])
 
     def close(self) -> None:
-        self.pool.close()
-        self.reader.close()
+        self._close()
+
+
+def _shutdown(pool: ReaderPool, reader: ExpertReader) -> None:
+    pool.close()
+    reader.close()

@@ -37,6 +37,7 @@ class Geometry:
 PRESETS = {
     "tiny": Geometry("qwen3", 2, 256, 4, 2, 64, 512, n_ctx=2048),
     "tiny-moe": Geometry("qwen3moe", 4, 256, 4, 2, 64, 768, 16, 4, 256, n_ctx=2048),
+    "demo": Geometry("qwen3moe", 8, 512, 8, 4, 64, 1536, 64, 8, 256, n_ctx=4096),
     "qwen3-0.6b": Geometry("qwen3", 28, 1024, 16, 8, 128, 3072),
     "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
     "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),

@@ -1,0 +1,75 @@
+"""`stream-run bench` (speed, traffic, memory) and `stream-run profile` (per-layer expert traffic table)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.options import CtxSize, ExpertTopP, ModelArg, NoLearn, NoStream, NPredict, Prefetch, RamBudget, Threads
+from cli.run_cmd import _open
+
+
+def bench(
+    model: ModelArg,
+    pp: Annotated[int, typer.Option("--pp", help="Prompt tokens to prefill.")] = 128,
+    tg: Annotated[int, typer.Option("--tg", help="Tokens to decode greedily.")] = 64,
+    ctx_size: CtxSize = 0,
+    threads: Threads = None,
+    ram_budget: RamBudget = None,
+    no_stream: NoStream = False,
+    expert_top_p: ExpertTopP = 1.0,
+    prefetch: Prefetch = True,
+    no_learn: NoLearn = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
+) -> None:
+    """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
+    expert hit rate, MiB read per token, prefetch recall and peak RSS."""
+    from streamer.bench import format_bench, run_bench
+    from streamer.errors import StreamerError
+
+    if pp < 1 or tg < 1:
+        raise StreamerError("--pp and --tg must be at least 1")
+    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    r = run_bench(s, pp, tg)
+    s.close()
+    print(json.dumps(r) if as_json else format_bench(r))
+
+
+def profile(
+    model: ModelArg,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "The quick brown fox",
+    n_predict: NPredict = 32,
+    ctx_size: CtxSize = 4096,
+    threads: Threads = None,
+    ram_budget: RamBudget = None,
+    no_stream: NoStream = False,
+    expert_top_p: ExpertTopP = 1.0,
+    prefetch: Prefetch = True,
+    no_learn: NoLearn = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
+) -> None:
+    """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
+    from streamer.errors import StreamerError
+    from streamer.generate import Generator
+    from streamer.io import atomic_write
+    from streamer.sampler import Sampler, SamplerParams
+
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    if s.profiler is None:
+        raise StreamerError(f"{model} is a dense model: it has no experts to profile")
+    gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)
+    for _ in gen.generate(s.tokenizer.encode(prompt), n_predict):
+        pass
+    report = s.profiler.report()
+    report["speed"] = gen.stats.line()
+    print(s.profiler.table())
+    print(s.profiler.summary())
+    print(gen.stats.line(), file=sys.stderr)
+    s.close()
+    if json_out is not None:
+        atomic_write(json_out, lambda f: f.write(json.dumps(report, indent=1).encode()))
+        print(f"wrote {json_out}", file=sys.stderr)

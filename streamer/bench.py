@@ -1,0 +1,86 @@
+"""The benchmark behind `stream-run bench`: warm-up, prefill of pp tokens, greedy decode of tg tokens, with
+speed, weight bytes touched per token, disk reads, expert traffic and peak RSS."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from streamer.profiler import disk_read_bytes
+
+
+def prompt_tokens(n_vocab: int, pp: int, seed: int = 1234) -> np.ndarray:
+    """A fixed pseudo-random prompt (like llama-bench's random tokens)."""
+    return np.random.default_rng(seed).integers(0, n_vocab, size=pp, dtype=np.int64)
+
+
+def weight_bytes_per_token(session, routed_per_token: float) -> float:
+    """Weight bytes one decoded token reads: every non-expert matrix except the embedding table (one row),
+    plus the routed experts' bytes."""
+    gf, cfg = session.gf, session.cfg
+    dense = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
+    embd = gf.tensors["token_embd.weight"]
+    if not cfg.tied:  # a tied table is read in full as the head
+        dense -= embd.nbytes - embd.nbytes // embd.shape[0]
+    if not cfg.is_moe:
+        return float(dense)
+    per_expert = sum(gf.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) / cfg.n_expert
+    return dense + routed_per_token * per_expert
+
+
+def run_bench(session, pp: int = 128, tg: int = 64) -> dict:
+    model, prof = session.model, session.profiler
+    ids = prompt_tokens(session.cfg.n_vocab, pp)
+    model.forward(ids[:1], model.new_cache())  # warm-up: page in the resident weights, touch every kernel
+    if prof is not None:
+        prof.reset()
+    cache = model.new_cache()
+    disk0 = disk_read_bytes()
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache)
+    t_pp = time.perf_counter() - t0
+    pp_report = prof.report() if prof is not None else None
+    if prof is not None:
+        prof.reset()
+    tokens = [int(np.argmax(logits))]
+    t0 = time.perf_counter()
+    for _ in range(tg - 1):
+        logits = model.forward(np.array(tokens[-1:], dtype=np.int64), cache)
+        tokens.append(int(np.argmax(logits)))
+    t_tg = time.perf_counter() - t0
+    tg_report = prof.report() if prof is not None else None
+    tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
+    routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
+    wbytes = weight_bytes_per_token(session, routed)
+    return {
+        "pp": pp, "tg": tg,
+        "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
+        "tg_tok_s": tg_tok_s,
+        "weight_bytes_per_token": wbytes,
+        "weight_gb_s": wbytes * tg_tok_s / 1e9,
+        "disk_read_bytes": disk_read_bytes() - disk0,
+        "expert_hit_rate": tg_report["hit_rate"] if tg_report else None,
+        "read_bytes_per_token": tg_report["read_bytes_per_token"] if tg_report else 0.0,
+        "prefetch_recall": tg_report["prefetch_recall"] if tg_report else None,
+        "io_stall_share": tg_report["stall_share"] if tg_report else 0.0,
+        "prefill_read_bytes": pp_report["read_bytes"] if pp_report else 0,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tokens": tokens,
+    }
+
+
+def format_bench(r: dict) -> str:
+    def pct(v):
+        return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    return "\n".join([
+        f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
+        f"decode   {r['tg']} tokens: {r['tg_tok_s']:.2f} tok/s "
+        f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",
+        f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)",
+        f"experts  hit rate {pct(r['expert_hit_rate'])}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read per "
+        f"decoded token, prefetch recall {pct(r['prefetch_recall'])}, I/O stall {pct(r['io_stall_share'])}",
+        f"memory   peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+    ])

@@ -1,0 +1,172 @@
+"""Qwen3-MoE: logits against the float64 reference, streamed == resident bit for bit across cache sizes,
+prefetch and pinning, expert top-p, and the learned-pinning sidecar."""
+
+import json
+
+import numpy as np
+import pytest
+
+from reference import Reference
+from streamer.errors import StreamerError
+from streamer.experts.store import ExpertLayout
+from streamer.moe import route
+from streamer.session import open_model
+
+PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
+N_PREFILL = 5  # then one token at a time (decode path, with lookahead prefetch)
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))  # sidecars never touch ~/.cache
+
+
+def cosines(a, b):
+    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def run(session, tokens=PROMPT, n_prefill=N_PREFILL):
+    """Prefill n_prefill tokens, then decode the rest one by one; all-position logits."""
+    c = session.model.new_cache()
+    out = [session.model.forward(tokens[:n_prefill], c, all_logits=True)]
+    out += [session.model.forward(tokens[i:i + 1], c, all_logits=True) for i in range(n_prefill, len(tokens))]
+    return np.concatenate(out)
+
+
+def slot_bytes(path):
+    s = open_model(path, stream=False, learn=False)
+    return ExpertLayout(s.gf, s.cfg).slot_bytes
+
+
+# Same float32 arithmetic argument as the dense test; routing in float32 vs float64 could flip a near-tie,
+# which the synthetic router's gain (logit std 3) makes unlikely on these 12 tokens x 4 layers.
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_moe_logits_match_float64_reference(synth_model, qtype):
+    path = synth_model("tiny-moe", qtype)
+    got = run(open_model(path, stream=False, learn=False))
+    want = Reference(str(path)).logits(PROMPT)
+    assert cosines(got, want).min() >= 0.999
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_streamed_is_bit_identical_to_resident(synth_model, qtype):
+    path = synth_model("tiny-moe", qtype)
+    resident = run(open_model(path, stream=False, learn=False))
+    sb = slot_bytes(path)
+    n_used, everything = 4, 4 * 16
+    for slots in (n_used, n_used + 3, 24, everything):
+        for prefetch in (False, True):
+            s = open_model(path, learn=False, prefetch=prefetch, expert_cache_bytes=slots * sb)
+            got = run(s)
+            cache = s.model.ffn.source.cache
+            assert np.array_equal(got, resident), (slots, prefetch)
+            assert cache.peak_slots <= slots and cache.held_bytes <= cache.capacity_bytes == slots * sb
+            rep = s.model.ffn.prof.report()
+            if prefetch and slots > 2 * n_used:
+                assert rep["totals"]["prefetch_issued"] > 0 and rep["prefetch_recall"] is not None
+            if slots == everything:  # nothing is ever read twice
+                t = rep["totals"]
+                assert t["miss"] + t["prefetch_issued"] == len(s.model.ffn.source.cache.entries)
+
+
+def test_pinning_keeps_hot_experts_and_stays_identical(synth_model, tmp_path):
+    path = synth_model("tiny-moe", "Q8_0")
+    resident = run(open_model(path, stream=False, learn=False))
+    sb = slot_bytes(path)
+    first = open_model(path, learn=True, expert_cache_bytes=12 * sb)
+    run(first)
+    first.model.ffn.close()  # saves the usage sidecar
+    usage = first.model.ffn.usage
+    # make layer 2 / expert 5 look very hot in the saved profile
+    doc = json.loads(usage.path.read_text())
+    doc["counts"][2][5] = 1000.0
+    usage.path.write_text(json.dumps(doc))
+    second = open_model(path, learn=True, expert_cache_bytes=12 * sb)
+    cache = second.model.ffn.source.cache
+    assert (2, 5) in cache.pin_set
+    assert np.array_equal(run(second), resident)
+    e = cache.entries.get((2, 5))
+    if e is not None:  # it was routed: it must have gone to the pinned tier and stayed
+        assert e.pinned and (2, 5) not in cache.idle
+
+
+def test_flat_histogram_pins_nothing():
+    from streamer.experts.usage import choose_pins
+
+    rng = np.random.default_rng(0)
+    flat = rng.poisson(50, size=(4, 16)).astype(float)
+    assert choose_pins(flat, 100) == []
+    skewed = flat.copy()
+    skewed[1, 3] = 400
+    skewed[3, 0] = 300
+    assert choose_pins(skewed, 100) == [(1, 3), (3, 0)]
+    assert choose_pins(skewed, 1) == [(1, 3)]
+
+
+def test_usage_sidecar_round_trip_and_corrupt_or_foreign_is_ignored(synth_model, capsys):
+    from streamer.experts.usage import Usage
+    from streamer.gguf_file import GGUFFile
+
+    gf = GGUFFile(synth_model("tiny-moe", "Q8_0"))
+    u = Usage(gf, 4, 16)
+    u.record(1, [3, 3, 7])
+    u.save()
+    again = Usage(gf, 4, 16)
+    assert again.saved[1, 3] == 2 and again.saved[1, 7] == 1 and again.saved.sum() == 3
+    again.record(1, [3])
+    again.save()
+    assert Usage(gf, 4, 16).saved[1, 3] == 3  # counts accumulate across runs
+
+    u.path.write_text("{not json")
+    assert Usage(gf, 4, 16).saved is None
+    assert "ignoring unreadable expert-usage profile" in capsys.readouterr().err
+    u.path.write_text(json.dumps({"format": "stream-run-usage/1", "model": "someone-else", "counts": [[0] * 16] * 4}))
+    assert Usage(gf, 4, 16).saved is None
+    assert "another model" in capsys.readouterr().err
+    u.path.write_text(json.dumps({"format": "stream-run-usage/1", "model": u.key, "counts": [[1] * 3]}))
+    assert Usage(gf, 4, 16).saved is None  # wrong shape
+    assert not Usage(gf, 4, 16, learn=False).learn
+
+
+def test_route_top_p_rule_by_hand():
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05]], dtype=np.float32))
+    ids, w = route(logits, 4)  # top-4 of 5, renormalised over 0.95
+    assert ids.tolist() == [[0, 1, 2, 3]]
+    np.testing.assert_allclose(w, [[0.5 / 0.95, 0.2 / 0.95, 0.15 / 0.95, 0.1 / 0.95]], rtol=1e-6)
+    ids, w = route(logits, 4, top_p=0.7)  # cumulative 0.526, 0.737 -> keep 2, rescale to total 1
+    assert ids.tolist() == [[0, 1, -1, -1]]
+    np.testing.assert_allclose(w, [[0.5 / 0.7, 0.2 / 0.7, 0, 0]], rtol=1e-6)
+    ids, w = route(logits, 4, top_p=0.5)
+    assert ids.tolist() == [[0, -1, -1, -1]] and w[0, 0] == pytest.approx(1.0)
+
+
+def test_expert_top_p_one_is_no_pruning(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    base = open_model(path, stream=False, learn=False)
+    p1 = open_model(path, stream=False, learn=False, expert_top_p=1.0)
+    assert np.array_equal(run(base), run(p1))
+    assert p1.model.ffn.prof.totals().dropped == 0
+
+
+def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    trace = {}
+    want = Reference(str(path)).logits(PROMPT, top_p=0.5, trace=trace)
+    s = open_model(path, learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path))
+    got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)  # one prefill: no prefetch at all
+    assert cosines(got, want).min() >= 0.999
+    tot = s.model.ffn.prof.totals()
+    kept = {(layer, e) for layer, routes in trace.items() for sel in routes for e in sel}
+    n_kept = sum(len(sel) for routes in trace.values() for sel in routes)
+    assert tot.dropped > 0 and tot.routed == n_kept and tot.routed + tot.dropped == len(PROMPT) * 4 * 4
+    # exactly the experts the rule keeps were read, each once; the dropped ones never
+    assert set(s.model.ffn.source.cache.entries) == kept and tot.miss == len(kept)
+
+
+def test_budget_too_small_is_one_clear_error(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    with pytest.raises(StreamerError, match=r"too small for this model: it needs at least"):
+        open_model(path, learn=False, ram_budget="64M")
+    with pytest.raises(StreamerError, match="cannot hold one layer's 4 experts"):
+        open_model(path, learn=False, expert_cache_bytes=3 * slot_bytes(path))
