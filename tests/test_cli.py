@@ -1,0 +1,165 @@
+"""The stream-run command line, end to end on tiny synthetic models: outputs, the chat's KV reuse, and one
+clear line with exit code 2 for every kind of bad input."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from streamer.session import open_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def user_error(result, pattern):
+    """Exit code 2, one 'error: ...' line on stderr matching pattern, no traceback."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_help_lists_commands():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for cmd in ("run", "chat", "bench", "profile", "inspect", "tokenize", "synth", "demo"):
+        assert cmd in r.stdout
+
+
+def test_run_streams_a_greedy_completion(synth_model):
+    path = synth_model("tiny", "Q8_0")
+    r = invoke("run", path, "-p", "hello world", "-n", "6")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("hello world")
+    assert re.search(r"prompt: \d+ tok .* generation: \d+ tok .*tok/s", r.stderr)
+    again = invoke("run", path, "-p", "hello world", "-n", "6")
+    assert again.stdout == r.stdout  # greedy is deterministic
+
+
+def test_run_sampling_is_seeded(synth_model):
+    path = synth_model("tiny", "Q8_0")
+    a = invoke("run", path, "-p", "abc", "-n", "8", "--temp", "1.0", "--seed", "5")
+    b = invoke("run", path, "-p", "abc", "-n", "8", "--temp", "1.0", "--seed", "5")
+    assert a.exit_code == 0 and a.stdout == b.stdout and "seed 5" in a.stderr
+
+
+def test_logits_out_matches_the_model(synth_model, tmp_path):
+    path = synth_model("tiny", "Q8_0")
+    out = tmp_path / "logits.npy"
+    r = invoke("run", path, "--tokens", "1,2,3,40,5", "--logits-out", out)
+    assert r.exit_code == 0, r.output
+    got = np.load(out)
+    s = open_model(path)
+    want = s.model.forward(np.array([1, 2, 3, 40, 5]), s.model.new_cache(), all_logits=True)
+    assert got.dtype == np.float32 and got.shape == (5, s.cfg.n_vocab)
+    assert np.array_equal(got, want)
+
+
+def test_inspect_text_and_json(synth_model):
+    path = synth_model("tiny-moe", "Q4_K")
+    r = invoke("inspect", path)
+    assert r.exit_code == 0 and "qwen3moe" in r.stdout and "16 per layer, 4 used" in r.stdout
+    info = json.loads(invoke("inspect", path, "--json").stdout)
+    assert info["expert_bytes"] + info["resident_bytes"] == sum(v["bytes"] for v in info["tensors_by_type"].values())
+    assert info["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads, head_dim 64, f32
+
+
+def test_bench_json_is_one_line_with_the_keys(synth_model):
+    r = invoke("bench", synth_model("tiny-moe", "Q8_0"), "--pp", "8", "--tg", "4", "--json")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    d = json.loads(lines[0])
+    for k in ("pp_tok_s", "tg_tok_s", "disk_read_bytes", "expert_hit_rate", "read_bytes_per_token",
+              "peak_rss_bytes", "prefetch_recall", "tokens"):
+        assert k in d
+    assert len(d["tokens"]) == 4 and d["pp_tok_s"] > 0 and d["tg_tok_s"] > 0
+
+
+def test_profile_table_and_json(synth_model, tmp_path):
+    out = tmp_path / "prof.json"
+    r = invoke("profile", synth_model("tiny-moe", "Q8_0"), "-p", "one two three", "-n", "5", "--json-out", out)
+    assert r.exit_code == 0, r.output
+    assert "layer" in r.stdout and "recall" in r.stdout and "hit rate" in r.stdout
+    d = json.loads(out.read_text())
+    assert len(d["layers"]) == 4 and d["totals"]["routed"] > 0
+
+
+def test_chat_two_turns_through_a_pipe_prefills_only_the_new_turn(synth_model):
+    from streamer.gguf_file import GGUFFile
+    from streamer.tokenizer import Tokenizer
+
+    path = synth_model("tiny", "Q8_0")
+    r = invoke("chat", path, "--no-think", "--system", "be brief", "-n", "5", "--seed", "3",
+               input="hello there\nand again\n")
+    assert r.exit_code == 0, r.output
+    prefills = [int(n) for n in re.findall(r"\[prompt: (\d+) tok", r.stderr)]
+    assert len(prefills) == 2
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    first = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n"
+             "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prefills[0] == len(tok.encode_raw(first))
+    # the first reply was either cut by -n (its last sampled token is fed now, then the turn closes it)
+    # or ended with <|im_end|> (fed now); either way one pending token plus this turn's own text
+    second_cut = "<|im_end|>\n<|im_start|>user\nand again<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    second_end = second_cut[len("<|im_end|>"):]
+    assert prefills[1] in (1 + len(tok.encode_raw(second_cut)), 1 + len(tok.encode_raw(second_end)))
+    assert prefills[1] < prefills[0] + 10
+
+
+def test_demo_runs(tmp_path):
+    r = invoke("demo", "--dir", tmp_path, "-n", "4")
+    assert r.exit_code == 0, r.output
+    assert "hit rate" in r.stdout and "layer" in r.stdout
+
+
+# ---- bad input: one line, exit code 2 ----
+
+def test_bad_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    user_error(invoke("run", tmp_path / "notes.txt", "-p", "x"), "not a GGUF file")
+    user_error(invoke("run", tmp_path / "nope.gguf", "-p", "x"), r"cannot open .*nope.gguf")
+    user_error(invoke("inspect", tmp_path / "notes.txt"), "not a GGUF file")
+
+
+def test_truncated_model(synth_model, tmp_path):
+    src = synth_model("tiny", "Q8_0").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(src[: len(src) // 2])
+    user_error(invoke("run", tmp_path / "cut.gguf", "-p", "x"), "truncated")
+
+
+def test_bad_tokens_and_context(synth_model):
+    path = synth_model("tiny", "Q8_0")
+    user_error(invoke("run", path, "--tokens", "1,2,999999", "--logits-out", "x.npy"), "token id 999999 is out of range")
+    user_error(invoke("run", path, "--tokens", "1,a"), "comma-separated integers")
+    user_error(invoke("run", path, "-p", "a long prompt that will not fit", "-c", "4"), "context overflow")
+    user_error(invoke("run", path, "--logits-out", "x.npy", "-p", "hi"), "--logits-out needs --tokens")
+    user_error(invoke("run", path), "exactly one of")
+    user_error(invoke("run", path, "-p", "x", "--top-p", "2"), "top-p")
+
+
+def test_bad_budget_and_sizes(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    user_error(invoke("run", path, "-p", "x", "--ram-budget", "lots"), "cannot read size 'lots'")
+    user_error(invoke("run", path, "-p", "x", "--ram-budget", "32M"), "too small for this model: it needs at least")
+    user_error(invoke("bench", path, "--pp", "0"), "--pp and --tg")
+
+
+def test_outputs_are_never_written_in_place(synth_model, tmp_path):
+    out = tmp_path / "exists.gguf"
+    out.write_bytes(b"precious")
+    user_error(invoke("synth", out, "--preset", "tiny"), "exists")
+    assert out.read_bytes() == b"precious"
