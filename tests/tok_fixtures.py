@@ -203,3 +203,69 @@ def mixed_text(n_bytes: int, seed: int = 0) -> str:
         parts.append(s)
         size += len(s.encode("utf-8"))
     return "".join(parts)
+
+
+# ---- llama.cpp golden ids (llama.cpp itself never runs in the tests) ----
+LLAMA_GOLDEN = Path(__file__).parent / "tok_llama_golden.json"
+_LLAMA_ORACLE = r"""
+import hashlib, json, sys, llama_cpp
+m = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
+texts = json.load(sys.stdin)
+vocab = llama_cpp.llama_model_get_vocab(m.model)
+n = llama_cpp.llama_vocab_n_tokens(vocab)
+buf = (llama_cpp.ctypes.c_char * 512)()
+h = hashlib.sha256()
+for i in range(n):
+    k = llama_cpp.llama_token_to_piece(vocab, i, buf, 512, 0, True)
+    h.update(len(buf[:k]).to_bytes(4, "little") + bytes(buf[:k]))
+json.dump({"llama_cpp_python": llama_cpp.__version__,
+           "ids": [m.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts],
+           "eog": [i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)],
+           "bos": llama_cpp.llama_vocab_bos(vocab), "eos": llama_cpp.llama_vocab_eos(vocab),
+           "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)), "pieces_sha256": h.hexdigest()}, sys.stdout)
+"""
+
+
+def pieces_sha256(tok) -> str:
+    """sha256 over every token's decoded bytes (length-prefixed), the form _LLAMA_ORACLE hashes."""
+    import hashlib
+    h = hashlib.sha256()
+    for i in range(tok.n_vocab):
+        b = tok.token_bytes(i)
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
+
+
+def golden_texts() -> list[str]:
+    """Corpus as given and decomposed (llama.cpp does not normalise), random mixes, random code points
+    (no surrogates: UTF-8 cannot carry them), and Unicode-version edge cases."""
+    import unicodedata
+    rng = random.Random(2024)
+    texts = list(CORPUS) + [unicodedata.normalize("NFD", t) for t in CORPUS if unicodedata.normalize("NFD", t) != t]
+    texts += [random_mix(rng) for _ in range(150)]
+    texts += [random_utf8_text(rng, rng.randint(1, 50)) for _ in range(150)]
+    texts += ["a\u1c89b \U000105c0x \ua7cb", "x\U0002EBF0y \U00031350z", "\U0001D2C0\U0001D2C1 5",
+              " </s> <s> </s>x", "'ſ 'K 'İ", "e\u0301", "\U0001e4d0\U0001e4f0 \U00011f04"]
+    return texts
+
+
+def write_llama_golden(llama_python: str = "/opt/llamavenv/bin/python") -> None:
+    """Regenerate tests/tok_llama_golden.json with llama.cpp (llama-cpp-python in another venv):
+    /opt/dev/bin/python tests/tok_fixtures.py [LLAMA_PYTHON]"""
+    import subprocess
+    import tempfile
+    texts = golden_texts()
+    with tempfile.TemporaryDirectory() as d:
+        path = write_vocab_gguf(Path(d) / "qwen3-vocab.gguf", True)
+        res = subprocess.run([llama_python, "-c", _LLAMA_ORACLE, str(path)], input=json.dumps(texts),
+                             capture_output=True, text=True, check=True)
+    out = json.loads(res.stdout)
+    out["texts"] = texts
+    LLAMA_GOLDEN.write_text(json.dumps(out, ensure_ascii=False), encoding="utf-8")
+    print(f"wrote {LLAMA_GOLDEN} ({len(texts)} texts, {sum(map(len, out['ids']))} ids, "
+          f"llama-cpp-python {out['llama_cpp_python']})")
+
+
+if __name__ == "__main__":
+    import sys
+    write_llama_golden(*sys.argv[1:2])
