@@ -43,9 +43,11 @@ def parse_size(text: str | int) -> int:
 
 # ---- page cache ----
 def evict(path: str | os.PathLike) -> None:
-    """Drop the file's clean pages from the page cache (pages some process still maps may stay)."""
+    """Drop the file's pages from the page cache. DONTNEED skips dirty pages (a file just written by the
+    synth command is mostly dirty), so write them back first; pages some process still maps may stay."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -104,6 +106,11 @@ class CappedRun:
     oom_kill_count: int = 0
     under_oom: int = 0
     wall_s: float = 0.0
+    # the command's own rusage (wait4 in a small wrapper; the cgroup's sh execs the command: same process)
+    rusage_maxrss_bytes: int = 0  # peak RSS, mmap'd file pages included
+    rusage_read_bytes: int = 0  # ru_inblock x 512 = the kernel's read_bytes: what came from storage
+    rusage_user_s: float = 0.0
+    rusage_sys_s: float = 0.0
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -179,36 +186,89 @@ class MemoryCgroup:
             print(f"warning: could not remove {self.path}: {e}", file=sys.stderr)
 
 
+# Measuring wrapper. ru_maxrss of a forked child starts from its parent's RSS high-water mark (fork copies
+# the mm; exec saves the old mm's hiwater into the child's maxrss), so a child of this (possibly large)
+# Python process would report at least our RSS. A minimal `python3 -S` (~10 MB) forks the command, waits
+# for it with wait4 (the command's own rusage) and writes it as JSON to argv[1].
+_WAIT4 = r"""
+import json, os, sys
+out, cmd = sys.argv[1], sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(cmd[0], cmd)
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+code = os.waitstatus_to_exitcode(status)
+with open(out, "w") as f:
+    json.dump({"returncode": code, "maxrss_bytes": ru.ru_maxrss * 1024, "read_bytes": ru.ru_inblock * 512,
+               "user_s": ru.ru_utime, "sys_s": ru.ru_stime}, f)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+WRAPPER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+def _run_measured(argv: list[str], res: CappedRun, capture: bool, timeout: float | None, env) -> None:
+    """Run argv under the wait4 wrapper (own process group, killed whole on timeout); fill res."""
+    import tempfile
+    import threading
+
+    fd, ru_path = tempfile.mkstemp(prefix="wait4-", suffix=".json")
+    os.close(fd)
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if capture else {}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.Popen([WRAPPER_PYTHON, "-S", "-c", _WAIT4, ru_path, *argv], env=env,
+                             start_new_session=True, **kw)
+        out: dict[str, bytes] = {}
+        readers = []
+        if capture:
+            for name, pipe in (("stdout", p.stdout), ("stderr", p.stderr)):
+                t = threading.Thread(target=lambda n=name, f=pipe: out.__setitem__(n, f.read()), daemon=True)
+                t.start()
+                readers.append(t)
+        timed_out = False
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for t in readers:
+            t.join()
+        res.wall_s = time.perf_counter() - t0
+        res.stdout = out.get("stdout", b"").decode("utf-8", "replace")
+        res.stderr = out.get("stderr", b"").decode("utf-8", "replace")
+        with open(ru_path) as f:
+            text = f.read()
+    finally:
+        os.unlink(ru_path)
+    if timed_out or not text:
+        res.returncode = None
+        res.killed_by_signal = "timeout" if timed_out else "wrapper failed"
+        return
+    ru = json.loads(text)
+    res.returncode = ru["returncode"]
+    if res.returncode < 0:
+        res.killed_by_signal = signal.Signals(-res.returncode).name
+    res.rusage_maxrss_bytes, res.rusage_read_bytes = ru["maxrss_bytes"], ru["read_bytes"]
+    res.rusage_user_s, res.rusage_sys_s = ru["user_s"], ru["sys_s"]
+
+
 def run_capped(cmd: list[str], limit_bytes: int | str | None, capture: bool = True,
                timeout: float | None = None, env: dict | None = None) -> CappedRun:
-    """Run cmd (optionally inside a fresh memory cgroup with this limit); report usage and OOM kills.
+    """Run cmd (optionally inside a fresh memory cgroup with this limit); report usage, OOM kills and the
+    child's own peak RSS and disk reads (wait4 rusage).
 
-    limit_bytes=None runs without a cap (same result fields; cgroup counters stay 0)."""
+    limit_bytes=None runs without a cap (same result fields; the cgroup counters stay 0)."""
     limit = parse_size(limit_bytes) if limit_bytes is not None else 0
     res = CappedRun(cmd=list(cmd), limit_bytes=limit)
-    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if capture else {}
-
-    def go(argv):
-        t0 = time.perf_counter()
-        try:
-            p = subprocess.run(argv, timeout=timeout, env=env, **kw)
-        except subprocess.TimeoutExpired as e:
-            res.returncode = None
-            res.killed_by_signal = "timeout"
-            res.stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            res.stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        else:
-            res.returncode = p.returncode
-            res.stdout, res.stderr = p.stdout or "", p.stderr or ""
-            if p.returncode < 0:
-                res.killed_by_signal = signal.Signals(-p.returncode).name
-        res.wall_s = time.perf_counter() - t0
-
     if not limit:
-        go(cmd)
+        _run_measured(list(cmd), res, capture, timeout, env)
         return res
     with MemoryCgroup(limit) as cg:
-        go(cg.wrap(cmd))
+        _run_measured(cg.wrap(list(cmd)), res, capture, timeout, env)
         for k, v in cg.stats().items():
             setattr(res, k, v)
     # the OOM killer sends SIGKILL; the cgroup's oom_kill counter says it was the cap, not something else

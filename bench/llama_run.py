@@ -7,11 +7,12 @@ llama_cpp, numpy and psutil, so the project never depends on llama-cpp-python.
     /opt/llamavenv/bin/python bench/llama_run.py MODEL.gguf --threads 2 --pp 128 --tg 64 [--no-repack]
     /opt/llamavenv/bin/python bench/llama_run.py MODEL.gguf --logits-tokens 1,2,3 --logits-out L.npy
 
-Benchmark mode: load, warm-up (prefill of min(pp, 16) prompt tokens + one greedy token: this is also the
+Benchmark mode: load, warm-up (prefill of min(pp, 16) prompt tokens + one greedy token; this is also the
 time-to-first-token measurement), clear the KV cache, prefill pp tokens (timed, including picking the
-first token), then tg greedy single-token decode steps (timed; `tokens` holds the tg + 1 greedy ids). Disk reads (psutil io_counters().read_bytes, i.e. what really came from storage) are
-reported per phase; peak RSS is getrusage's ru_maxrss (the kernel's high-water mark, which counts
-resident mmap pages of the model file).
+first token), then greedy decode until tg tokens exist: tg - 1 timed single-token steps, counted the way
+`stream-run bench` counts them (`tokens` holds the tg greedy ids; tg_tok_s = (tg - 1) / time). Disk reads
+(psutil io_counters().read_bytes: what really came from storage) are reported per phase; peak RSS is
+getrusage's ru_maxrss (the kernel's high-water mark, which counts resident mmap pages of the model file).
 
 Logits mode (teacher forcing): one eval of the whole token sequence with logits_all=True; writes the
 float32 per-position logits (n_tokens, n_vocab) to --logits-out.
@@ -25,7 +26,8 @@ llama-cpp-python 0.3.36 notes (read from llama_cpp/llama.py and llama_cpp.py):
     the value the loaded model really used and the loader's buffer lines (a "CPU_REPACK" buffer = repacked).
   * The same struct has `lazy_mode` (OFF=0, AUTO=1 default: "lazy only for marked tensors larger than
     4 GiB (requires mmap)", ON=2: "read the rows of tensors marked by the arch on demand"), also not a
-    Llama() keyword. --lazy-mode sets it the same way; the default leaves llama.cpp's own default.
+    Llama() keyword. --lazy-mode sets it the same way; the default leaves llama.cpp's own default. With
+    lazy_mode=on a tiny qwen3moe file logged no "lazy read enabled" tensor: the arch marks none.
   * use_mmap=True becomes load_mode=LLAMA_LOAD_MODE_MMAP (Llama() always overwrites load_mode from
     use_mmap/use_mlock, so LLAMA_LOAD_MODE_DIRECT_IO is not reachable through it).
 """
@@ -52,11 +54,10 @@ def parse_tokens(text: str) -> list[int]:
     return [int(t) for t in text.replace(" ", "").split(",") if t]
 
 
-def default_prompt(n: int, n_vocab: int) -> list[int]:
-    """A fixed, reproducible prompt of n token ids (the same formula as bench/compare.py), avoiding the
-    first and last few ids (specials live at the end of both vocabularies)."""
-    hi = max(n_vocab - 300, 2)
-    return [int(1 + (i * 7919 + 13) % (hi - 1)) for i in range(n)]
+def default_prompt(n: int, n_vocab: int, seed: int = 1234) -> list[int]:
+    """The prompt `stream-run bench` uses (streamer.bench.prompt_tokens, copied because this venv cannot
+    import the project): pseudo-random ids over the whole vocabulary, like llama-bench's random tokens."""
+    return np.random.default_rng(seed).integers(0, n_vocab, size=n, dtype=np.int64).tolist()
 
 
 class LogCapture:
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pp", type=int, default=128, help="prompt tokens to prefill (timed)")
-    ap.add_argument("--tg", type=int, default=64, help="tokens to greedy-decode (timed)")
-    ap.add_argument("--prompt-tokens", help="comma-separated prompt ids (default: a fixed formula, see default_prompt)")
+    ap.add_argument("--tg", type=int, default=64, help="greedy tokens to produce (tg - 1 timed decode steps)")
+    ap.add_argument("--prompt-tokens", help="comma-separated prompt ids (default: stream-run bench's prompt)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up; ttft_s then covers the pp prefill")
     ap.add_argument("--no-repack", action="store_true", help="llama_model_params.use_extra_bufts=False")
     ap.add_argument("--lazy-mode", choices=["default", *LAZY_MODES], default="default",
@@ -203,13 +204,13 @@ def main(argv=None) -> int:
             res["ttft_prompt_tokens"] = len(prompt)
         rb_pp = read_bytes(proc)
         toks = [tok]
-        for _ in range(args.tg):  # tg timed decode steps (as llama-bench's tg); tokens holds tg + 1 ids
+        for _ in range(args.tg - 1):  # the first of the tg tokens came from the prefill's logits
             m.eval([tok])
             tok = argmax_last(m)
             toks.append(tok)
         t3 = time.perf_counter()
         rb_tg = read_bytes(proc)
-        n_dec = args.tg
+        n_dec = max(args.tg - 1, 0)
         res.update(
             pp=len(prompt), tg=args.tg, n_ctx=n_ctx, n_batch=args.n_batch, n_vocab=n_vocab,
             pp_s=t2 - t1, pp_tok_s=len(prompt) / (t2 - t1),
