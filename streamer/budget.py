@@ -75,16 +75,17 @@ class Plan:
 
 
 def scratch_bytes(cfg, ubatch: int = 512) -> int:
-    """Activations of one prefill chunk, with room for each temporary the forward pass makes."""
-    widest = max(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff_exp or cfg.n_ff, cfg.n_ff)
-    return 64 * 2**20 + ubatch * (8 * cfg.n_embd + 6 * widest) * 4 + cfg.n_vocab * 4 * 2
+    """Activations of one prefill chunk: about a dozen live (tokens x widest layer) float32 temporaries,
+    the logits, and kernel scratch."""
+    widest = max(cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff_exp if cfg.is_moe else cfg.n_ff)
+    return 32 * 2**20 + ubatch * 12 * widest * 4 + cfg.n_vocab * 4 * 2
 
 
 def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     plan = Plan(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg),
-                128 * 2**20 + b // 32, expert_total, slot_bytes)
+                64 * 2**20 + b // 32, expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         need = b - plan.expert_cache + need_cache

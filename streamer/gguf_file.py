@@ -177,7 +177,7 @@ class GGUFFile:
     def get_string_bytes(self, key: str) -> list[bytes]:
         arr = self.fields[key]
         assert isinstance(arr, _StringArray), key
-        buf, off, out = self.mm, arr.start, []
+        buf, off, out = self._buf, arr.start, []  # memoryview slices: no np.memmap object per string
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(arr.count):
             (n,) = unpack(buf, off)

@@ -1,0 +1,64 @@
+"""The memory budget is a promise: the expert cache never holds more than it was given, and a run under a
+cgroup memory cap equal to --ram-budget (page cache included) completes instead of being OOM-killed."""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamer.synth.writer import Geometry, SynthSpec, write_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+# 4 layers x 64 experts x 2.4 MiB (Q8_0, hidden 1024, expert ff 768): 612 MiB of experts, far more than the cap
+STREAMING_MOE = Geometry("qwen3moe", 4, 1024, 8, 4, 128, 3072, 64, 8, 768, n_ctx=512)
+CAP = "400M"
+
+
+def cgroup_ok() -> bool:
+    return sys.platform == "linux" and os.geteuid() == 0 and os.access("/sys/fs/cgroup/memory", os.W_OK)
+
+
+@pytest.fixture(scope="module")
+def streaming_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("budget") / "moe.gguf"
+    return write_model(path, SynthSpec(STREAMING_MOE, real_vocab=False, seed=3))
+
+
+def test_cache_never_holds_more_than_given(streaming_moe, tmp_path, monkeypatch):
+    from streamer.session import open_model
+
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path))
+    s = open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=CAP)
+    cache = s.model.ffn.source.cache
+    plan = s.model.ffn.plan
+    assert not plan.fits_resident and cache.capacity_bytes <= plan.expert_cache
+    c = s.model.new_cache()
+    s.model.forward(np.arange(10), c)
+    for t in range(12):
+        s.model.forward(np.array([t * 7 % 250]), c)
+        assert cache.held_bytes <= cache.capacity_bytes
+    assert cache.peak_slots <= cache.n_slots and cache.evictions > 0  # it really streamed
+    arena = cache.arena
+    assert arena.nbytes == cache.capacity_bytes  # the cache's memory is the arena, sized once
+    s.close()
+
+
+@pytest.mark.skipif(not cgroup_ok(), reason="needs root and the cgroup-v1 memory controller")
+def test_generation_under_a_cgroup_cap_equal_to_the_budget(streaming_moe, tmp_path):
+    from cgroup import evict, run_capped
+
+    from streamer.session import open_model
+
+    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget="2G").close()  # numba kernels compiled + cached here
+    evict(streaming_moe)  # start cold: pages cached by the writer were charged to us, not to the capped run
+    cmd = [sys.executable, "-m", "cli.main", "run", str(streaming_moe), "-p", "hello there", "-n", "12",
+           "--ram-budget", CAP, "-c", "64"]
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    res = run_capped(cmd, CAP, timeout=300, env=env)
+    assert not res.oom_killed, res.summary()
+    assert res.returncode == 0, res.stderr
+    assert "experts: hit rate" in res.stderr  # it streamed and reported its traffic
+    assert res.max_usage_bytes <= 400 * 2**20
