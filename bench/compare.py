@@ -93,11 +93,11 @@ def model_path(models_dir: Path, w: Workload) -> Path:
 def ensure_model(args, w: Workload) -> Path:
     path = model_path(args.models_dir, w)
     if not path.exists():
-        args.models_dir.mkdir(parents=True, exist_ok=True)
         cmd = [args.stream_run, "synth", str(path), "--preset", w.preset, "--qtype", w.qtype, "--vocab", w.vocab,
                "--seed", "0"]
         print("+ " + shlex.join(cmd), file=sys.stderr)
         if not args.dry_run:
+            args.models_dir.mkdir(parents=True, exist_ok=True)
             subprocess.run(cmd, check=True)
     return path
 
