@@ -7,7 +7,10 @@ summed in any order. Higham's bound for any-order f32 summation of n such produc
     |out - ref| <= gamma_n * sum_k A_k |x_k|,   gamma_n ~ n u,  u = 2^-24,
 where A_k is |w_k| plus the magnitude of any offset term the kernel may split off (_magnitude),
 and n counts the products plus the per-block scalings (n_in + n_in/16 + 8). Gradual underflow adds
-at most n_in * 2^-149. Quantized activations (if a kernel used them) would add their own bound.
+at most n_in * 2^-149.
+The block-format matvecs quantize x to int16 per group of G elements (activations.py):
+x_k ~ xq_k * dx_g with dx_g = max|x in g| / XQ_MAX and |x_k - xq_k dx_g| <= dx_g/2 + 4u|x_k|,
+which adds sum_k A_k (dx_g/2 + 4u|x_k|) to the bound (the matmul tile path uses x exactly).
 """
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from gguf.quants import dequantize
 
 from streamer.errors import StreamerError
 from streamer.kernels import SUPPORTED, QMatrix, set_threads
+from streamer.kernels.activations import XQ_MAX
 
 U = 2.0 ** -24
 FORMATS = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -85,12 +89,19 @@ def _magnitude(qtype, raw, deq):
     return a
 
 
-def _tolerance(qtype, raw, deq, X):
-    """Per-output bound gamma_n * A|x| + n * 2^-149 (X: [m, n_in]) -> [m, n_out]."""
-    n_in = X.shape[1]
+def _tolerance(qtype, raw, deq, X, quantized_x=False):
+    """Per-output bound gamma_n * A|x| + n * 2^-149 [+ activation step] (X: [m, n_in]) -> [m, n_out]."""
+    m, n_in = X.shape
     n = n_in + n_in // 16 + 8
     a = _magnitude(qtype, raw, deq)
-    return (n * U / (1 - n * U)) * (np.abs(X.astype(np.float64)) @ a.T) + n_in * 2.0 ** -149
+    ax = np.abs(X.astype(np.float64))
+    tol = (n * U / (1 - n * U)) * (ax @ a.T) + n_in * 2.0 ** -149
+    group = SUPPORTED[qtype].act_group
+    if quantized_x and group:
+        dx = ax.reshape(m, -1, group).max(axis=2) / XQ_MAX
+        step = np.repeat(dx, group, axis=1) / 2 + 4 * U * ax
+        tol += step @ a.T
+    return tol
 
 
 def _n_ins(qtype):
@@ -115,14 +126,14 @@ def _check(qtype, n_out, n_in, regime, seed):
     x = rng.standard_normal(n_in).astype(np.float32)
     ref = deq.astype(np.float64) @ x.astype(np.float64)
     err = np.abs(q.matvec(x) - ref)
-    tol = _tolerance(qtype, raw, deq, x[None])[0]
+    tol = _tolerance(qtype, raw, deq, x[None], quantized_x=True)[0]
     assert np.all(err <= tol), f"matvec: worst err/tol {np.max(err / tol):.3g}"
 
     for m in (1, 5, 37):
         X = rng.standard_normal((m, n_in)).astype(np.float32)
         ref = X.astype(np.float64) @ deq.astype(np.float64).T
         err = np.abs(q.matmul(X) - ref)
-        tol = _tolerance(qtype, raw, deq, X)
+        tol = _tolerance(qtype, raw, deq, X, quantized_x=(m == 1))
         assert np.all(err <= tol), f"matmul m={m}: worst err/tol {np.max(err / tol):.3g}"
 
     # Dequantization itself is exact: the same f32 values the oracle produces.

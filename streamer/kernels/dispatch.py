@@ -11,27 +11,36 @@ from .gemm import TILE
 
 
 class Kernels(NamedTuple):
-    matvec: Callable  # (w, x, out, xs) -> None; xs is a scratch of n_in // 32 f32 group sums
+    matvec: Callable  # (w, x, out, xq, aux) -> None; xq int16[n_in], aux f32 scratch (activations.py)
     matmul: Callable  # (w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
     rows: Callable    # (w, ids, out) -> None
     view: type        # dtype the kernels see the data as
+    act_group: int    # matvec quantizes x to int16 per this many elements (0: x used as f32)
 
 
 SUPPORTED: dict[T, Kernels] = {
-    T.F32: Kernels(floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32),
-    T.F16: Kernels(floats.f16_matvec, floats.f16_matmul, floats.f16_rows, np.uint16),
-    T.BF16: Kernels(floats.bf16_matvec, floats.bf16_matmul, floats.bf16_rows, np.uint16),
-    T.Q8_0: Kernels(q8_0.q8_0_matvec, q8_0.q8_0_matmul, q8_0.q8_0_rows, np.uint8),
-    T.Q4_0: Kernels(q8_0.q4_0_matvec, q8_0.q4_0_matmul, q8_0.q4_0_rows, np.uint8),
-    T.Q4_K: Kernels(k_quants.q4_k_matvec, k_quants.q4_k_matmul, k_quants.q4_k_rows, np.uint8),
-    T.Q5_K: Kernels(k_quants.q5_k_matvec, k_quants.q5_k_matmul, k_quants.q5_k_rows, np.uint8),
-    T.Q6_K: Kernels(k_quants.q6_k_matvec, k_quants.q6_k_matmul, k_quants.q6_k_rows, np.uint8),
+    T.F32: Kernels(floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32, 0),
+    T.F16: Kernels(floats.f16_matvec, floats.f16_matmul, floats.f16_rows, np.uint16, 0),
+    T.BF16: Kernels(floats.bf16_matvec, floats.bf16_matmul, floats.bf16_rows, np.uint16, 0),
+    T.Q8_0: Kernels(q8_0.q8_0_matvec, q8_0.q8_0_matmul, q8_0.q8_0_rows, np.uint8, 32),
+    T.Q4_0: Kernels(q8_0.q4_0_matvec, q8_0.q4_0_matmul, q8_0.q4_0_rows, np.uint8, 32),
+    T.Q4_K: Kernels(k_quants.q4_k_matvec, k_quants.q4_k_matmul, k_quants.q4_k_rows, np.uint8, 256),
+    T.Q5_K: Kernels(k_quants.q5_k_matvec, k_quants.q5_k_matmul, k_quants.q5_k_rows, np.uint8, 256),
+    T.Q6_K: Kernels(k_quants.q6_k_matvec, k_quants.q6_k_matmul, k_quants.q6_k_rows, np.uint8, 256),
 }
 SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
 
-# Scratch shared by all matrices (only the main thread runs kernels): keyed by size.
-_group_sums: dict[int, np.ndarray] = {}
+# Scratch shared by all matrices (only the main thread runs kernels), keyed by n_in.
+_act: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 _tiles: dict[int, np.ndarray] = {}
+
+
+def _act_scratch(n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """int16 x and f32 aux (scales per 32/256, then f32 sums per 32) for one matvec of n_in."""
+    buf = _act.get(n_in)
+    if buf is None:
+        buf = _act[n_in] = (np.empty(n_in, np.int16), np.empty(2 * (n_in // 32) + 1, np.float32))
+    return buf
 
 
 def _tile_scratch(n_in: int) -> np.ndarray:
@@ -44,7 +53,7 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_mv", "_xs")
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_mv", "_xq", "_aux")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
         qtype = T(qtype) if isinstance(qtype, int) else qtype
@@ -66,10 +75,7 @@ class QMatrix:
         self.nbytes = data.nbytes
         self.extra_bytes = 0
         self._mv = k.matvec
-        ng = max(n_in // 32, 1)
-        self._xs = _group_sums.get(ng)
-        if self._xs is None:
-            self._xs = _group_sums[ng] = np.empty(ng, np.float32)
+        self._xq, self._aux = _act_scratch(n_in)
 
     def __repr__(self) -> str:
         return f"QMatrix({self.name!r}, {self.qtype.name}, {self.n_out}x{self.n_in})"
@@ -80,7 +86,7 @@ class QMatrix:
             raise ValueError(f"{self.name}: x has shape {x.shape}, expected ({self.n_in},)")
         if out is None:
             out = np.empty(self.n_out, np.float32)
-        self._mv(self._w, x, out, self._xs)
+        self._mv(self._w, x, out, self._xq, self._aux)
         return out
 
     def matmul(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -92,7 +98,7 @@ class QMatrix:
         if out is None:
             out = np.empty((m, self.n_out), np.float32)
         if m == 1:
-            self._mv(self._w, X[0], out[0], self._xs)
+            self._mv(self._w, X[0], out[0], self._xq, self._aux)
         else:
             self._k.matmul(self._w, X, out, _tile_scratch(self.n_in))
         return out

@@ -14,7 +14,7 @@ from .gemm import TILE, gemm_tile
 # ---- F32 -------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def f32_matvec(w, x, out, xs):
+def f32_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
         r = g << 2
@@ -56,7 +56,7 @@ def f32_rows(w, ids, out):
 # ---- F16 -------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def f16_matvec(w, x, out, xs):
+def f16_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
         r = g << 2
@@ -107,7 +107,7 @@ def f16_rows(w, ids, out):
 # ---- BF16 ------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def bf16_matvec(w, x, out, xs):
+def bf16_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
         r = g << 2

@@ -3,14 +3,17 @@
 Mirrors ggml's block_q4_K {d, dmin, scales[12], qs[128]} (144 bytes), block_q5_K
 {d, dmin, scales[12], qh[32], qs[128]} (176 bytes) and block_q6_K {ql[128], qh[64],
 int8 scales[16], d} (210 bytes), as decoded by ggml's dequantize_row_q{4,5,6}_K.
-Rows are read straight from the GGUF bytes.
+Rows are read straight from the GGUF bytes. matvec runs simd's vector row dot on x quantized
+to int16 per 256 (mins use exact f32 sums of x); matmul and rows dequantize exactly.
 """
 import numba
 import numpy as np
 from numba import njit, prange
 
 from ._bits import FASTMATH, f16_to_f32
+from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
+from .simd import q4_k_dot, q5_k_dot, q6_k_dot
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -28,46 +31,30 @@ def scale_min_k4(w, r, s, j):
     return np.int32(sc), np.int32(mn)
 
 
+# Prefetch distance in bytes ahead of the super-block being read.
+PF = 1024
+
+
 @njit(cache=True, nogil=True, fastmath=FASTMATH)
-def group_sums(x, xs):
-    """xs[g] = sum of x over 32-element group g: the min/offset terms need only these."""
-    for g in range(xs.size):
-        s = np.float32(0)
-        for k in range(32):
-            s += x[(g << 5) + k]
-        xs[g] = s
+def _prepare(x, xq, aux):
+    """int16 x per 256 (dx = aux[:n/256]) and f32 sums per 32 for the mins (xs = aux[n/32:])."""
+    ng = x.size >> 5
+    dx = aux[:ng]
+    xs = aux[ng:2 * ng]
+    quantize_groups(x, xq, dx, 256)
+    group_sums(x, xs)
+    return dx, xs
 
 
 # ---- Q4_K ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def q4_k_dot(w, r, x, xs):
-    acc = np.float32(0)
-    for b in range(x.size >> 8):
-        o = b * 144
-        d = _f16(w, r, o)
-        dmin = _f16(w, r, o + 2)
-        for c in range(4):
-            sc1, m1 = scale_min_k4(w, r, o + 4, 2 * c)
-            sc2, m2 = scale_min_k4(w, r, o + 4, 2 * c + 1)
-            q0 = o + 16 + c * 32
-            xb = (b << 8) + c * 64
-            s1 = s2 = np.float32(0)
-            for l in range(32):
-                v = w[r, q0 + l]
-                s1 += np.float32(v & 15) * x[xb + l]
-                s2 += np.float32(v >> 4) * x[xb + 32 + l]
-            g = (b << 3) + 2 * c
-            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2)
-            acc -= dmin * (np.float32(m1) * xs[g] + np.float32(m2) * xs[g + 1])
-    return acc
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def q4_k_matvec(w, x, out, xs):
-    group_sums(x, xs)
+def q4_k_matvec(w, x, out, xq, aux):
+    dx, xs = _prepare(x, xq, aux)
+    nb = x.size >> 8
+    rb = w.shape[1]
     for r in prange(w.shape[0]):
-        out[r] = q4_k_dot(w, r, x, xs)
+        out[r] = q4_k_dot(w, r * rb, xq, dx, xs, nb, PF)
 
 
 @njit(cache=True, nogil=True)
@@ -111,35 +98,13 @@ def q4_k_rows(w, ids, out):
 
 # ---- Q5_K ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def q5_k_dot(w, r, x, xs):
-    acc = np.float32(0)
-    for b in range(x.size >> 8):
-        o = b * 176
-        d = _f16(w, r, o)
-        dmin = _f16(w, r, o + 2)
-        for c in range(4):
-            sc1, m1 = scale_min_k4(w, r, o + 4, 2 * c)
-            sc2, m2 = scale_min_k4(w, r, o + 4, 2 * c + 1)
-            q0 = o + 48 + c * 32
-            xb = (b << 8) + c * 64
-            s1 = s2 = np.float32(0)
-            for l in range(32):
-                v = w[r, q0 + l]
-                h = w[r, o + 16 + l] >> (2 * c)
-                s1 += np.float32((v & 15) | ((h & 1) << 4)) * x[xb + l]
-                s2 += np.float32((v >> 4) | ((h & 2) << 3)) * x[xb + 32 + l]
-            g = (b << 3) + 2 * c
-            acc += d * (np.float32(sc1) * s1 + np.float32(sc2) * s2)
-            acc -= dmin * (np.float32(m1) * xs[g] + np.float32(m2) * xs[g + 1])
-    return acc
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def q5_k_matvec(w, x, out, xs):
-    group_sums(x, xs)
+def q5_k_matvec(w, x, out, xq, aux):
+    dx, xs = _prepare(x, xq, aux)
+    nb = x.size >> 8
+    rb = w.shape[1]
     for r in prange(w.shape[0]):
-        out[r] = q5_k_dot(w, r, x, xs)
+        out[r] = q5_k_dot(w, r * rb, xq, dx, xs, nb, PF)
 
 
 @njit(cache=True, nogil=True)
@@ -184,37 +149,13 @@ def q5_k_rows(w, ids, out):
 
 # ---- Q6_K ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def q6_k_dot(w, r, x):
-    wi = w.view(np.int8)
-    acc = np.float32(0)
-    for b in range(x.size >> 8):
-        o = b * 210
-        d = _f16(w, r, o + 208)
-        for h in range(2):
-            ql = o + h * 64
-            qh = o + 128 + h * 32
-            sc = o + 192 + h * 8
-            xb = (b << 8) + h * 128
-            for half in range(2):
-                s1 = s2 = s3 = s4 = np.float32(0)
-                for l in range(half * 16, half * 16 + 16):
-                    a = w[r, ql + l]
-                    c = w[r, ql + 32 + l]
-                    q = w[r, qh + l]
-                    s1 += np.float32(np.int32((a & 15) | ((q & 3) << 4)) - 32) * x[xb + l]
-                    s2 += np.float32(np.int32((c & 15) | (((q >> 2) & 3) << 4)) - 32) * x[xb + 32 + l]
-                    s3 += np.float32(np.int32((a >> 4) | (((q >> 4) & 3) << 4)) - 32) * x[xb + 64 + l]
-                    s4 += np.float32(np.int32((c >> 4) | (((q >> 6) & 3) << 4)) - 32) * x[xb + 96 + l]
-                acc += d * (np.float32(wi[r, sc + half]) * s1 + np.float32(wi[r, sc + 2 + half]) * s2
-                            + np.float32(wi[r, sc + 4 + half]) * s3 + np.float32(wi[r, sc + 6 + half]) * s4)
-    return acc
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def q6_k_matvec(w, x, out, xs):
+def q6_k_matvec(w, x, out, xq, aux):
+    dx, xs = _prepare(x, xq, aux)
+    nb = x.size >> 8
+    rb = w.shape[1]
     for r in prange(w.shape[0]):
-        out[r] = q6_k_dot(w, r, x)
+        out[r] = q6_k_dot(w, r * rb, xq, dx, xs, nb, PF)
 
 
 @njit(cache=True, nogil=True)

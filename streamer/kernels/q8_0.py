@@ -3,59 +3,33 @@
 Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes) and
 block_q4_0 {ggml_half d; uint8_t qs[16]} (18 bytes; element l is the low nibble of qs[l],
 element l+16 the high nibble, value d * (q - 8)). Rows are read straight from the GGUF bytes.
+matvec runs simd's vector row dot on int16-quantized x; matmul and rows dequantize exactly.
 """
 import numba
 import numpy as np
 from numba import njit, prange
 
 from ._bits import FASTMATH, f16_to_f32
+from .activations import quantize_groups
 from .gemm import TILE, gemm_tile
+from .simd import q4_0_dot, q8_0_dot
 
 
 # ---- Q8_0 ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def q8_0_dot(w, wi, r, x):
-    """One row of block_q8_0 against f32 x."""
-    acc = np.float32(0)
-    for b in range(x.size >> 5):
-        o = b * 34
-        s = np.float32(0)
-        for k in range(32):
-            s += np.float32(wi[r, o + 2 + k]) * x[(b << 5) + k]
-        acc += f16_to_f32(w[r, o] | (np.uint16(w[r, o + 1]) << 8)) * s
-    return acc
+# Prefetch distance in bytes ahead of the block being read: rows are read front to back.
+PF = 1024
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def q8_0_matvec(w, x, out, xs):
-    n_out = w.shape[0]
-    wi = w.view(np.int8)
-    for g in prange((n_out + 3) >> 2):
-        r = g << 2
-        if r + 4 <= n_out:
-            a0 = a1 = a2 = a3 = np.float32(0)
-            for b in range(x.size >> 5):
-                o = b * 34
-                xb = b << 5
-                s0 = s1 = s2 = s3 = np.float32(0)
-                for k in range(32):
-                    xv = x[xb + k]
-                    s0 += np.float32(wi[r, o + 2 + k]) * xv
-                    s1 += np.float32(wi[r + 1, o + 2 + k]) * xv
-                    s2 += np.float32(wi[r + 2, o + 2 + k]) * xv
-                    s3 += np.float32(wi[r + 3, o + 2 + k]) * xv
-                a0 += f16_to_f32(w[r, o] | (np.uint16(w[r, o + 1]) << 8)) * s0
-                a1 += f16_to_f32(w[r + 1, o] | (np.uint16(w[r + 1, o + 1]) << 8)) * s1
-                a2 += f16_to_f32(w[r + 2, o] | (np.uint16(w[r + 2, o + 1]) << 8)) * s2
-                a3 += f16_to_f32(w[r + 3, o] | (np.uint16(w[r + 3, o + 1]) << 8)) * s3
-            out[r] = a0
-            out[r + 1] = a1
-            out[r + 2] = a2
-            out[r + 3] = a3
-        else:
-            for rr in range(r, n_out):
-                out[rr] = q8_0_dot(w, wi, rr, x)
+def q8_0_matvec(w, x, out, xq, aux):
+    # x quantized to int16 per 32-block (activations.py); the row dot is simd.q8_0_dot.
+    nb = x.size >> 5
+    dx = aux[:nb]
+    quantize_groups(x, xq, dx, 32)
+    rb = w.shape[1]
+    for r in prange(w.shape[0]):
+        out[r] = q8_0_dot(w, r * rb, xq, dx, dx, nb, PF)
 
 
 @njit(cache=True, nogil=True)
@@ -88,27 +62,14 @@ def q8_0_rows(w, ids, out):
 
 # ---- Q4_0 ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
-def q4_0_dot(w, r, x):
-    """One row of block_q4_0 against f32 x."""
-    acc = np.float32(0)
-    for b in range(x.size >> 5):
-        o = b * 18
-        xb = b << 5
-        s = np.float32(0)
-        for l in range(16):
-            v = w[r, o + 2 + l]
-            s += np.float32(np.int32(v & 15) - 8) * x[xb + l]
-            s += np.float32(np.int32(v >> 4) - 8) * x[xb + 16 + l]
-        acc += f16_to_f32(w[r, o] | (np.uint16(w[r, o + 1]) << 8)) * s
-    return acc
-
-
 @njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
-def q4_0_matvec(w, x, out, xs):
-    n_out = w.shape[0]
-    for r in prange(n_out):
-        out[r] = q4_0_dot(w, r, x)
+def q4_0_matvec(w, x, out, xq, aux):
+    nb = x.size >> 5
+    dx = aux[:nb]
+    quantize_groups(x, xq, dx, 32)
+    rb = w.shape[1]
+    for r in prange(w.shape[0]):
+        out[r] = q4_0_dot(w, r * rb, xq, dx, dx, nb, PF)
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,37 @@
+"""Activation quantization for the block-format matvecs (ggml quantizes x to Q8_0/Q8_K likewise).
+
+x is rounded to int16 xq with one f32 scale per group (32 elements for Q8_0/Q4_0, 256 for the
+K-quants), |xq| <= XQ_MAX, so |x - xq*dx| <= dx/2 (+ f32 rounding). XQ_MAX = 2^14 - 1 keeps every
+int32 lane sum of a 256-element super-block in range: 16 products/lane x 4096 (Q6_K |scale*q|)
+x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
+"""
+import numpy as np
+from numba import njit
+
+from ._bits import FASTMATH
+
+XQ_MAX = 16383
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def quantize_groups(x, xq, dx, group):
+    """xq[k] = rint(x[k] / dx[g]), dx[g] = max|x in group g| / XQ_MAX."""
+    for g in range(x.size // group):
+        k0 = g * group
+        amax = np.float32(0)
+        for k in range(k0, k0 + group):
+            amax = max(amax, abs(x[k]))
+        dx[g] = amax / np.float32(XQ_MAX)
+        inv = np.float32(XQ_MAX) / amax if amax > 0 else np.float32(0)
+        for k in range(k0, k0 + group):
+            xq[k] = np.int16(np.rint(x[k] * inv))
+
+
+@njit(cache=True, nogil=True, fastmath=FASTMATH)
+def group_sums(x, xs):
+    """xs[g] = sum of x over 32-element group g: the K-quant min terms need only these."""
+    for g in range(xs.size):
+        s = np.float32(0)
+        for k in range(32):
+            s += x[(g << 5) + k]
+        xs[g] = s

@@ -1,0 +1,245 @@
+"""Row dot products of the block formats against int16-quantized activations, as numba intrinsics.
+
+Why intrinsics: numba widens every small-integer operation to int64 and LLVM then reduces each
+inner loop horizontally, which left the plain-numba block kernels at 3-6 GB/s. These emit one
+loop of generic LLVM vector IR per row, with the accumulators in registers across blocks and the
+ggml vec_dot shape: int16 products summed pairwise into int32 (x86 lowers it to vpmaddwd, or
+vpdpwssd with AVX512-VNNI), converted to f32 once per block with the block scale. Generic IR
+keeps them portable: LLVM picks the instructions for the host.
+
+Each function `<fmt>_dot(w, off, xq, dx, xs, nb, pf)` returns the f32 dot of the row starting at
+byte `off` of `w` (nb blocks) with x ~= xq * dx (xq int16 [n_in], dx f32 per 32 or 256 elements;
+xs f32 sums of x per 32, for the Q4_K/Q5_K mins). `pf` is a prefetch distance in bytes.
+"""
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+I8P = I8.as_pointer()
+
+
+def V(t, n):
+    return ir.VectorType(t, n)
+
+
+class _Emit:
+    """Small vector-IR vocabulary over one llvmlite builder."""
+
+    def __init__(self, context, builder):
+        self.c, self.b = context, builder
+
+    def base(self, aryty, ary):  # i8* to an array's data
+        return self.b.bitcast(self.c.make_array(aryty)(self.c, self.b, ary).data, I8P)
+
+    def ptr(self, base, byte_off, ty):
+        return self.b.bitcast(self.b.gep(base, [byte_off]), ty.as_pointer())
+
+    def load(self, base, byte_off, ty, align=1):
+        return self.b.load(self.ptr(base, byte_off, ty), align=align)
+
+    def off(self, v, k):  # v + k for i64 offsets
+        return self.b.add(v, ir.Constant(I64, k))
+
+    def f16x2(self, base, byte_off):
+        """The two IEEE halves in the 4 bytes at byte_off, as f32 (vmovd + vcvtph2ps). A lone i16
+        load became vpinsrw into a live register, chaining every block's scale to the accumulator."""
+        b = self.b
+        # An empty asm keeps the load whole (LLVM would narrow it to i16 and vpinsrw it again).
+        u = b.call(ir.InlineAsm(ir.FunctionType(I32, [I32]), "", "=r,0"), [self.load(base, byte_off, I32)])
+        v = b.insert_element(ir.Constant(V(I32, 4), [0] * 4), u, I32(0))
+        v = b.bitcast(v, V(ir.HalfType(), 8))
+        f = b.fpext(self.shuffle(v, v, [0, 1, 2, 3]), V(F32, 4))
+        return b.extract_element(f, I32(0)), b.extract_element(f, I32(1))
+
+    def splat(self, v, n):
+        t = V(v.type, n)
+        u = self.b.insert_element(ir.Constant(t, ir.Undefined), v, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(u, ir.Constant(t, ir.Undefined), ir.Constant(V(I32, n), [0] * n))
+
+    def const(self, t, n, k):
+        return ir.Constant(V(t, n), [k] * n)
+
+    def shuffle(self, a, b, mask):
+        return self.b.shuffle_vector(a, b, ir.Constant(V(I32, len(mask)), mask))
+
+    def pairdot(self, a16, b16):
+        """<32 x i16> . <32 x i16> -> <16 x i32> adjacent-pair sums (vpmaddwd)."""
+        m = self.b.mul(self.b.sext(a16, V(I32, 32)), self.b.sext(b16, V(I32, 32)))
+        u = ir.Constant(V(I32, 32), ir.Undefined)
+        return self.b.add(self.shuffle(m, u, list(range(0, 32, 2))), self.shuffle(m, u, list(range(1, 32, 2))))
+
+    def fma(self, acc, a, b):
+        return self.b.fadd(acc, self.b.fmul(a, b, flags=("fast",)), flags=("fast",))
+
+    def hsum(self, v):
+        """Tree sum of a float vector (once per row, so its cost does not matter)."""
+        n = v.type.count
+        while n > 1:
+            n //= 2
+            v = self.b.fadd(self.shuffle(v, v, list(range(n))), self.shuffle(v, v, list(range(n, 2 * n))),
+                            flags=("fast",))
+        return self.b.extract_element(v, ir.Constant(I32, 0))
+
+    def prefetch(self, base, byte_off):
+        mod = self.b.module
+        fn = mod.globals.get("llvm.prefetch.p0")
+        if fn is None:
+            fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]), name="llvm.prefetch.p0")
+        self.b.call(fn, [self.b.gep(base, [byte_off]), I32(0), I32(2), I32(1)])
+
+    def loop(self, n, carried, body):
+        """for i in range(n): carried = body(i, carried) -- with the carried values as SSA phis."""
+        b = self.b
+        pre = b.block
+        head, step, done = b.append_basic_block("head"), b.append_basic_block("step"), b.append_basic_block("done")
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64)
+        i.add_incoming(ir.Constant(I64, 0), pre)
+        phis = []
+        for v in carried:
+            p = b.phi(v.type)
+            p.add_incoming(v, pre)
+            phis.append(p)
+        b.cbranch(b.icmp_signed("<", i, n), step, done)
+        b.position_at_end(step)
+        new = body(i, phis)
+        end = b.block
+        i.add_incoming(b.add(i, ir.Constant(I64, 1)), end)
+        for p, v in zip(phis, new):
+            p.add_incoming(v, end)
+        b.branch(head)
+        b.position_at_end(done)
+        return phis
+
+
+def _row_intrinsic(block_bytes, body_fn, n_acc):
+    """Wrap a per-block body into an intrinsic `(w, off, xq, dx, xs, nb, pf) -> f32`.
+
+    body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are float vectors summed at the end
+    (the last one, if n_acc == 2, is subtracted: the K-quant mins).
+    """
+    @intrinsic
+    def row(typingctx, w, off, xq, dx, xs, nb, pf):
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            w_, off_, xq_, dx_, xs_, nb_, pf_ = args
+            wb = e.base(sig.args[0], w_)
+            xqb, dxb, xsb = e.base(sig.args[2], xq_), e.base(sig.args[3], dx_), e.base(sig.args[4], xs_)
+            init = [ir.Constant(V(F32, 16), [0.0] * 16), ir.Constant(V(F32, 8), [0.0] * 8)][:n_acc]
+
+            def step(b, accs):
+                blk = builder.add(off_, builder.mul(b, ir.Constant(I64, block_bytes)))
+                for k in range(0, block_bytes, 64):
+                    e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, k))))
+                return body_fn(e, wb, xqb, dxb, xsb, b, blk, accs)
+
+            accs = e.loop(nb_, init, step)
+            total = e.hsum(accs[0])
+            if n_acc == 2:
+                total = builder.fsub(total, e.hsum(accs[1]), flags=("fast",))
+            return total
+
+        return types.float32(w, types.int64, xq, dx, xs, types.int64, types.int64), codegen
+
+    return row
+
+
+def _q8_0(e, wb, xqb, dxb, xsb, b, blk, accs):
+    # block_q8_0: d, int8 qs[32]
+    bb = e.b
+    s = bb.fmul(e.f16x2(wb, blk)[0], e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
+    wv = bb.sext(e.load(wb, e.off(blk, 2), V(I8, 32)), V(I16, 32))
+    xv = e.load(xqb, bb.mul(b, ir.Constant(I64, 64)), V(I16, 32), 2)
+    p = bb.sitofp(e.pairdot(wv, xv), V(F32, 16))
+    return [e.fma(accs[0], p, e.splat(s, 16))]
+
+
+def _q4_0(e, wb, xqb, dxb, xsb, b, blk, accs):
+    # block_q4_0: d, qs[16]; element l = low nibble of qs[l], element l+16 = high nibble; value q-8
+    bb = e.b
+    s = bb.fmul(e.f16x2(wb, blk)[0], e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
+    q = e.load(wb, e.off(blk, 2), V(I8, 16))
+    q = e.shuffle(bb.and_(q, e.const(I8, 16, 15)), bb.lshr(q, e.const(I8, 16, 4)), list(range(32)))
+    wv = bb.sext(bb.sub(q, e.const(I8, 32, 8)), V(I16, 32))
+    xv = e.load(xqb, bb.mul(b, ir.Constant(I64, 64)), V(I16, 32), 2)
+    p = bb.sitofp(e.pairdot(wv, xv), V(F32, 16))
+    return [e.fma(accs[0], p, e.splat(s, 16))]
+
+
+def _k4_scales(e, wb, at):
+    """ggml get_scale_min_k4 for all 8 sub-blocks at once: (<8 x i8> scales, <8 x i8> mins)."""
+    bb = e.b
+    u0, u1, u2 = (e.load(wb, e.off(at, k), I32) for k in (0, 4, 8))
+    m6, m4, m2 = I32(0x3F3F3F3F), I32(0x0F0F0F0F), I32(0x03030303)
+    sc_hi = bb.or_(bb.and_(u2, m4), bb.shl(bb.and_(bb.lshr(u0, I32(6)), m2), I32(4)))
+    mn_hi = bb.or_(bb.and_(bb.lshr(u2, I32(4)), m4), bb.shl(bb.and_(bb.lshr(u1, I32(6)), m2), I32(4)))
+
+    def pack(lo, hi):
+        v = bb.insert_element(ir.Constant(V(I32, 2), ir.Undefined), lo, I32(0))
+        return bb.bitcast(bb.insert_element(v, hi, I32(1)), V(I8, 8))
+
+    return pack(bb.and_(u0, m6), sc_hi), pack(bb.and_(u1, m6), mn_hi)
+
+
+def _kquant_mins(e, xsb, b, dmin, mins, acc):
+    # acc_min += dmin * m_j * sum(x over sub-block j), in float (exact x sums, no quantization)
+    bb = e.b
+    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    mf = bb.uitofp(mins, V(F32, 8))
+    return e.fma(acc, bb.fmul(mf, xs8, flags=("fast",)), e.splat(dmin, 8))
+
+
+def _q45_k(qs_at, has_qh):
+    def body(e, wb, xqb, dxb, xsb, b, blk, accs):
+        # block_q4_K / block_q5_K: d, dmin, scales[12], (qh[32]), qs[128]
+        bb = e.b
+        d, dmin = e.f16x2(wb, blk)
+        scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+        qh = e.load(wb, e.off(blk, 16), V(I8, 32)) if has_qh else None
+        xb = bb.mul(b, ir.Constant(I64, 512))  # 256 int16
+        isum = ir.Constant(V(I32, 16), [0] * 16)
+        for c in range(4):
+            q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
+            lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
+            if has_qh:  # bit 2c of qh[l] is bit 4 of sub-block 2c, bit 2c+1 of sub-block 2c+1
+                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+            for j, v in ((2 * c, lo), (2 * c + 1, hi)):
+                sc = e.splat(bb.zext(bb.extract_element(scales, I32(j)), I16), 32)
+                xv = e.load(xqb, e.off(xb, 64 * j), V(I16, 32), 2)
+                isum = bb.add(isum, e.pairdot(bb.mul(bb.zext(v, V(I16, 32)), sc), xv))
+        s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
+        acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))
+        return [acc, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
+    return body
+
+
+def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
+    # block_q6_K: ql[128], qh[64], int8 scales[16], d; value d * scale[e // 16] * (q - 32)
+    bb = e.b
+    scales = bb.sext(e.load(wb, e.off(blk, 192), V(I8, 16)), V(I16, 16))
+    xb = bb.mul(b, ir.Constant(I64, 512))
+    isum = ir.Constant(V(I32, 16), [0] * 16)
+    for h in range(2):
+        ql0 = e.load(wb, e.off(blk, 64 * h), V(I8, 32))
+        ql1 = e.load(wb, e.off(blk, 64 * h + 32), V(I8, 32))
+        qh = e.load(wb, e.off(blk, 128 + 32 * h), V(I8, 32))
+        for k, (ql, shift) in enumerate(((ql0, 0), (ql1, 0), (ql0, 4), (ql1, 4))):
+            nib = bb.and_(bb.lshr(ql, e.const(I8, 32, shift)), e.const(I8, 32, 15))
+            top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
+            q = bb.sext(bb.sub(bb.or_(nib, top), e.const(I8, 32, 32)), V(I16, 32))
+            g = 8 * h + 2 * k  # scales of elements 0-15 and 16-31 of this 32-group
+            sc = e.shuffle(scales, scales, [g] * 16 + [g + 1] * 16)
+            xv = e.load(xqb, e.off(xb, 2 * (128 * h + 32 * k)), V(I16, 32), 2)
+            isum = bb.add(isum, e.pairdot(bb.mul(q, sc), xv))
+    s = bb.fmul(e.f16x2(wb, e.off(blk, 206))[1], e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
+    return [e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))]
+
+
+q8_0_dot = _row_intrinsic(34, _q8_0, 1)
+q4_0_dot = _row_intrinsic(18, _q4_0, 1)
+q4_k_dot = _row_intrinsic(144, _q45_k(16, False), 2)
+q5_k_dot = _row_intrinsic(176, _q45_k(48, True), 2)
+q6_k_dot = _row_intrinsic(210, _q6_k, 1)
