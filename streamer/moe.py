@@ -95,11 +95,16 @@ class MoEFFN:
             e = pending.popleft()
             gate, up, down = src.wait(layer, e)
             try:
-                rows, slot = np.nonzero(ids == e)
-                x = h[rows]
-                g = linear(gate, x)
-                y = linear(down, ops.swiglu(g, linear(up, x), g))
-                out[rows] += w[rows, slot][:, None].astype(np.float32) * y
+                if h.shape[0] == 1:  # decode: no gathering
+                    g = gate.matvec(h[0]).reshape(1, -1)
+                    y = down.matvec(ops.swiglu(g, up.matvec(h[0]).reshape(1, -1), g)[0])
+                    out[0] += np.float32(w[0, np.flatnonzero(ids[0] == e)[0]]) * y
+                else:
+                    rows, slot = np.nonzero(ids == e)
+                    x = h[rows]
+                    g = linear(gate, x)
+                    y = linear(down, ops.swiglu(g, linear(up, x), g))
+                    out[rows] += w[rows, slot][:, None].astype(np.float32) * y
             finally:
                 src.release(layer, e)
 
