@@ -197,19 +197,23 @@ def _q45_k(qs_at, has_qh):
         bb = e.b
         d, dmin = e.f16x2(wb, blk)
         scales, mins = _k4_scales(e, wb, e.off(blk, 4))
-        qh = e.load(wb, e.off(blk, 16), V(I8, 32)) if has_qh else None
+        sc16 = bb.zext(scales, V(I16, 8))
+        qh = bb.zext(e.load(wb, e.off(blk, 16), V(I8, 32)), V(I16, 32)) if has_qh else None
         xb = bb.mul(b, ir.Constant(I64, 512))  # 256 int16
         isum = ir.Constant(V(I32, 16), [0] * 16)
         for c in range(4):
-            q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
-            lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
+            # One zero-extension per 32 bytes; both nibbles are then cut in 16-bit lanes.
+            q = bb.zext(e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32)), V(I16, 32))
+            lo, hi = bb.and_(q, e.const(I16, 32, 15)), bb.lshr(q, e.const(I16, 32, 4))
             if has_qh:  # bit 2c of qh[l] is bit 4 of sub-block 2c, bit 2c+1 of sub-block 2c+1
-                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
-                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                lo = bb.or_(lo, bb.and_(bb.shl(qh, e.const(I16, 32, 4 - 2 * c)) if c < 2 else
+                                        bb.lshr(qh, e.const(I16, 32, 2 * c - 4)), e.const(I16, 32, 16)))
+                hi = bb.or_(hi, bb.and_(bb.shl(qh, e.const(I16, 32, 3 - 2 * c)) if c < 2 else
+                                        bb.lshr(qh, e.const(I16, 32, 2 * c - 3)), e.const(I16, 32, 16)))
             for j, v in ((2 * c, lo), (2 * c + 1, hi)):
-                sc = e.splat(bb.zext(bb.extract_element(scales, I32(j)), I16), 32)
+                sc = e.shuffle(sc16, sc16, [j] * 32)
                 xv = e.load(xqb, e.off(xb, 64 * j), V(I16, 32), 2)
-                isum = bb.add(isum, e.pairdot(bb.mul(bb.zext(v, V(I16, 32)), sc), xv))
+                isum = bb.add(e.pairdot(bb.mul(v, sc), xv), isum)
         s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
         acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))
         return [acc, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
@@ -243,3 +247,94 @@ q4_0_dot = _row_intrinsic(18, _q4_0, 1)
 q4_k_dot = _row_intrinsic(144, _q45_k(16, False), 2)
 q5_k_dot = _row_intrinsic(176, _q45_k(48, True), 2)
 q6_k_dot = _row_intrinsic(210, _q6_k, 1)
+
+
+# ---- exact row dequantization (matmul tiles, embedding rows) -----------------------------
+# Same operation order as ggml/gguf-py, so values are bit-identical: products of a scale and a
+# small integer are exact in f32; only the final scale*q (and the Q4_K/Q5_K "- dmin*m") rounds.
+
+def _deq_intrinsic(block_bytes, block_elems, body_fn):
+    """Intrinsic `(w, off, dst, doff, nb)`: write nb blocks of the row at byte off of w as f32
+    into dst starting at flat element doff. body_fn(e, wb, blk, store) calls store(k, <n x f32>)."""
+    @intrinsic
+    def deq(typingctx, w, off, dst, doff, nb):
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            w_, off_, dst_, doff_, nb_ = args
+            wb, db = e.base(sig.args[0], w_), e.base(sig.args[2], dst_)
+            dbase = builder.mul(doff_, ir.Constant(I64, 4))
+
+            def step(b, carried):
+                blk = builder.add(off_, builder.mul(b, ir.Constant(I64, block_bytes)))
+                at = builder.add(dbase, builder.mul(b, ir.Constant(I64, 4 * block_elems)))
+
+                def store(k, v):  # v: f32 vector for elements k.. of this block
+                    builder.store(v, e.ptr(db, e.off(at, 4 * k), v.type), align=4)
+
+                body_fn(e, wb, blk, store)
+                return carried
+
+            e.loop(nb_, [], step)
+            return context.get_dummy_value()
+
+        return types.none(w, types.int64, dst, types.int64, types.int64), codegen
+
+    return deq
+
+
+def _deq_q8_0(e, wb, blk, store):
+    bb = e.b
+    q = bb.sitofp(e.load(wb, e.off(blk, 2), V(I8, 32)), V(F32, 32))
+    store(0, bb.fmul(e.splat(e.f16x2(wb, blk)[0], 32), q))
+
+
+def _deq_q4_0(e, wb, blk, store):
+    bb = e.b
+    q = e.load(wb, e.off(blk, 2), V(I8, 16))
+    q = e.shuffle(bb.and_(q, e.const(I8, 16, 15)), bb.lshr(q, e.const(I8, 16, 4)), list(range(32)))
+    q = bb.sitofp(bb.sub(q, e.const(I8, 32, 8)), V(F32, 32))
+    store(0, bb.fmul(e.splat(e.f16x2(wb, blk)[0], 32), q))
+
+
+def _deq_q45_k(qs_at, has_qh):
+    def body(e, wb, blk, store):
+        bb = e.b
+        d, dmin = e.f16x2(wb, blk)
+        scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+        dsc = bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8)))
+        dmn = bb.fmul(e.splat(dmin, 8), bb.uitofp(mins, V(F32, 8)))
+        qh = e.load(wb, e.off(blk, 16), V(I8, 32)) if has_qh else None
+        for c in range(4):
+            q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
+            lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
+            if has_qh:
+                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+            for j, v in ((2 * c, lo), (2 * c + 1, hi)):
+                s = e.shuffle(dsc, dsc, [j] * 32)
+                m = e.shuffle(dmn, dmn, [j] * 32)
+                store(32 * j, bb.fsub(bb.fmul(s, bb.uitofp(v, V(F32, 32))), m))
+    return body
+
+
+def _deq_q6_k(e, wb, blk, store):
+    bb = e.b
+    d = e.f16x2(wb, e.off(blk, 206))[1]
+    dsc = bb.fmul(e.splat(d, 16), bb.sitofp(e.load(wb, e.off(blk, 192), V(I8, 16)), V(F32, 16)))
+    for h in range(2):
+        ql0 = e.load(wb, e.off(blk, 64 * h), V(I8, 32))
+        ql1 = e.load(wb, e.off(blk, 64 * h + 32), V(I8, 32))
+        qh = e.load(wb, e.off(blk, 128 + 32 * h), V(I8, 32))
+        for k, (ql, shift) in enumerate(((ql0, 0), (ql1, 0), (ql0, 4), (ql1, 4))):
+            nib = bb.and_(bb.lshr(ql, e.const(I8, 32, shift)), e.const(I8, 32, 15))
+            top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
+            q = bb.sitofp(bb.sub(bb.or_(nib, top), e.const(I8, 32, 32)), V(F32, 32))
+            g = 8 * h + 2 * k
+            store(128 * h + 32 * k, bb.fmul(e.shuffle(dsc, dsc, [g] * 16 + [g + 1] * 16), q))
+
+
+q8_0_deq = _deq_intrinsic(34, 32, _deq_q8_0)
+q4_0_deq = _deq_intrinsic(18, 32, _deq_q4_0)
+q4_k_deq = _deq_intrinsic(144, 256, _deq_q45_k(16, False))
+q5_k_deq = _deq_intrinsic(176, 256, _deq_q45_k(48, True))
+q6_k_deq = _deq_intrinsic(210, 256, _deq_q6_k)
