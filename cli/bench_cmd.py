@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,8 +34,9 @@ def bench(
 
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
+    t0 = time.perf_counter()
     s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
-    r = run_bench(s, pp, tg)
+    r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0)
     s.close()
     print(json.dumps(r) if as_json else format_bench(r))
 

@@ -30,7 +30,7 @@ def weight_bytes_per_token(session, routed_per_token: float) -> float:
     return dense + routed_per_token * per_expert
 
 
-def run_bench(session, pp: int = 128, tg: int = 64) -> dict:
+def run_bench(session, pp: int = 128, tg: int = 64, load_s: float = 0.0) -> dict:
     model, prof = session.model, session.profiler
     ids = prompt_tokens(session.cfg.n_vocab, pp)
     model.forward(ids[:1], model.new_cache())  # warm-up: page in the resident weights, touch every kernel
@@ -52,15 +52,19 @@ def run_bench(session, pp: int = 128, tg: int = 64) -> dict:
     t_tg = time.perf_counter() - t0
     tg_report = prof.report() if prof is not None else None
     tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
+    disk = disk_read_bytes() - disk0
+    requested = (pp_report["read_bytes"] + tg_report["read_bytes"]) if prof is not None else 0
     routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
     wbytes = weight_bytes_per_token(session, routed)
     return {
-        "pp": pp, "tg": tg,
+        "pp": pp, "tg": tg, "load_s": load_s,
         "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
         "tg_tok_s": tg_tok_s,
         "weight_bytes_per_token": wbytes,
         "weight_gb_s": wbytes * tg_tok_s / 1e9,
-        "disk_read_bytes": disk_read_bytes() - disk0,
+        "disk_read_bytes": disk,
+        "expert_read_bytes": requested,  # expert bytes our cache asked for (demand + prefetch), pp + tg
+        "disk_per_expert_byte": disk / requested if requested else None,
         "expert_hit_rate": tg_report["hit_rate"] if tg_report else None,
         "read_bytes_per_token": tg_report["read_bytes_per_token"] if tg_report else 0.0,
         "prefetch_recall": tg_report["prefetch_recall"] if tg_report else None,
@@ -76,10 +80,12 @@ def format_bench(r: dict) -> str:
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
     return "\n".join([
+        f"load     {r['load_s']:.2f} s (open, budget plan, kernels)",
         f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
         f"decode   {r['tg']} tokens: {r['tg_tok_s']:.2f} tok/s "
         f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",
-        f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)",
+        f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)"
+        + (f", {r['disk_per_expert_byte']:.3f}x the expert bytes requested" if r["disk_per_expert_byte"] else ""),
         f"experts  hit rate {pct(r['expert_hit_rate'])}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read per "
         f"decoded token, prefetch recall {pct(r['prefetch_recall'])}, I/O stall {pct(r['io_stall_share'])}",
         f"memory   peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",

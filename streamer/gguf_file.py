@@ -7,6 +7,7 @@ only located, then decoded when somebody asks for them. Constants and sizes stil
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -202,6 +203,19 @@ class GGUFFile:
             return raw.view(np.float16).reshape(t.shape)
         block, type_size = GGML_QUANT_SIZES[t.qtype]
         return raw.reshape(*t.shape[:-1], t.shape[-1] // block * type_size)
+
+    def advise(self, ranges, advice: int) -> None:
+        """madvise byte ranges (offset, length) of the mapping, e.g. mmap.MADV_WILLNEED: a hint only."""
+        mm = getattr(self.mm, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        for start, n in ranges:
+            a0 = start // page * page
+            try:
+                mm.madvise(advice, a0, min(start + n, self.size) - a0)
+            except (OSError, ValueError):
+                return
 
     def close(self) -> None:
         self._buf.release()

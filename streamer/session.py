@@ -65,6 +65,23 @@ class Session:
         return self._tokenizer
 
 
+def advise_pages(gf: GGUFFile, streaming: bool) -> None:
+    """Tell the kernel what to read ahead. Weights used in place are read ahead in the background (the file
+    is read in large requests instead of one page fault at a time). When experts stream, their bytes in the
+    mapping get MADV_RANDOM so readahead around non-expert pages never drags expert bytes into the page
+    cache: the budget pays for experts once, in our cache."""
+    import mmap
+
+    import psutil
+
+    experts = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name]
+    resident = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." not in t.name or not streaming]
+    if sum(n for _, n in resident) < 0.8 * psutil.virtual_memory().available:
+        gf.advise(resident, mmap.MADV_WILLNEED)
+    if streaming:
+        gf.advise(experts, mmap.MADV_RANDOM)
+
+
 def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn_options) -> Session:
     from streamer import kernels
     from streamer.model import Model
@@ -78,6 +95,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
         from streamer.experts.build import build_moe_ffn
         ffn = build_moe_ffn(gf, cfg, n_ctx=n_ctx, **ffn_options)
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
+    advise_pages(gf, streaming=getattr(getattr(ffn, "source", None), "cache", None) is not None)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
     return Session(gf, cfg, model)
