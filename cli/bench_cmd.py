@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import CtxSize, ExpertTopP, ModelArg, NoLearn, NoStream, NPredict, Prefetch, RamBudget, Threads
+from cli.options import (CtxSize, ExpertTopP, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
+                         Threads)
 from cli.run_cmd import _open
 
 
@@ -22,9 +23,10 @@ def bench(
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = 1.0,
-    prefetch: Prefetch = True,
+    expert_top_p: ExpertTopP = None,
+    prefetch: Prefetch = None,
     no_learn: NoLearn = False,
+    profile: Profile = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
 ) -> None:
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
@@ -35,7 +37,7 @@ def bench(
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
-    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
     r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0)
     s.close()
     print(json.dumps(r) if as_json else format_bench(r))
@@ -49,9 +51,10 @@ def profile(
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = 1.0,
-    prefetch: Prefetch = True,
+    expert_top_p: ExpertTopP = None,
+    prefetch: Prefetch = None,
     no_learn: NoLearn = False,
+    profile: Profile = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
@@ -60,7 +63,7 @@ def profile(
     from streamer.io import atomic_write
     from streamer.sampler import Sampler, SamplerParams
 
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn)
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
     if s.profiler is None:
         raise StreamerError(f"{model} is a dense model: it has no experts to profile")
     gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)

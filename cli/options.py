@@ -23,8 +23,10 @@ Seed = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).
 RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM budget for everything resident, e.g. 8G "
                                                   "[default: a fraction of available memory].")]
 NoStream = Annotated[bool, typer.Option("--no-stream", help="Keep all experts resident (mmap); no streaming.")]
-ExpertTopP = Annotated[float, typer.Option("--expert-top-p", help="Per token, drop routed experts beyond this "
-                                           "cumulative weight (1.0 = off).")]
-Prefetch = Annotated[bool, typer.Option("--prefetch/--no-prefetch", help="Router-lookahead expert prefetch.")]
+ExpertTopP = Annotated[Optional[float], typer.Option("--expert-top-p", help="Per token, drop routed experts beyond "
+                                                     "this cumulative weight [default: 1.0 = off].")]
+Prefetch = Annotated[Optional[bool], typer.Option("--prefetch/--no-prefetch", help="Router-lookahead expert "
+                                                  "prefetch [default: on].", show_default=False)]
 NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not load or save the learned expert-usage profile.")]
-Profile = Annotated[Optional[str], typer.Option("--profile", help="Runtime preset from profiles/ (e.g. 8g) or a TOML file.")]
+Profile = Annotated[Optional[str], typer.Option("--profile", help="Streaming preset: 8g, 8g-fast, 16g, 32g or a "
+                                               ".toml file; flags given explicitly win.")]

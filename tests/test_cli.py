@@ -163,3 +163,21 @@ def test_outputs_are_never_written_in_place(synth_model, tmp_path):
     out.write_bytes(b"precious")
     user_error(invoke("synth", out, "--preset", "tiny"), "exists")
     assert out.read_bytes() == b"precious"
+
+
+def test_profiles(synth_model, tmp_path):
+    from streamer.profiles import available, load_profile, resolve
+
+    assert {"8g", "16g", "32g"} <= set(available())
+    assert load_profile("8g")["ram_budget"] == "7G"
+    assert resolve("8g-fast", expert_top_p=None)["expert_top_p"] == 0.9
+    assert resolve("8g-fast", expert_top_p=1.0)["expert_top_p"] == 1.0  # an explicit flag wins
+    path = synth_model("tiny-moe", "Q8_0")
+    r = invoke("run", path, "-p", "x", "-n", "2", "--profile", "8g-fast")
+    assert r.exit_code == 0, r.output
+    user_error(invoke("run", path, "-p", "x", "--profile", "9000g"), "unknown profile '9000g'")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("ram_budget = '4G'\nturbo = true\n")
+    user_error(invoke("run", path, "-p", "x", "--profile", bad), "unknown key 'turbo'")
+    bad.write_text("ram_budget = [")
+    user_error(invoke("run", path, "-p", "x", "--profile", bad), "not valid TOML")

@@ -13,14 +13,13 @@ from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
 from streamer.profiler import Profiler
 
-PIN_SHARE = 0.5  # at most this share of the expert cache is pinned; the rest stays LRU
-
-
 def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bool = True,
                   expert_top_p: float = 1.0, prefetch: bool = True, learn: bool = True,
                   expert_cache_bytes: int | None = None, direct: bool | None = None, n_readers: int = 4,
+                  pin_share: float = 0.5,
                   verbose: bool = True) -> MoEFFN:
-    """expert_cache_bytes overrides the budget plan (tests size the cache exactly)."""
+    """expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most pin_share of the
+    expert cache is pinned; the rest stays LRU."""
     prof = Profiler(cfg.n_layer)
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, learn)
     layout = ExpertLayout(gf, cfg)
@@ -43,7 +42,7 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
             from streamer.errors import StreamerError
             raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
                                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
-        pin_cap = min(int(PIN_SHARE * n_slots), n_slots - 2 * cfg.n_expert_used)
+        pin_cap = min(int(pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0))
         source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
     ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch and stream)
