@@ -3,6 +3,10 @@
 QMatrix wraps one 2-D weight view and exposes matvec (decode), matmul (prefill) and rows
 (embedding gather); SUPPORTED is the dispatch table keyed by GGMLQuantizationType.
 """
-from .dispatch import SUPPORTED, QMatrix, set_threads
+from ._cache import drop_stale_numba_cache
+
+drop_stale_numba_cache()
+
+from .dispatch import SUPPORTED, QMatrix, set_threads  # noqa: E402
 
 __all__ = ["QMatrix", "SUPPORTED", "set_threads"]

@@ -15,7 +15,7 @@ from .gemm import TILE, gemm_tile
 from .simd import q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot
 
 # Prefetch distance in bytes ahead of the super-block being read.
-PF = 1024
+PF = 4096
 
 
 @njit(cache=True, nogil=True, fastmath=FASTMATH)

@@ -15,7 +15,7 @@ from .gemm import TILE, gemm_tile
 from .simd import q4_0_deq, q4_0_dot, q8_0_deq, q8_0_dot
 
 # Prefetch distance in bytes ahead of the block being read: rows are read front to back.
-PF = 1024
+PF = 4096
 
 
 # ---- Q8_0 ------------------------------------------------------------------------------
