@@ -209,3 +209,33 @@ def test_rows_out_of_range_and_threads():
     finally:
         import numba
         set_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_activation_quantization_step():
+    from streamer.kernels.activations import quantize_groups
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(1024) * 10.0 ** rng.integers(-8, 8, 1024)).astype(np.float32)
+    x[256:512] = 0  # an all-zero group must give xq = 0, dx = 0
+    for group in (32, 256):
+        xq = np.empty(1024, np.int16)
+        dx = np.empty(1024 // group, np.float32)
+        quantize_groups(x, xq, dx, group)
+        assert np.abs(xq.astype(np.int64)).max() <= XQ_MAX
+        d = np.repeat(dx.astype(np.float64), group)
+        err = np.abs(x - xq * d)
+        assert np.all(err <= d / 2 + 4 * U * np.abs(x)), np.max(err / (d / 2 + 1e-300))
+        assert np.all(xq[256:512] == 0)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_zero_input_and_out_arguments(qtype):
+    rng = np.random.default_rng(6)
+    n_in = _n_ins(qtype)[1]
+    data, _ = make_weight(qtype, 7, n_in, rng)
+    q = QMatrix(data, qtype, n_in)
+    out = np.full(7, np.nan, np.float32)
+    assert q.matvec(np.zeros(n_in, np.float32), out) is out
+    np.testing.assert_array_equal(out, 0)
+    OUT = np.full((3, 7), np.nan, np.float32)
+    assert q.matmul(np.zeros((3, n_in), np.float32), OUT) is OUT
+    np.testing.assert_array_equal(OUT, 0)
