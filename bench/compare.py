@@ -129,10 +129,9 @@ def stream_run_has_bench(stream_run: str) -> bool:
 def sr_budget(args, w: Workload) -> str | None:
     if args.sr_budget:
         return args.sr_budget
-    if w.cap:
+    if w.cap:  # the promise: a cgroup cap equal to --ram-budget is never exceeded
         cap = cgroup.parse_size(w.cap)
-        margin = min(512 << 20, cap // 4) if args.budget_margin == "auto" else cgroup.parse_size(args.budget_margin)
-        return str(cap - margin)
+        return str(cap - cgroup.parse_size(args.budget_margin))
     return None
 
 
@@ -493,8 +492,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-args", default="", help="extra arguments for bench/llama_run.py")
     ap.add_argument("--sr-args", default="", help="extra arguments for stream-run bench/run")
     ap.add_argument("--sr-budget", help="stream-run --ram-budget (default: capped workloads get cap - margin)")
-    ap.add_argument("--budget-margin", default="auto", help="under a cap, stream-run gets --ram-budget = cap - "
-                    "this (auto: min(512M, cap/4))")
+    ap.add_argument("--budget-margin", default="0", help="under a cap, stream-run gets --ram-budget = cap - "
+                    "this (default 0: the budget is the cap)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     ap.add_argument("--keep-logs", action="store_true", help="keep llama.cpp's loader lines in the raw figures")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")

@@ -82,6 +82,17 @@ def advise_pages(gf: GGUFFile, streaming: bool) -> None:
         gf.advise(experts, mmap.MADV_RANDOM)
 
 
+def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget) -> None:
+    """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
+    from streamer.io import human, parse_size
+
+    b = parse_size(budget) if isinstance(budget, str) else int(budget)
+    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * (n_ctx or min(4096, cfg.n_ctx_train))
+    if need > b:
+        print(f"warning: this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
+              f"{human(b)}; it has no experts to stream, so the OS will page its weights", file=sys.stderr)
+
+
 def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn_options) -> Session:
     from streamer import kernels
     from streamer.model import Model
@@ -94,6 +105,8 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     if cfg.is_moe:
         from streamer.experts.build import build_moe_ffn
         ffn = build_moe_ffn(gf, cfg, n_ctx=n_ctx, **ffn_options)
+    elif ffn_options.get("ram_budget") is not None:
+        warn_dense_budget(gf, cfg, n_ctx, ffn_options["ram_budget"])
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
     advise_pages(gf, streaming=getattr(getattr(ffn, "source", None), "cache", None) is not None)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
