@@ -188,6 +188,19 @@ def test_unsupported_type_names_tensor_and_type(qtype):
     assert "'blk.0.attn_q.weight'" in msg and qtype.name in msg and "Q4_K" in msg and "\n" not in msg
 
 
+def test_unknown_type_number_names_tensor():
+    with pytest.raises(StreamerError, match="'blk.1.ffn_up.weight' has unknown GGML type 99"):
+        QMatrix(np.zeros((4, 32), np.uint8), 99, 32, name="blk.1.ffn_up.weight")
+
+
+def test_wrong_out_shape_is_refused():
+    q = QMatrix(np.zeros((4, 32), np.float32), T.F32, 32)
+    with pytest.raises(ValueError):
+        q.matvec(np.ones(32, np.float32), np.empty(3, np.float32))
+    with pytest.raises(ValueError):
+        q.matmul(np.ones((2, 32), np.float32), np.empty((2, 3), np.float32))
+
+
 def test_wrong_row_bytes_names_tensor():
     with pytest.raises(StreamerError, match="blk.3.ffn_down.weight"):
         QMatrix(np.zeros((4, 100), np.uint8), T.Q8_0, 96, name="blk.3.ffn_down.weight")

@@ -56,10 +56,13 @@ class QMatrix:
     __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_mv", "_xq", "_aux")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
-        qtype = T(qtype) if isinstance(qtype, int) else qtype
+        try:
+            qtype = T(qtype)
+        except ValueError:
+            raise StreamerError(f"tensor {name!r} has unknown GGML type {qtype!r}") from None
         k = SUPPORTED.get(qtype)
         if k is None:
-            tname = getattr(qtype, "name", str(qtype))
+            tname = qtype.name
             raise StreamerError(f"tensor {name!r} has type {tname}, which stream-run does not support "
                                 f"(supported: {SUPPORTED_NAMES})")
         block, type_size = GGML_QUANT_SIZES[qtype]
@@ -86,6 +89,8 @@ class QMatrix:
             raise ValueError(f"{self.name}: x has shape {x.shape}, expected ({self.n_in},)")
         if out is None:
             out = np.empty(self.n_out, np.float32)
+        elif out.shape != (self.n_out,):  # the kernels do not bounds-check
+            raise ValueError(f"{self.name}: out has shape {out.shape}, expected ({self.n_out},)")
         self._mv(self._w, x, out, self._xq, self._aux)
         return out
 
@@ -97,6 +102,8 @@ class QMatrix:
             raise ValueError(f"{self.name}: X has shape {X.shape}, expected (m, {self.n_in})")
         if out is None:
             out = np.empty((m, self.n_out), np.float32)
+        elif out.shape != (m, self.n_out) or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({m}, {self.n_out})")
         if m == 1:
             self._mv(self._w, X[0], out[0], self._xq, self._aux)
         else:
@@ -110,6 +117,8 @@ class QMatrix:
             raise IndexError(f"{self.name}: row ids out of range [0, {self.n_out})")
         if out is None:
             out = np.empty((ids.size, self.n_in), np.float32)
+        elif out.shape != (ids.size, self.n_in) or not out.flags.c_contiguous:
+            raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({ids.size}, {self.n_in})")
         self._k.rows(self._w, ids, out)
         return out
 
