@@ -39,7 +39,7 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layer * self.n_head_kv * self.head_dim * 4  # K and V, float32
+        return 2 * self.n_layer * self.n_head_kv * self.head_dim * 2  # K and V, float16
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":

@@ -1,5 +1,6 @@
-"""Per-layer K/V storage preallocated for the whole context. K is stored after RoPE. Memory comes from
-np.zeros (calloc), so pages are only committed as positions are filled."""
+"""Per-layer K/V storage preallocated for the whole context. K is stored after RoPE. Entries are float16
+(kept as uint16 bit patterns, since numba has no CPU float16; ggml's default KV type too): half the memory
+of float32. Memory comes from np.zeros (calloc), so pages are only committed as positions are filled."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ class KVCache:
         if n_ctx <= 0:
             raise StreamerError(f"context size must be positive, got {n_ctx}")
         shape = (cfg.n_layer, cfg.n_head_kv, n_ctx, cfg.head_dim)  # (layer, kv head, position, channel)
-        self.k = np.zeros(shape, dtype=np.float32)
-        self.v = np.zeros(shape, dtype=np.float32)
+        self.k = np.zeros(shape, dtype=np.uint16)
+        self.v = np.zeros(shape, dtype=np.uint16)
         self.n_ctx = n_ctx
         self.n = 0  # positions filled
 
@@ -34,8 +35,8 @@ class KVCache:
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
         m = k.shape[0]
-        self.k[layer, :, pos0:pos0 + m, :] = k.transpose(1, 0, 2)
-        self.v[layer, :, pos0:pos0 + m, :] = v.transpose(1, 0, 2)
+        self.k[layer, :, pos0:pos0 + m, :] = k.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+        self.v[layer, :, pos0:pos0 + m, :] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (their slots are simply overwritten later)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from streamer.kernels._bits import f16_to_f32
+
 
 @njit(cache=True, nogil=True, fastmath=True)
 def rmsnorm(x, w, eps, out):
@@ -55,7 +57,8 @@ def rope_tables(n_ctx: int, head_dim: int, theta: float) -> tuple[np.ndarray, np
 @njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal GQA: q (m, n_head, hd) at positions pos0.., kc/vc (n_kv, n_ctx, hd) already holding those
-    positions; query head h reads kv head h // (n_head / n_kv). Writes out (m, n_head, hd)."""
+    positions as float16 bit patterns (uint16, like ggml's default f16 KV cache); query head h reads kv head
+    h // (n_head / n_kv). Writes out (m, n_head, hd)."""
     m, nh, hd = q.shape
     group = nh // kc.shape[0]
     for t in prange(nh * m):
@@ -68,7 +71,7 @@ def attention(q, kc, vc, pos0, scale, out):
         for j in range(n):
             acc = np.float32(0.0)
             for d in range(hd):
-                acc += q[i, h, d] * kc[g, j, d]
+                acc += q[i, h, d] * f16_to_f32(kc[g, j, d])
             acc *= scale
             s[j] = acc
             mx = max(mx, acc)
@@ -83,7 +86,7 @@ def attention(q, kc, vc, pos0, scale, out):
         for j in range(n):
             pj = s[j] * inv
             for d in range(hd):
-                out[i, h, d] += pj * vc[g, j, d]
+                out[i, h, d] += pj * f16_to_f32(vc[g, j, d])
     return out
 
 

@@ -74,7 +74,7 @@ def test_inspect_text_and_json(synth_model):
     assert r.exit_code == 0 and "qwen3moe" in r.stdout and "16 per layer, 4 used" in r.stdout
     info = json.loads(invoke("inspect", path, "--json").stdout)
     assert info["expert_bytes"] + info["resident_bytes"] == sum(v["bytes"] for v in info["tensors_by_type"].values())
-    assert info["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads, head_dim 64, f32
+    assert info["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 2  # K and V, 4 layers, 2 kv heads, head_dim 64, f16
 
 
 def test_bench_json_is_one_line_with_the_keys(synth_model):
