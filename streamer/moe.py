@@ -81,32 +81,41 @@ class MoEFFN:
         return out
 
     def _run(self, layer, experts, h, ids, w, out, prefetch_next) -> None:
-        """Request experts ahead (up to the window), compute each in ascending id order as it arrives."""
+        """Request experts ahead (up to the window), compute each in ascending id order as it arrives. Every
+        request is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever."""
         src, pending, i = self.source, deque(), 0
-        for e in experts:
-            while i < len(experts) and len(pending) < self.window and src.request(layer, int(experts[i])):
-                pending.append(int(experts[i]))
-                i += 1
-            if prefetch_next is not None and i == len(experts):
-                src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
-                prefetch_next = None
-            if not pending:
-                raise RuntimeError("expert cache has no free slot for a demand read")  # the budget plan prevents it
-            e = pending.popleft()
-            gate, up, down = src.wait(layer, e)
-            try:
-                if h.shape[0] == 1:  # decode: no gathering
-                    g = gate.matvec(h[0]).reshape(1, -1)
-                    y = down.matvec(ops.swiglu(g, up.matvec(h[0]).reshape(1, -1), g)[0])
-                    out[0] += np.float32(w[0, np.flatnonzero(ids[0] == e)[0]]) * y
-                else:
-                    rows, slot = np.nonzero(ids == e)
-                    x = h[rows]
-                    g = linear(gate, x)
-                    y = linear(down, ops.swiglu(g, linear(up, x), g))
-                    out[rows] += w[rows, slot][:, None].astype(np.float32) * y
-            finally:
+        try:
+            for _ in experts:
+                while i < len(experts) and len(pending) < self.window and src.request(layer, int(experts[i])):
+                    pending.append(int(experts[i]))
+                    i += 1
+                if prefetch_next is not None and i == len(experts):
+                    src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
+                    prefetch_next = None
+                if not pending:
+                    raise RuntimeError("expert cache has no free slot for a demand read")  # the plan prevents it
+                e = pending[0]
+                self._expert(src.wait(layer, e), e, h, ids, w, out)
+                pending.popleft()
                 src.release(layer, e)
+        finally:
+            for e in pending:
+                src.release(layer, e)
+
+    @staticmethod
+    def _expert(mats, e, h, ids, w, out) -> None:
+        """out += weight * down(silu(gate x) * up x) for the tokens routed to expert e."""
+        gate, up, down = mats
+        if h.shape[0] == 1:  # decode: no gathering
+            g = gate.matvec(h[0]).reshape(1, -1)
+            y = down.matvec(ops.swiglu(g, up.matvec(h[0]).reshape(1, -1), g)[0])
+            out[0] += np.float32(w[0, np.flatnonzero(ids[0] == e)[0]]) * y
+        else:
+            rows, slot = np.nonzero(ids == e)
+            x = h[rows]
+            g = linear(gate, x)
+            y = linear(down, ops.swiglu(g, linear(up, x), g))
+            out[rows] += w[rows, slot][:, None].astype(np.float32) * y
 
     def matrices(self) -> list:
         """Routers, and one expert of each layer straight from the mmap (for kernel warm-up only)."""

@@ -170,3 +170,29 @@ def test_budget_too_small_is_one_clear_error(synth_model):
         open_model(path, learn=False, ram_budget="64M")
     with pytest.raises(StreamerError, match="cannot hold one layer's 4 experts"):
         open_model(path, learn=False, expert_cache_bytes=3 * slot_bytes(path))
+
+
+def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatch):
+    """Ctrl-C (or an I/O error) mid-layer must release every requested expert, or its slot would be stuck."""
+    from streamer.moe import MoEFFN
+
+    path = synth_model("tiny-moe", "Q8_0")
+    resident = run(open_model(path, stream=False, learn=False))
+    s = open_model(path, learn=False, expert_cache_bytes=8 * slot_bytes(path))
+    real, calls = MoEFFN._expert, []
+
+    def flaky(mats, e, h, ids, w, out):
+        calls.append(e)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(mats, e, h, ids, w, out)
+
+    monkeypatch.setattr(MoEFFN, "_expert", staticmethod(flaky))
+    with pytest.raises(KeyboardInterrupt):
+        s.model.forward(PROMPT[:1], s.model.new_cache())
+    cache = s.model.ffn.source.cache
+    for entry in cache.entries.values():
+        entry.future.result()  # let in-flight reads land
+    assert all(e.refs == 0 for e in cache.entries.values())
+    monkeypatch.setattr(MoEFFN, "_expert", staticmethod(real))
+    assert np.array_equal(run(s), resident)  # and the 8-slot cache still works

@@ -118,7 +118,9 @@ class StreamingSource:
             raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
 
     def release(self, layer: int, e: int) -> None:
-        self.cache.release(self.cache.entries[(layer, e)])
+        entry = self.cache.entries.get((layer, e))
+        if entry is not None and entry.refs > 0:  # a failed read already discarded its entry
+            self.cache.release(entry)
 
     def close(self) -> None:
         self._close()
