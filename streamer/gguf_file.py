@@ -7,6 +7,7 @@ only located, then decoded when somebody asks for them. Constants and sizes stil
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -109,7 +110,7 @@ class GGUFFile:
         if not ne or ne[0] % block:
             raise StreamerError(f"tensor '{name}' ({qtype.name}): row length {ne[0] if ne else 0} "
                                 f"is not a multiple of the block size {block}")
-        nbytes = int(np.prod(ne, dtype=np.int64)) // block * type_size
+        nbytes = math.prod(ne) // block * type_size
         if offset + nbytes > self.size:
             raise StreamerError(f"{self.path} is truncated: tensor '{name}' ends at byte {offset + nbytes} "
                                 f"but the file has {self.size} bytes")
