@@ -197,23 +197,19 @@ def _q45_k(qs_at, has_qh):
         bb = e.b
         d, dmin = e.f16x2(wb, blk)
         scales, mins = _k4_scales(e, wb, e.off(blk, 4))
-        sc16 = bb.zext(scales, V(I16, 8))
-        qh = bb.zext(e.load(wb, e.off(blk, 16), V(I8, 32)), V(I16, 32)) if has_qh else None
+        qh = e.load(wb, e.off(blk, 16), V(I8, 32)) if has_qh else None
         xb = bb.mul(b, ir.Constant(I64, 512))  # 256 int16
         isum = ir.Constant(V(I32, 16), [0] * 16)
         for c in range(4):
-            # One zero-extension per 32 bytes; both nibbles are then cut in 16-bit lanes.
-            q = bb.zext(e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32)), V(I16, 32))
-            lo, hi = bb.and_(q, e.const(I16, 32, 15)), bb.lshr(q, e.const(I16, 32, 4))
+            q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
+            lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
             if has_qh:  # bit 2c of qh[l] is bit 4 of sub-block 2c, bit 2c+1 of sub-block 2c+1
-                lo = bb.or_(lo, bb.and_(bb.shl(qh, e.const(I16, 32, 4 - 2 * c)) if c < 2 else
-                                        bb.lshr(qh, e.const(I16, 32, 2 * c - 4)), e.const(I16, 32, 16)))
-                hi = bb.or_(hi, bb.and_(bb.shl(qh, e.const(I16, 32, 3 - 2 * c)) if c < 2 else
-                                        bb.lshr(qh, e.const(I16, 32, 2 * c - 3)), e.const(I16, 32, 16)))
+                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
             for j, v in ((2 * c, lo), (2 * c + 1, hi)):
-                sc = e.shuffle(sc16, sc16, [j] * 32)
+                sc = e.splat(bb.zext(bb.extract_element(scales, I32(j)), I16), 32)
                 xv = e.load(xqb, e.off(xb, 64 * j), V(I16, 32), 2)
-                isum = bb.add(e.pairdot(bb.mul(v, sc), xv), isum)
+                isum = bb.add(isum, e.pairdot(bb.mul(bb.zext(v, V(I16, 32)), sc), xv))
         s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
         acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))
         return [acc, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
