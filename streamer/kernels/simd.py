@@ -23,6 +23,11 @@ def V(t, n):
     return ir.VectorType(t, n)
 
 
+def _c_array(a, dtype):
+    # The intrinsics index raw memory: accept only C-contiguous arrays of the expected dtype.
+    return isinstance(a, types.Array) and a.dtype == dtype and a.layout == "C"
+
+
 class _Emit:
     """Small vector-IR vocabulary over one llvmlite builder."""
 
@@ -122,6 +127,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc):
     """
     @intrinsic
     def row(typingctx, w, off, xq, dx, xs, nb, pf):
+        if not (_c_array(w, types.uint8) and _c_array(xq, types.int16)
+                and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
+            return None
+
         def codegen(context, builder, sig, args):
             e = _Emit(context, builder)
             w_, off_, xq_, dx_, xs_, nb_, pf_ = args
@@ -254,6 +263,9 @@ def _deq_intrinsic(block_bytes, block_elems, body_fn):
     into dst starting at flat element doff. body_fn(e, wb, blk, store) calls store(k, <n x f32>)."""
     @intrinsic
     def deq(typingctx, w, off, dst, doff, nb):
+        if not (_c_array(w, types.uint8) and _c_array(dst, types.float32)):
+            return None
+
         def codegen(context, builder, sig, args):
             e = _Emit(context, builder)
             w_, off_, dst_, doff_, nb_ = args
