@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from streamer import ops
+from streamer.kernels import ops
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
@@ -92,7 +92,7 @@ class Model:
         for m in self.matrices():
             if m.qtype not in seen:
                 seen.add(m.qtype)
-                one = QMatrix(m._w[:1], m.qtype, m.n_in, m.name)
+                one = m.first_rows(1)
                 one.matvec(np.zeros(m.n_in, np.float32))
                 one.matmul(np.zeros((2, m.n_in), np.float32))
         self.embd.rows(np.zeros(1, np.int64))

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from streamer import ops
+from streamer.kernels import ops
 from streamer.model import linear, qmatrix
 
 

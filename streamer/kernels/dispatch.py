@@ -80,6 +80,10 @@ class QMatrix:
         self._mv = k.matvec
         self._xq, self._aux = _act_scratch(n_in)
 
+    def first_rows(self, n: int) -> "QMatrix":
+        """A QMatrix over the first n rows (same bytes, same array type: used to warm kernels up cheaply)."""
+        return QMatrix(self._w[:n], self.qtype, self.n_in, self.name)
+
     def __repr__(self) -> str:
         return f"QMatrix({self.name!r}, {self.qtype.name}, {self.n_out}x{self.n_in})"
 

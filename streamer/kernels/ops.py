@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from streamer.kernels._bits import f16_to_f32
+from ._bits import f16_to_f32
 
 
 @njit(cache=True, nogil=True, fastmath=True)
