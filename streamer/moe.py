@@ -14,6 +14,7 @@ from collections import deque
 import numpy as np
 
 from streamer.kernels import ops
+from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.model import linear, qmatrix
 
 
@@ -46,7 +47,18 @@ class MoEFFN:
         self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
         self.predicted: dict[int, np.ndarray] = {}
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
+        self.fused = [self._fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
+        self.scratch_x = ExpertScratch(1, cfg.n_embd)
+        self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
         self._save = weakref.finalize(self, usage.save) if usage is not None else None  # once: close(), GC or exit
+
+    @staticmethod
+    def _fused_plan(parts):
+        """(format code, row bytes) of gate/up and of down if the multi-expert kernels handle them, else None."""
+        gate, up, down = parts
+        if gate.qtype != up.qtype or gate.qtype not in FORMATS or down.qtype not in FORMATS:
+            return None
+        return FORMATS[gate.qtype], gate.nbytes // gate.n_rows, FORMATS[down.qtype], down.nbytes // down.n_rows
 
     # ---- router lookahead (a model hook) ----
     def after_attention(self, layer: int, x: np.ndarray) -> None:
@@ -77,8 +89,47 @@ class MoEFFN:
         out = np.zeros_like(h)
         experts = np.unique(ids[used])
         nxt = self.predicted.get(layer + 1) if m == 1 else None
-        self._run(layer, experts, h, ids, w, out, nxt)
+        if m == 1 and self.fused[layer] is not None:
+            order = np.argsort(ids[0])  # expert weights in ascending id order, dropped (-1) first
+            wts = w[0][order][ids[0][order] >= 0].astype(np.float32)
+            self._run_fused(layer, experts, wts, h[0], out[0], nxt)
+        else:
+            self._run(layer, experts, h, ids, w, out, nxt)
         return out
+
+    def _run_fused(self, layer, experts, wts, x, out, prefetch_next) -> None:
+        """Decode: request every routed expert, then compute them with one gate+up and one down call (as many
+        at a time as the cache holds at once; normally all). Every request is released, whatever happens."""
+        src, group, i = self.source, [], 0
+        try:
+            while i < len(experts):
+                while i < len(experts) and src.request(layer, int(experts[i])):
+                    group.append(int(experts[i]))
+                    i += 1
+                if prefetch_next is not None:
+                    src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
+                    prefetch_next = None
+                if not group:
+                    raise RuntimeError("expert cache has no free slot for a demand read")  # the plan prevents it
+                for e in group:
+                    src.wait(layer, e)
+                self._fused(layer, group, wts[i - len(group):i], x, out)
+                for e in group:
+                    src.release(layer, e)
+                group = []
+        finally:
+            for e in group:
+                src.release(layer, e)
+
+    def _fused(self, layer, group, wts, x, out) -> None:
+        fmt_gu, rb_gu, fmt_d, rb_d = self.fused[layer]
+        locs = [self.source.locate(layer, e) for e in group]
+        base, g = locs[0][0], len(group)
+        offs = np.array([o[0] for _, o in locs] + [o[1] for _, o in locs] + [o[2] for _, o in locs], np.int64)
+        gu = np.empty((2 * g, self.cfg.n_ff_exp), np.float32)
+        experts_matvec(fmt_gu, base, offs[:2 * g], rb_gu, x, gu, self.scratch_x.xq[0], self.scratch_x.aux[0])
+        a = ops.swiglu(gu[:g], gu[g:], gu[:g])
+        experts_down(fmt_d, base, offs[2 * g:], rb_d, a, wts, out, self.scratch_a.xq, self.scratch_a.aux)
 
     def _run(self, layer, experts, h, ids, w, out, prefetch_next) -> None:
         """Request experts ahead (up to the window), compute each in ascending id order as it arrives. Every

@@ -172,27 +172,28 @@ def test_budget_too_small_is_one_clear_error(synth_model):
         open_model(path, learn=False, expert_cache_bytes=3 * slot_bytes(path))
 
 
-def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatch):
+@pytest.mark.parametrize("method,n_tokens", [("_expert", 5), ("_fused", 1)])  # prefill and decode paths
+def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatch, method, n_tokens):
     """Ctrl-C (or an I/O error) mid-layer must release every requested expert, or its slot would be stuck."""
     from streamer.moe import MoEFFN
 
     path = synth_model("tiny-moe", "Q8_0")
     resident = run(open_model(path, stream=False, learn=False))
     s = open_model(path, learn=False, expert_cache_bytes=8 * slot_bytes(path))
-    real, calls = MoEFFN._expert, []
+    real, calls = getattr(MoEFFN, method), []
 
-    def flaky(mats, e, h, ids, w, out):
-        calls.append(e)
+    def flaky(*args):
+        calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        real(mats, e, h, ids, w, out)
+        real(*args)
 
-    monkeypatch.setattr(MoEFFN, "_expert", staticmethod(flaky))
+    monkeypatch.setattr(MoEFFN, method, staticmethod(flaky) if method == "_expert" else flaky)
     with pytest.raises(KeyboardInterrupt):
-        s.model.forward(PROMPT[:1], s.model.new_cache())
+        s.model.forward(PROMPT[:n_tokens], s.model.new_cache())
     cache = s.model.ffn.source.cache
     for entry in cache.entries.values():
         entry.future.result()  # let in-flight reads land
     assert all(e.refs == 0 for e in cache.entries.values())
-    monkeypatch.setattr(MoEFFN, "_expert", staticmethod(real))
+    monkeypatch.undo()
     assert np.array_equal(run(s), resident)  # and the 8-slot cache still works

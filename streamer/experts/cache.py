@@ -14,12 +14,13 @@ from streamer.experts.store import aligned_empty
 
 
 class Entry:
-    __slots__ = ("key", "slot", "future", "refs", "pinned", "prefetched")
+    __slots__ = ("key", "slot", "future", "refs", "pinned", "prefetched", "offsets")
 
     def __init__(self, key, slot: int, pinned: bool, prefetched: bool):
         self.key, self.slot, self.pinned, self.prefetched = key, slot, pinned, prefetched
         self.refs = 0
         self.future: Future | None = None  # result: (gate, up, down) QMatrix over this slot
+        self.offsets: tuple = ()  # byte offsets of gate, up, down in the flat arena, once read
 
 
 class _Idle(LRUCache):
@@ -40,6 +41,8 @@ class ExpertCache:
         assert n_slots >= 1
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
+        self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
+        self.flat.flags.writeable = False
         self.free = list(range(n_slots - 1, -1, -1))
         self.entries: dict = {}
         self.idle = _Idle(n_slots, self._evicted)

@@ -25,11 +25,16 @@ class ResidentSource:
     def __init__(self, gf, cfg, profiler: Profiler):
         self.prof = profiler
         self.gf = gf
+        self.layout = ExpertLayout(gf, cfg)
         self.mats: dict = {}
 
     def request(self, layer: int, e: int) -> bool:
         self.prof.layers[layer].hit_pinned += 1  # resident: every expert is always there
         return True
+
+    def locate(self, layer: int, e: int):
+        """(base array, byte offsets of gate, up, down in it): experts in place in the file's mapping."""
+        return self.gf.mm, tuple(p.offset + e * p.nbytes for p in self.layout.parts[layer])
 
     def wait(self, layer: int, e: int):
         m = self.mats.get((layer, e))
@@ -61,6 +66,7 @@ class StreamingSource:
         offs = self.reader.read(layer, e, buf)
         mats = tuple(QMatrix(buf[o:o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
                      for o, p in zip(offs, self.layout.parts[layer]))
+        entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
         self.cache.loaded(entry)
         return mats
 
@@ -116,6 +122,10 @@ class StreamingSource:
         except OSError as err:
             self.cache.discard(entry)
             raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
+
+    def locate(self, layer: int, e: int):
+        """(base array, byte offsets of gate, up, down in it), for an expert that wait() returned."""
+        return self.cache.flat, self.cache.entries[(layer, e)].offsets
 
     def release(self, layer: int, e: int) -> None:
         entry = self.cache.entries.get((layer, e))

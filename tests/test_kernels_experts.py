@@ -1,0 +1,60 @@
+"""The multi-expert decode kernels against the oracle (gguf-py's dequantizer in float64) and against the
+per-matrix matvec they must agree with exactly (same row dot, same activation rounding)."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from streamer.kernels import QMatrix
+from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
+from streamer.synth.writer import random_weight
+
+N_EXP, FF, E = 6, 96, 512  # small stack: 6 experts, gate/up 96 x 512, down 512 x 96 (96 = 3 x 32; K-quants need 256)
+
+
+def stack(qtype, rows, cols, seed):
+    return random_weight((N_EXP, rows, cols), qtype, 0.05, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
+    ff = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else FF
+    w = stack(qtype, ff, E, 1)
+    base = w.reshape(-1)
+    per_expert = w[0].nbytes
+    chosen = np.array([4, 1, 5], np.int64)
+    x = np.random.default_rng(2).standard_normal(E).astype(np.float32)
+    out = np.empty((len(chosen), ff), np.float32)
+    s = ExpertScratch(1, E)
+    experts_matvec(FORMATS[qtype], base, chosen * per_expert, w.shape[-1], x, out, s.xq[0], s.aux[0])
+    for i, e in enumerate(chosen):
+        assert np.array_equal(out[i], QMatrix(w[e], qtype, E).matvec(x))
+        ref = dequantize(w[e], qtype).astype(np.float64) @ x.astype(np.float64)
+        # x is rounded to int16 per group (step dx = max|x|/16383): error <= sum|w| * dx/2, plus f32 sums
+        bound = np.abs(dequantize(w[e], qtype)).sum(1) * np.abs(x).max() / 16383 + 1e-5 * np.abs(ref).max()
+        assert np.all(np.abs(out[i] - ref) <= bound)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_experts_down_adds_weighted_contributions_in_order(qtype):
+    ff = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else FF
+    w = stack(qtype, E, ff, 3)
+    base, per_expert = w.reshape(-1), w[0].nbytes
+    chosen = np.array([0, 2, 3, 5], np.int64)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((len(chosen), ff)).astype(np.float32)
+    wts = np.array([0.4, 0.3, 0.2, 0.1], np.float32)
+    start = rng.standard_normal(E).astype(np.float32)
+    s = ExpertScratch(len(chosen), ff)
+    out = start.copy()
+    experts_down(FORMATS[qtype], base, chosen * per_expert, w.shape[-1], a, wts, out, s.xq, s.aux)
+    want = start.copy()
+    for i, e in enumerate(chosen):  # the per-matrix path, added in the same order
+        want += wts[i] * QMatrix(w[e], qtype, ff).matvec(a[i])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # split into two groups: the same sequence of additions, so the same bits
+    out2 = start.copy()
+    experts_down(FORMATS[qtype], base, chosen[:2] * per_expert, w.shape[-1], a[:2], wts[:2], out2, s.xq, s.aux)
+    experts_down(FORMATS[qtype], base, chosen[2:] * per_expert, w.shape[-1], a[2:], wts[2:], out2, s.xq, s.aux)
+    assert np.array_equal(out, out2)
