@@ -27,6 +27,9 @@ def bench(
     prefetch: Prefetch = None,
     no_learn: NoLearn = False,
     profile: Profile = None,
+    random_decode: Annotated[bool, typer.Option("--random-decode", help="Feed each decode step a random token "
+                                                "instead of the greedy one: routing never repeats (worst case for "
+                                                "the expert cache).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
 ) -> None:
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
@@ -38,7 +41,7 @@ def bench(
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
     s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
-    r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0)
+    r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     s.close()
     print(json.dumps(r) if as_json else format_bench(r))
 

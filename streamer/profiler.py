@@ -34,7 +34,8 @@ class LayerStats:
 
     @property
     def hits(self) -> int:
-        return self.hit_pinned + self.hit_lru + self.hit_prefetched
+        """Uses served from the cache without a read started for them: pinned or LRU (prefetches not counted)."""
+        return self.hit_pinned + self.hit_lru
 
     def add(self, other: "LayerStats") -> None:
         for f in fields(self):
@@ -65,7 +66,9 @@ class Profiler:
         return {
             "tokens": self.tokens,
             "wall_s": wall,
-            "hit_rate": t.hits / t.routed if t.routed else None,
+            "hit_rate": t.hits / t.routed if t.routed else None,  # already cached when routed
+            "prefetched_rate": t.hit_prefetched / t.routed if t.routed else None,  # brought or started by prefetch
+            "miss_rate": t.miss / t.routed if t.routed else None,  # demand reads
             "read_bytes": t.read_bytes + t.prefetch_bytes,
             "read_bytes_per_token": (t.read_bytes + t.prefetch_bytes) / max(self.tokens, 1),
             "disk_read_bytes": disk_read_bytes() - self.disk0,
@@ -78,9 +81,12 @@ class Profiler:
 
     def summary(self) -> str:
         r = self.report()
-        hit = "n/a" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
-        rec = "n/a" if r["prefetch_recall"] is None else f"{100 * r['prefetch_recall']:.1f}%"
-        return (f"experts: hit rate {hit}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
+        def pct(v):
+            return "n/a" if v is None else f"{100 * v:.1f}%"
+
+        rec = pct(r["prefetch_recall"])
+        return (f"experts: hit rate {pct(r['hit_rate'])} (prefetched {pct(r['prefetched_rate'])}, demand reads "
+                f"{pct(r['miss_rate'])}), {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
                 f"(disk {r['disk_read_bytes'] / 2**20:.0f} MiB total), prefetch recall {rec}, "
                 f"I/O stall {100 * r['stall_share']:.0f}% of wall time")
 

