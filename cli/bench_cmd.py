@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import (CtxSize, ExpertTopP, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
+from cli.options import (CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
                          Threads)
 from cli.run_cmd import _open
 
@@ -27,6 +27,7 @@ def bench(
     prefetch: Prefetch = None,
     no_learn: NoLearn = False,
     profile: Profile = None,
+    io: IoMode = "auto",
     random_decode: Annotated[bool, typer.Option("--random-decode", help="Feed each decode step a random token "
                                                 "instead of the greedy one: routing never repeats (worst case for "
                                                 "the expert cache).")] = False,
@@ -40,7 +41,8 @@ def bench(
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
-    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
+    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn,
+              profile, io)
     r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     s.close()
     print(json.dumps(r) if as_json else format_bench(r))
@@ -58,6 +60,7 @@ def profile(
     prefetch: Prefetch = None,
     no_learn: NoLearn = False,
     profile: Profile = None,
+    io: IoMode = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
@@ -66,7 +69,7 @@ def profile(
     from streamer.io import atomic_write
     from streamer.sampler import Sampler, SamplerParams
 
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
     if s.profiler is None:
         raise StreamerError(f"{model} is a dense model: it has no experts to profile")
     gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)

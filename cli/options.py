@@ -28,5 +28,7 @@ ExpertTopP = Annotated[Optional[float], typer.Option("--expert-top-p", help="Per
 Prefetch = Annotated[Optional[bool], typer.Option("--prefetch/--no-prefetch", help="Router-lookahead expert "
                                                   "prefetch [default: on].", show_default=False)]
 NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not load or save the learned expert-usage profile.")]
+IoMode = Annotated[str, typer.Option("--io", help="Expert reads: direct (O_DIRECT, bypasses the page cache), buffered "
+                                     "(+ POSIX_FADV_DONTNEED), or auto (direct where the filesystem allows it).")]
 Profile = Annotated[Optional[str], typer.Option("--profile", help="Streaming preset: 8g, 8g-fast, 16g, 32g or a "
                                                ".toml file; flags given explicitly win.")]

@@ -8,18 +8,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import (CtxSize, ExpertTopP, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
+from cli.options import (CtxSize, ExpertTopP, IoMode, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
                          PresencePenalty, Profile, RamBudget, RepeatLastN, RepeatPenalty, Seed, Temp, Threads, TopK, TopP)
 
 
-def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile):
+def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io):
+    from streamer.errors import StreamerError
     from streamer.profiles import resolve
     from streamer.session import open_model
+
+    if io not in ("auto", "direct", "buffered"):
+        raise StreamerError(f"--io must be auto, direct or buffered, got {io!r}")
 
     opts = resolve(profile, ram_budget=ram_budget, expert_top_p=expert_top_p, prefetch=prefetch)
     if "readers" in opts:
         opts["n_readers"] = opts.pop("readers")
-    return open_model(model, n_ctx=ctx_size or None, threads=threads, stream=not no_stream, learn=not no_learn, **opts)
+    return open_model(model, n_ctx=ctx_size or None, threads=threads, stream=not no_stream, learn=not no_learn,
+                      direct={"auto": None, "direct": True, "buffered": False}[io], **opts)
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -55,6 +60,7 @@ def run(
     prefetch: Prefetch = None,
     no_learn: NoLearn = False,
     profile: Profile = None,
+    io: IoMode = "auto",
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
                                                  help="Echo the prompt before the completion.")] = True,
 ) -> None:
@@ -70,7 +76,7 @@ def run(
         raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
     if logits_out is not None and tokens is None:
         raise StreamerError("--logits-out needs --tokens")
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
     if logits_out is not None:
         ids = _parse_tokens(tokens)
         logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
@@ -129,6 +135,7 @@ def chat(
     prefetch: Prefetch = None,
     no_learn: NoLearn = False,
     profile: Profile = None,
+    io: IoMode = "auto",
 ) -> None:
     """Multi-turn chat. Reads one user turn per line (from a terminal or a pipe); Ctrl-C stops a reply,
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
@@ -138,7 +145,7 @@ def chat(
     from streamer.generate import Generator
     from streamer.sampler import Sampler
 
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile)
+    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
     params = sampler_params(not no_think, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
