@@ -218,6 +218,11 @@ class GGUFFile:
             except (OSError, ValueError):
                 return
 
+    def populate(self, ranges) -> None:
+        """Read byte ranges into memory now (one byte per page touched), as llama.cpp's load does."""
+        for start, n in ranges:
+            int(self.mm[start:start + n:mmap.PAGESIZE].sum(dtype=np.uint64))
+
     def close(self) -> None:
         self._buf.release()
         self.mm = None

@@ -48,6 +48,14 @@ class Session:
             print(summary(), file=stream)
 
     @property
+    def streaming(self) -> bool:
+        return getattr(getattr(self.model.ffn, "source", None), "cache", None) is not None
+
+    def populate(self) -> None:
+        """Bring every weight used in place into memory now (benchmarks do this, as llama.cpp's load does)."""
+        self.gf.populate(resident_ranges(self.gf, self.streaming))
+
+    @property
     def profiler(self):
         """The expert traffic profiler (MoE only), else None."""
         return getattr(self.model.ffn, "prof", None)
@@ -65,6 +73,11 @@ class Session:
         return self._tokenizer
 
 
+def resident_ranges(gf: GGUFFile, streaming: bool) -> list[tuple[int, int]]:
+    """(offset, length) of the tensors used in place: all of them, or all but the experts when streaming."""
+    return [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." not in t.name or not streaming]
+
+
 def advise_pages(gf: GGUFFile, streaming: bool) -> None:
     """Tell the kernel what to read ahead. Weights used in place are read ahead in the background (the file
     is read in large requests instead of one page fault at a time). When experts stream, their bytes in the
@@ -75,7 +88,7 @@ def advise_pages(gf: GGUFFile, streaming: bool) -> None:
     import psutil
 
     experts = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name]
-    resident = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." not in t.name or not streaming]
+    resident = resident_ranges(gf, streaming)
     if sum(n for _, n in resident) < 0.8 * psutil.virtual_memory().available:
         gf.advise(resident, mmap.MADV_WILLNEED)
     if streaming:
@@ -108,7 +121,8 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     elif ffn_options.get("ram_budget") is not None:
         warn_dense_budget(gf, cfg, n_ctx, ffn_options["ram_budget"])
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
-    advise_pages(gf, streaming=getattr(getattr(ffn, "source", None), "cache", None) is not None)
+    session = Session(gf, cfg, model)
+    advise_pages(gf, session.streaming)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
-    return Session(gf, cfg, model)
+    return session
