@@ -13,6 +13,7 @@ from collections import deque
 
 import numpy as np
 
+from streamer.errors import StreamerError
 from streamer.kernels import ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.model import linear, qmatrix
@@ -100,7 +101,7 @@ class MoEFFN:
     def _run_fused(self, layer, experts, wts, x, out, prefetch_next) -> None:
         """Decode: request every routed expert, then compute them with one gate+up and one down call (as many
         at a time as the cache holds at once; normally all). Every request is released, whatever happens."""
-        src, group, i = self.source, [], 0
+        src, group, i, stuck = self.source, [], 0, False
         try:
             while i < len(experts):
                 while i < len(experts) and src.request(layer, int(experts[i])):
@@ -110,7 +111,9 @@ class MoEFFN:
                     src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
                     prefetch_next = None
                 if not group:
-                    raise RuntimeError("expert cache has no free slot for a demand read")  # the plan prevents it
+                    stuck = self._no_room(layer, stuck)
+                    continue
+                stuck = False
                 for e in group:
                     src.wait(layer, e)
                 self._fused(layer, group, wts[i - len(group):i], x, out)
@@ -134,9 +137,9 @@ class MoEFFN:
     def _run(self, layer, experts, h, ids, w, out, prefetch_next) -> None:
         """Request experts ahead (up to the window), compute each in ascending id order as it arrives. Every
         request is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever."""
-        src, pending, i = self.source, deque(), 0
+        src, pending, i, done, stuck = self.source, deque(), 0, 0, False
         try:
-            for _ in experts:
+            while done < len(experts):
                 while i < len(experts) and len(pending) < self.window and src.request(layer, int(experts[i])):
                     pending.append(int(experts[i]))
                     i += 1
@@ -144,7 +147,10 @@ class MoEFFN:
                     src.prefetch(layer + 1, prefetch_next)  # after this layer's own misses are queued
                     prefetch_next = None
                 if not pending:
-                    raise RuntimeError("expert cache has no free slot for a demand read")  # the plan prevents it
+                    stuck = self._no_room(layer, stuck)
+                    continue
+                stuck = False
+                done += 1
                 e = pending[0]
                 self._expert(src.wait(layer, e), e, h, ids, w, out)
                 pending.popleft()
@@ -152,6 +158,16 @@ class MoEFFN:
         finally:
             for e in pending:
                 src.release(layer, e)
+
+    def _no_room(self, layer: int, stuck: bool) -> bool:
+        """Nothing could be requested. First time: wait for in-flight prefetches to land (their slots become
+        evictable) and let the caller retry. The cache reserves room for a layer's demand reads, so a second
+        time means the cache really is full of pinned and in-use experts."""
+        if stuck:
+            raise StreamerError(f"the expert cache has no room for layer {layer}'s experts: every slot is pinned "
+                                f"or in use (raise --ram-budget)")
+        self.source.drain()
+        return True
 
     @staticmethod
     def _expert(mats, e, h, ids, w, out) -> None:

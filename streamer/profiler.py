@@ -18,7 +18,8 @@ def disk_read_bytes() -> int:
 
 @dataclass
 class LayerStats:
-    routed: int = 0  # expert uses after top-k / top-p
+    routed: int = 0  # (token, expert) uses after top-k / top-p
+    requests: int = 0  # expert requests: one per distinct expert per layer call (what hits and misses add up to)
     hit_pinned: int = 0
     hit_lru: int = 0
     hit_prefetched: int = 0  # first use of an expert a prefetch brought in (or had in flight)
@@ -66,9 +67,9 @@ class Profiler:
         return {
             "tokens": self.tokens,
             "wall_s": wall,
-            "hit_rate": t.hits / t.routed if t.routed else None,  # already cached when routed
-            "prefetched_rate": t.hit_prefetched / t.routed if t.routed else None,  # brought or started by prefetch
-            "miss_rate": t.miss / t.routed if t.routed else None,  # demand reads
+            "hit_rate": t.hits / t.requests if t.requests else None,  # already cached when requested
+            "prefetched_rate": t.hit_prefetched / t.requests if t.requests else None,  # brought in by prefetch
+            "miss_rate": t.miss / t.requests if t.requests else None,  # demand reads
             "read_bytes": t.read_bytes + t.prefetch_bytes,
             "read_bytes_per_token": (t.read_bytes + t.prefetch_bytes) / max(self.tokens, 1),
             "disk_read_bytes": disk_read_bytes() - self.disk0,

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from invariants import assert_cache_consistent
 from reference import Reference
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
@@ -61,7 +62,8 @@ def test_streamed_is_bit_identical_to_resident(synth_model, qtype):
             got = run(s)
             cache = s.model.ffn.source.cache
             assert np.array_equal(got, resident), (slots, prefetch)
-            assert cache.peak_slots <= slots and cache.held_bytes <= cache.capacity_bytes == slots * sb
+            assert cache.n_slots == slots
+            assert_cache_consistent(cache)
             rep = s.model.ffn.prof.report()
             if prefetch and slots > 2 * n_used:
                 assert rep["totals"]["prefetch_issued"] > 0 and rep["prefetch_recall"] is not None
@@ -197,3 +199,71 @@ def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatc
     assert all(e.refs == 0 for e in cache.entries.values())
     monkeypatch.undo()
     assert np.array_equal(run(s), resident)  # and the 8-slot cache still works
+
+
+def test_prefetches_never_starve_demand_reads(synth_model, monkeypatch):
+    """Wrong predictions, slow prefetch reads and pinned experts together must not leave a layer's demand
+    reads without a slot (the cache keeps n_expert_used slots out of prefetch's reach)."""
+    import time
+
+    from streamer.experts.source import StreamingSource
+    from streamer.moe import MoEFFN
+
+    path = synth_model("tiny-moe", "Q8_0")
+    tokens = PROMPT[:1]
+    resident = open_model(path, stream=False, learn=False)
+    want = resident.model.forward(tokens, resident.model.new_cache())
+    s = open_model(path, learn=False, prefetch=True, expert_cache_bytes=12 * slot_bytes(path))
+    cache = s.model.ffn.source.cache
+    s.model.forward(tokens, s.model.new_cache())
+    cache.pin_set = {key for key in cache.entries if key[0] == 1}  # layer 1's experts learned hot
+    cache.pin_capacity = 4
+
+    def wrong(self, layer, x):  # predict experts that will not be routed and are not cached
+        nxt = layer + 1
+        if nxt < self.cfg.n_layer:
+            self.predicted[nxt] = np.array([e for e in range(16) if (nxt, e) not in cache.entries][:4])
+
+    real = StreamingSource._load
+
+    def slow(self, entry):
+        if entry.prefetched:
+            time.sleep(0.2)
+        return real(self, entry)
+
+    monkeypatch.setattr(MoEFFN, "after_attention", wrong)
+    monkeypatch.setattr(StreamingSource, "_load", slow)
+    for _ in range(3):
+        assert np.array_equal(s.model.forward(tokens, s.model.new_cache()), want)
+        assert_cache_consistent(cache)
+
+
+def test_failed_prefetch_reads_give_their_slot_back(synth_model, monkeypatch):
+    """A prefetch read that fails frees its slot; a later demand for that expert reads it again."""
+    from streamer.experts.source import StreamingSource
+    from streamer.experts.store import ExpertReader
+
+    path = synth_model("tiny-moe", "Q8_0")
+    resident = run(open_model(path, stream=False, learn=False))
+    s = open_model(path, learn=False, prefetch=True, expert_cache_bytes=10 * slot_bytes(path))
+    prefetched, failed = set(), []
+    real_prefetch, real_read = StreamingSource.prefetch, ExpertReader.read
+
+    def note_prefetch(self, layer, experts):
+        prefetched.update((layer, int(e)) for e in experts if (layer, int(e)) not in self.cache.entries)
+        return real_prefetch(self, layer, experts)
+
+    def flaky_read(self, layer, e, buf):
+        if (layer, e) in prefetched:
+            prefetched.discard((layer, e))
+            failed.append((layer, e))
+            raise OSError(5, "simulated I/O error")
+        return real_read(self, layer, e, buf)
+
+    monkeypatch.setattr(StreamingSource, "prefetch", note_prefetch)
+    monkeypatch.setattr(ExpertReader, "read", flaky_read)
+    got = run(s)
+    assert failed and np.array_equal(got, resident)
+    s.model.ffn.source.drain()
+    assert_cache_consistent(s.model.ffn.source.cache)
+    assert all(e.future.exception() is None for e in s.model.ffn.source.cache.entries.values())

@@ -6,12 +6,22 @@ from __future__ import annotations
 import sys
 
 from streamer.budget import make_plan
+from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
 from streamer.experts.source import ResidentSource, StreamingSource
 from streamer.experts.store import ExpertLayout
 from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
 from streamer.profiler import Profiler
+
+def check_options(expert_top_p: float, n_readers: int, pin_share: float) -> None:
+    if not 0.0 < expert_top_p <= 1.0:  # also refuses NaN
+        raise StreamerError(f"--expert-top-p must be in (0, 1], got {expert_top_p}")
+    if n_readers < 1:
+        raise StreamerError(f"readers must be at least 1, got {n_readers}")
+    if not 0.0 <= pin_share <= 1.0:
+        raise StreamerError(f"pin_share must be in [0, 1], got {pin_share}")
+
 
 def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bool = True,
                   expert_top_p: float = 1.0, prefetch: bool = True, learn: bool = True,
@@ -20,13 +30,14 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
                   verbose: bool = True) -> MoEFFN:
     """expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most pin_share of the
     expert cache is pinned; the rest stays LRU."""
+    check_options(expert_top_p, n_readers, pin_share)
     prof = Profiler(cfg.n_layer)
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, learn)
     layout = ExpertLayout(gf, cfg)
     plan = None
     if expert_cache_bytes is None and stream:
-        n_ctx = n_ctx or min(4096, cfg.n_ctx_train)
-        plan = make_plan(ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * n_ctx)
+        kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
+        plan = make_plan(ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
         if verbose:
             print(plan.line(), file=sys.stderr)
         if plan.fits_resident:
@@ -39,11 +50,11 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
     else:
         n_slots = min(expert_cache_bytes // layout.slot_bytes, cfg.n_layer * cfg.n_expert)
         if n_slots < cfg.n_expert_used:
-            from streamer.errors import StreamerError
             raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
                                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
         pin_cap = min(int(pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
-        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0))
+        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0),
+                            reserve=cfg.n_expert_used)
         source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
     ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch and stream)
     ffn.plan = plan

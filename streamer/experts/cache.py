@@ -37,7 +37,8 @@ class _Idle(LRUCache):
 
 
 class ExpertCache:
-    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0):
+    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0, reserve: int = 0):
+        """reserve: slots prefetches must leave free or idle, so a layer's demand reads always find room."""
         assert n_slots >= 1
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
@@ -50,7 +51,7 @@ class ExpertCache:
         self.pin_set = set(pins)
         self.pin_capacity = min(pin_capacity, n_slots)
         self.n_pinned = 0
-        self.peak_slots = 0  # most slots ever held: the budget test reads it
+        self.reserve = reserve
         self.evictions = 0
 
     @property
@@ -69,9 +70,12 @@ class ExpertCache:
     def acquire(self, key, prefetch: bool = False) -> tuple[Entry | None, bool]:
         """(entry, created). A demand acquire takes a reference (release() gives it back); a prefetch does
         not. A new entry has a slot but no data: the caller must start its read and set entry.future.
-        (None, False) when every slot is pinned, in use or being read."""
+        (None, False) when every slot is pinned, in use or being read, or (prefetch) when taking one would
+        leave fewer than `reserve` free or idle slots for demand reads."""
         with self.lock:
             e = self.entries.get(key)
+            if prefetch and e is None and len(self.free) + len(self.idle) <= self.reserve:
+                return None, False
             if e is not None:
                 if not prefetch:
                     e.refs += 1
@@ -85,7 +89,6 @@ class ExpertCache:
             self.n_pinned += pinned
             e = self.entries[key] = Entry(key, self.free.pop(), pinned, prefetch)
             e.refs = 0 if prefetch else 1
-            self.peak_slots = max(self.peak_slots, self.n_slots - len(self.free))
             return e, True
 
     def loaded(self, e: Entry) -> None:
@@ -101,10 +104,10 @@ class ExpertCache:
             if e.refs == 0 and not e.pinned and e.future is not None and e.future.done():
                 self.idle[e.key] = e
 
-    def discard(self, e: Entry) -> None:
-        """Forget an entry whose read failed."""
+    def discard(self, e: Entry, unless_referenced: bool = False) -> None:
+        """Forget an entry whose read failed (if unless_referenced, only when nobody holds it)."""
         with self.lock:
-            if self.entries.get(e.key) is e:
+            if self.entries.get(e.key) is e and not (unless_referenced and e.refs):
                 del self.entries[e.key]
                 self.idle.pop(e.key, None)
                 self.free.append(e.slot)

@@ -29,8 +29,13 @@ class ResidentSource:
         self.mats: dict = {}
 
     def request(self, layer: int, e: int) -> bool:
-        self.prof.layers[layer].hit_pinned += 1  # resident: every expert is always there
+        st = self.prof.layers[layer]
+        st.requests += 1
+        st.hit_pinned += 1  # resident: every expert is always there
         return True
+
+    def drain(self) -> None:
+        pass
 
     def locate(self, layer: int, e: int):
         """(base array, byte offsets of gate, up, down in it): experts in place in the file's mapping."""
@@ -63,7 +68,11 @@ class StreamingSource:
     def _load(self, entry) -> tuple:
         layer, e = entry.key
         buf = self.cache.arena[entry.slot]
-        offs = self.reader.read(layer, e, buf)
+        try:
+            offs = self.reader.read(layer, e, buf)
+        except BaseException:
+            self.cache.discard(entry, unless_referenced=True)  # a prefetch nobody waits for: free its slot
+            raise
         mats = tuple(QMatrix(buf[o:o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
                      for o, p in zip(offs, self.layout.parts[layer]))
         entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
@@ -74,10 +83,14 @@ class StreamingSource:
         entry.future = self.pool.submit(priority, self._load, entry)
 
     def request(self, layer: int, e: int) -> bool:
+        old = self.cache.entries.get((layer, e))
+        if old is not None and old.future is not None and old.future.done() and old.future.exception():
+            self.cache.discard(old)  # a failed prefetch: read it again on demand
         entry, created = self.cache.acquire((layer, e))
         if entry is None:
             return False
         st = self.prof.layers[layer]
+        st.requests += 1
         if created:
             st.miss += 1
             st.read_bytes += self.layout.expert_bytes(layer)
@@ -106,22 +119,35 @@ class StreamingSource:
                 self._start(entry, PREFETCH)
 
     def wait(self, layer: int, e: int):
+        """Block until expert (layer, e), requested before, is in the cache; its (gate, up, down) QMatrix.
+        A failed read (say, of a prefetch this demand caught in flight) is retried once before giving up."""
         entry = self.cache.entries[(layer, e)]
-        fut = entry.future
-        if not fut.done():
-            t0 = time.perf_counter()
-            try:
-                fut.result()
-            finally:
-                self.prof.layers[layer].stall_s += time.perf_counter() - t0
-        try:
-            return fut.result()
-        except StreamerError:
-            self.cache.discard(entry)
-            raise
-        except OSError as err:
-            self.cache.discard(entry)
-            raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
+        for attempt in (0, 1):
+            fut = entry.future
+            if not fut.done():
+                t0 = time.perf_counter()
+                try:
+                    fut.exception()
+                finally:
+                    self.prof.layers[layer].stall_s += time.perf_counter() - t0
+            err = fut.exception()
+            if err is None:
+                return fut.result()
+            if attempt == 0:
+                self._start(entry, DEMAND)
+        self.cache.discard(entry)
+        if isinstance(err, StreamerError):
+            raise err
+        raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
+
+    def drain(self) -> None:
+        """Wait for every read in flight (prefetches): their slots become evictable."""
+        for entry in list(self.cache.entries.values()):
+            if entry.future is not None:
+                try:
+                    entry.future.result()
+                except BaseException:  # a failed prefetch has already given its slot back
+                    pass
 
     def locate(self, layer: int, e: int):
         """(base array, byte offsets of gate, up, down in it), for an expert that wait() returned."""

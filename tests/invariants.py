@@ -1,0 +1,13 @@
+"""Structural checks of the expert cache, usable after any sequence of operations."""
+
+
+def assert_cache_consistent(cache) -> None:
+    """Every slot is either free or owned by exactly one entry; the idle tier holds only unreferenced,
+    unpinned, loaded entries; the pinned count matches; held bytes never exceed the arena."""
+    owned = [e.slot for e in cache.entries.values()]
+    assert sorted(owned + cache.free) == list(range(cache.n_slots)), "a slot is lost or shared"
+    for key in cache.idle:
+        e = cache.entries[key]
+        assert e.refs == 0 and not e.pinned and e.future is not None and e.future.done(), key
+    assert cache.n_pinned == sum(e.pinned for e in cache.entries.values()) <= cache.pin_capacity
+    assert cache.held_bytes <= cache.capacity_bytes == cache.arena.nbytes
