@@ -19,13 +19,14 @@ def bench(
     model: ModelArg,
     pp: Annotated[int, typer.Option("--pp", help="Prompt tokens to prefill.")] = 128,
     tg: Annotated[int, typer.Option("--tg", help="Tokens to decode greedily.")] = 64,
-    ctx_size: CtxSize = 0,
+    ctx_size: CtxSize = None,
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,
     expert_top_p: ExpertTopP = None,
     prefetch: Prefetch = None,
-    no_learn: NoLearn = False,
+    learn: Annotated[bool, typer.Option("--learn", help="Load and save the learned expert-usage profile (off: "
+                                        "benchmarks stay reproducible and leave your profile alone).")] = False,
     profile: Profile = None,
     io: IoMode = "auto",
     random_decode: Annotated[bool, typer.Option("--random-decode", help="Feed each decode step a random token "
@@ -41,8 +42,8 @@ def bench(
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
-    s = _open(model, ctx_size or pp + tg + 1, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn,
-              profile, io)
+    ctx = pp + tg + 1 if ctx_size is None else ctx_size
+    s = _open(model, ctx, threads, ram_budget, no_stream, expert_top_p, prefetch, not learn, profile, io)
     r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     s.close()
     print(json.dumps(r) if as_json else format_bench(r))
@@ -52,7 +53,7 @@ def profile(
     model: ModelArg,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "The quick brown fox",
     n_predict: NPredict = 32,
-    ctx_size: CtxSize = 4096,
+    ctx_size: CtxSize = None,
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,

@@ -12,7 +12,7 @@ from cli.options import CtxSize, ModelArg
 
 def inspect(
     model: ModelArg,
-    ctx_size: CtxSize = 4096,
+    ctx_size: CtxSize = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Metadata, tensor counts and bytes by type, resident vs expert bytes, KV bytes per token."""
@@ -31,7 +31,7 @@ def inspect(
         if "_exps." in t.name:
             expert += t.nbytes
     total = sum(t.nbytes for t in gf.tensors.values())
-    n_ctx = ctx_size or cfg.n_ctx_train
+    n_ctx = cfg.context(ctx_size)
     info = {
         "file": str(model), "file_bytes": gf.size, "config": cfg.__dict__,
         "tensors_by_type": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},

@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 ModelArg = Annotated[Path, typer.Argument(help="GGUF model file (qwen3 or qwen3moe).", show_default=False)]
-CtxSize = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's limit).")]
+CtxSize = Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's "
+                                                "limit) [default: 4096, or the model's limit if smaller].",
+                                                show_default=False)]
 Threads = Annotated[Optional[int], typer.Option("-t", "--threads", help="Compute threads [default: physical cores].")]
 NPredict = Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until end of text or full context).")]
 Temp = Annotated[Optional[float], typer.Option("--temp", help="Temperature; <= 0 is greedy.")]

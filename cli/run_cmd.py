@@ -23,7 +23,7 @@ def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetc
     opts = resolve(profile, ram_budget=ram_budget, expert_top_p=expert_top_p, prefetch=prefetch)
     if "readers" in opts:
         opts["n_readers"] = opts.pop("readers")
-    return open_model(model, n_ctx=ctx_size or None, threads=threads, stream=not no_stream, learn=not no_learn,
+    return open_model(model, n_ctx=ctx_size, threads=threads, stream=not no_stream, learn=not no_learn,
                       direct={"auto": None, "direct": True, "buffered": False}[io], **opts)
 
 
@@ -52,7 +52,7 @@ def run(
     frequency_penalty: FreqPenalty = 0.0,
     presence_penalty: PresencePenalty = 0.0,
     seed: Seed = -1,
-    ctx_size: CtxSize = 4096,
+    ctx_size: CtxSize = None,
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,
@@ -127,7 +127,7 @@ def chat(
     frequency_penalty: FreqPenalty = 0.0,
     presence_penalty: PresencePenalty = 0.0,
     seed: Seed = -1,
-    ctx_size: CtxSize = 4096,
+    ctx_size: CtxSize = None,
     threads: Threads = None,
     ram_budget: RamBudget = None,
     no_stream: NoStream = False,

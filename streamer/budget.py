@@ -40,12 +40,15 @@ def cgroup_limit() -> int | None:
     return None
 
 
-def default_budget() -> int:
+def available_memory() -> int:
+    """Memory this process may still use: the system's available memory, capped by its cgroup's limit."""
     avail = psutil.virtual_memory().available
     limit = cgroup_limit()
-    if limit is not None:
-        avail = min(avail, limit)
-    return int(DEFAULT_FRACTION * avail)
+    return avail if limit is None else min(avail, limit)
+
+
+def default_budget() -> int:
+    return int(DEFAULT_FRACTION * available_memory())
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,14 @@ class Plan:
                 f"{human(self.margin)} -> expert cache {human(max(self.expert_cache, 0))} of {human(self.expert_total)}")
 
 
+MARGIN_FIXED, MARGIN_DIV = 64 * 2**20, 32
+
+
+def margin_bytes(budget: int) -> int:
+    """Slack for what the plan cannot see (Python heap growth, kernel loading): 64 MiB + 1/32 of the budget."""
+    return MARGIN_FIXED + budget // MARGIN_DIV
+
+
 def scratch_bytes(cfg, ubatch: int = 512) -> int:
     """Activations of one prefill chunk: about a dozen live (tokens x widest layer) float32 temporaries,
     the logits, and kernel scratch."""
@@ -84,13 +95,16 @@ def scratch_bytes(cfg, ubatch: int = 512) -> int:
 def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    plan = Plan(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg),
-                64 * 2**20 + b // 32, expert_total, slot_bytes)
+    plan = Plan(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), margin_bytes(b),
+                expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
-        need = b - plan.expert_cache + need_cache
+        # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget
+        rest = plan.baseline + nonexpert + kv_bytes + plan.scratch + need_cache
+        need = -(-(rest + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
         raise StreamerError(f"--ram-budget {human(b)} is too small for this model: it needs at least {human(need)} "
                             f"(process {human(plan.baseline)} + non-expert weights {human(nonexpert)} + KV cache "
-                            f"{human(kv_bytes)} + scratch and margin {human(plan.scratch + plan.margin)} + one layer's "
-                            f"{cfg.n_expert_used} experts {human(need_cache)}); lower -c/--ctx-size or raise the budget")
+                            f"{human(kv_bytes)} + scratch {human(plan.scratch)} + one layer's {cfg.n_expert_used} "
+                            f"experts {human(need_cache)}, plus a margin of 64 MiB + 1/32 of the budget); "
+                            f"lower -c/--ctx-size or raise the budget")
     return plan

@@ -37,6 +37,14 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_expert > 0
 
+    def context(self, n_ctx: int | None) -> int:
+        """The context to allocate for -c: None -> 4096 or the model's limit if smaller; 0 -> the model's limit."""
+        if n_ctx is None:
+            return min(4096, self.n_ctx_train)
+        if n_ctx < 0:
+            raise StreamerError(f"-c/--ctx-size must be positive (0 = the model's limit), got {n_ctx}")
+        return n_ctx or self.n_ctx_train
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layer * self.n_head_kv * self.head_dim * 2  # K and V, float16
@@ -142,6 +150,8 @@ class ModelConfig:
                 names = ", ".join(q.name for q in SUPPORTED_TYPES)
                 raise StreamerError(f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support "
                                     f"(supported: {names})")
+            if len(shape) == 1 and t.qtype != T.F32:  # norm weights are used as float32 arrays in place
+                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32")
             if t.shape != shape:
                 raise StreamerError(f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
                                     f"expected {list(shape)} from the model's metadata")

@@ -95,7 +95,9 @@ class GGUFFile:
             ttype, rel = struct.unpack_from("<IQ", buf, off)
             off += 12
             infos.append((name, ne, ttype, rel))
-        align = int(self.fields.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT))
+        align = self.fields.get(Keys.General.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+            raise StreamerError(f"{self.path}: general.alignment is {align!r}, not a positive power of two")
         data_start = -(-off // align) * align
         for name, ne, ttype, rel in infos:
             self.tensors[name] = self._tensor_info(name, ne, ttype, data_start + rel)

@@ -22,13 +22,21 @@ def read_text(path) -> str:
         raise StreamerError(f"{path} is not valid UTF-8 (byte {e.start})") from None
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path, write) -> None:
-    """Write via a temp file in the same directory, then rename: a crash never leaves a half-written file."""
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".part")
+    """Write via a temp file in the same directory, then rename: a crash never leaves a half-written file.
+    The result gets the mode a plain open() would give (mkstemp's is 0600); a symlink is written through."""
+    path = os.path.realpath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -71,7 +71,7 @@ class Model:
         self.embd = qmatrix(gf, "token_embd.weight")
         self.head = self.embd if cfg.tied else qmatrix(gf, "output.weight")
         self.out_norm = gf.view("output_norm.weight")
-        self.n_ctx = n_ctx or min(4096, cfg.n_ctx_train)  # llama.cpp-like default: 4096 or the model's limit
+        self.n_ctx = cfg.context(n_ctx)
         self.cos, self.sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.hooks: list = [self.ffn] if hasattr(self.ffn, "after_attention") else []  # after_attention(layer, x)
@@ -114,6 +114,8 @@ class Model:
     def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise StreamerError("no tokens to run (the prompt is empty)")
         self.check_tokens(ids)
         cache.check_room(len(ids))
         outs = []

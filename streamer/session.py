@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -85,14 +86,22 @@ def advise_pages(gf: GGUFFile, streaming: bool) -> None:
     cache: the budget pays for experts once, in our cache."""
     import mmap
 
-    import psutil
+    from streamer.budget import DEFAULT_FRACTION, available_memory
 
     experts = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name]
     resident = resident_ranges(gf, streaming)
-    if sum(n for _, n in resident) < 0.8 * psutil.virtual_memory().available:
+    if sum(n for _, n in resident) < DEFAULT_FRACTION * available_memory():
         gf.advise(resident, mmap.MADV_WILLNEED)
     if streaming:
         gf.advise(experts, mmap.MADV_RANDOM)
+
+
+def physical_cores() -> int:
+    """llama.cpp's default thread count: physical cores (not more than numba's pool)."""
+    import numba
+    import psutil
+
+    return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
 
 
 def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget) -> None:
@@ -100,7 +109,7 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget)
     from streamer.io import human, parse_size
 
     b = parse_size(budget) if isinstance(budget, str) else int(budget)
-    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * (n_ctx or min(4096, cfg.n_ctx_train))
+    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if need > b:
         print(f"warning: this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
               f"{human(b)}; it has no experts to stream, so the OS will page its weights", file=sys.stderr)
@@ -110,8 +119,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     from streamer import kernels
     from streamer.model import Model
 
-    if threads:
-        kernels.set_threads(threads)
+    kernels.set_threads(threads or physical_cores())
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     ffn = None

@@ -24,11 +24,13 @@ def invoke(*args, input=None):
 
 
 def user_error(result, pattern):
-    """Exit code 2, one 'error: ...' line on stderr matching pattern, no traceback."""
+    """Exit code 2 and one 'error: ...' line matching pattern, last on stderr (after any progress lines such as
+    the budget plan), no traceback."""
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert re.search(pattern, lines[0]), lines[0]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert re.search(pattern, errors[0]), errors[0]
     assert "Traceback" not in result.output
 
 
@@ -181,3 +183,35 @@ def test_profiles(synth_model, tmp_path):
     user_error(invoke("run", path, "-p", "x", "--profile", bad), "unknown key 'turbo'")
     bad.write_text("ram_budget = [")
     user_error(invoke("run", path, "-p", "x", "--profile", bad), "not valid TOML")
+
+
+def test_more_bad_input(synth_model, tmp_path):
+    moe = synth_model("tiny-moe", "Q8_0")
+    user_error(invoke("run", moe, "--tokens", ",", "--logits-out", tmp_path / "x.npy"), "no tokens")
+    user_error(invoke("run", moe, "-p", "x", "--expert-top-p", "0"), r"--expert-top-p must be in \(0, 1\]")
+    user_error(invoke("run", moe, "-p", "x", "--expert-top-p", "1.5"), r"--expert-top-p must be in \(0, 1\]")
+    user_error(invoke("run", moe, "-p", "x", "--io", "fast"), "--io must be")
+    user_error(invoke("run", moe, "-p", "x", "-c", "-5"), "ctx-size must be positive")
+    bad = tmp_path / "p.toml"
+    bad.write_text("readers = 0\n")
+    user_error(invoke("run", moe, "-p", "x", "--profile", bad), "readers must be at least 1")
+    user_error(invoke("synth", tmp_path / "y.gguf", "--layers", "0"), "--layers must be at least 1")
+
+
+def test_context_defaults_to_the_models_limit_when_smaller(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")  # trained context 2048
+    assert "at -c 2048" in invoke("inspect", path).stdout
+    assert "at -c 512" in invoke("inspect", path, "-c", "512").stdout
+
+
+def test_outputs_get_normal_permissions(synth_model, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "l.npy"
+        assert invoke("run", synth_model("tiny", "Q8_0"), "--tokens", "1,2", "--logits-out", out).exit_code == 0
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    finally:
+        os.umask(old)

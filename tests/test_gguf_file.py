@@ -148,3 +148,37 @@ def test_shape_mismatch(tmp_path, good):
 
     with pytest.raises(StreamerError, match=r"tensor 'blk.0.attn_k_norm.weight' has shape \[32\], expected \[64\]"):
         open_cfg(broken_copy(good, tmp_path / "s.gguf", patch=patch))
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_bad_alignment(tmp_path, value):
+    import gguf
+
+    path = tmp_path / "a.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_custom_alignment(64)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    def patch(d):
+        key = b"general.alignment"
+        i = d.find(key) + len(key)
+        assert struct.unpack_from("<I", d, i)[0] == 4  # UINT32
+        struct.pack_into("<I", d, i + 4, value)
+
+    broken_copy(path, tmp_path / "b.gguf", patch=patch)
+    with pytest.raises(StreamerError, match=f"general.alignment is {value}, not a positive power of two"):
+        GGUFFile(tmp_path / "b.gguf")
+
+
+def test_norm_weights_must_be_f32(tmp_path, good):
+    def patch(d):
+        i = tensor_info_at(d, "blk.0.attn_norm.weight")
+        assert struct.unpack_from("<IQI", d, i) == (1, 256, 0)  # 1-D, 256, F32
+        struct.pack_into("<I", d, i + 12, 1)  # F16: half the bytes, still inside the file
+
+    with pytest.raises(StreamerError, match="tensor 'blk.0.attn_norm.weight' has type F16; .* norm weights in F32"):
+        open_cfg(broken_copy(good, tmp_path / "n.gguf", patch=patch))

@@ -1,5 +1,6 @@
 """The multi-expert decode kernels against the oracle (gguf-py's dequantizer in float64) and against the
-per-matrix matvec they must agree with exactly (same row dot, same activation rounding)."""
+per-matrix matvec (same row dot, same activation rounding: equal up to float32 rounding, since LLVM may
+contract the two compiled functions' arithmetic differently)."""
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
     s = ExpertScratch(1, E)
     experts_matvec(FORMATS[qtype], base, chosen * per_expert, w.shape[-1], x, out, s.xq[0], s.aux[0])
     for i, e in enumerate(chosen):
-        assert np.array_equal(out[i], QMatrix(w[e], qtype, E).matvec(x))
+        per_matrix = QMatrix(w[e], qtype, E).matvec(x)
+        np.testing.assert_allclose(out[i], per_matrix, rtol=1e-5, atol=1e-6 * np.abs(per_matrix).max())
         ref = dequantize(w[e], qtype).astype(np.float64) @ x.astype(np.float64)
         # x is rounded to int16 per group (step dx = max|x|/16383): error <= sum|w| * dx/2, plus f32 sums
         bound = np.abs(dequantize(w[e], qtype)).sum(1) * np.abs(x).max() / 16383 + 1e-5 * np.abs(ref).max()

@@ -3,8 +3,9 @@
 Expert e of `blk.L.ffn_{gate,up,down}_exps.weight` is one contiguous slab of each tensor, so an expert is
 three reads. With O_DIRECT the reads are widened to 4 KiB boundaries into 4 KiB-aligned buffers (< 1%
 extra bytes for real expert sizes) and nothing lands in the OS page cache. Where O_DIRECT is refused
-(tmpfs, some network filesystems) reads are buffered and followed by POSIX_FADV_DONTNEED, so the page
-cache still does not keep a second copy of what our cache holds.
+(tmpfs, some network filesystems) reads are buffered: POSIX_FADV_RANDOM on the descriptor stops the
+kernel reading neighbouring experts ahead, and POSIX_FADV_DONTNEED after each read drops the pages read,
+so the page cache does not keep a second copy of what our cache holds.
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ class ExpertReader:
     def __init__(self, path: str, layout: ExpertLayout, direct: bool | None = None):
         self.layout = layout
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
         self.direct = False
         if direct is not False and hasattr(os, "O_DIRECT"):
             self.direct = self._try_direct()
         if direct is True and not self.direct:
-            raise StreamerError(f"{path}: the filesystem refuses O_DIRECT reads")
+            raise StreamerError(f"{path}: the filesystem refuses O_DIRECT reads (try --io buffered)")
+        self.fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into neighbouring experts
 
     def _try_direct(self) -> bool:
         try:
@@ -105,7 +107,8 @@ class ExpertReader:
                     need = inner + p.nbytes
                 else:
                     got = os.preadv(self.fd, [mv[pos:pos + p.nbytes]], start)
-                    os.posix_fadvise(self.fd, start, p.nbytes, os.POSIX_FADV_DONTNEED)
+                    a0, alen, _ = aligned_span(start, p.nbytes)  # whole pages, edges included
+                    os.posix_fadvise(self.fd, a0, alen, os.POSIX_FADV_DONTNEED)
                     offs.append(pos)
                     pos += -(-p.nbytes // ALIGN) * ALIGN
                     need = p.nbytes

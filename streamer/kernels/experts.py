@@ -4,7 +4,7 @@ A token's 8 experts are 24 small matrices (768x2048 at 30B-A3B); one call per ma
 launch and leaves threads idle at the tail each time. Here every expert's rows sit at a byte offset of one
 base array (the file's mapping when experts are resident, the cache arena when they stream), and one
 prange covers the rows of all of them. The row dots are simd's (same as QMatrix.matvec: x rounded to
-int16 per 32 or 256 elements), so results match the per-matrix path.
+int16 per 32 or 256 elements), so results match the per-matrix path up to float32 rounding.
 
 `experts_down` adds each expert's weighted contribution into `out` in expert order, starting from out's
 current value: the additions happen in the same sequence however the experts are grouped.

@@ -8,6 +8,7 @@ bytes with their scale fields overwritten so every row has zero mean and std ~ g
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
@@ -16,6 +17,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from streamer.errors import StreamerError
+from streamer.io import current_umask
 from streamer.synth.vocab import add_vocab
 
 
@@ -169,8 +171,9 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
     for qt in {spec.qtype, spec.embd_qtype or spec.qtype, spec.head_qtype or spec.qtype}:
         if qt not in WRITABLE:
             raise StreamerError(f"the synthetic writer cannot write {qt.name} (it writes {', '.join(t.name for t in WRITABLE)})")
-    path = os.fspath(path)
-    tmp = path + ".part"
+    path = os.path.realpath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".part")
+    os.close(fd)
     w = gguf.GGUFWriter(tmp, g.arch)
     w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
     n_vocab = add_vocab(w, spec.real_vocab)
@@ -209,6 +212,7 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
             if progress:
                 progress(done, total)
         w.close()
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         w.close()
@@ -228,5 +232,7 @@ def spec_for(preset: str, qtype: str = "Q8_0", layers: int | None = None, **kw) 
         raise StreamerError(f"unknown quant type '{qtype}'") from None
     g = PRESETS[preset]
     if layers is not None:
+        if layers < 1:
+            raise StreamerError(f"--layers must be at least 1, got {layers}")
         g = replace(g, n_layer=layers)
     return SynthSpec(g, qtype=qt, **kw)
