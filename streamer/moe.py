@@ -66,8 +66,8 @@ class MoEFFN:
         """Right after layer L's attention, apply layer L+1's ffn_norm and router to the residual: the
         experts it picks are prefetched while layer L computes. Decode only (one token)."""
         nxt = layer + 1
-        if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer:
-            return
+        if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer or not getattr(self.source, "cold", True):
+            return  # (a resident source stops asking once every expert has been read)
         h = ops.rmsnorm(x, self.ffn_norm[nxt], self.cfg.rms_eps, np.empty_like(x))
         ids, _ = route(self.router[nxt].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.top_p)
         self.predicted[nxt] = ids[0][ids[0] >= 0]
@@ -89,6 +89,7 @@ class MoEFFN:
             self.prof.tokens += m
         out = np.zeros_like(h)
         experts = np.unique(ids[used])
+        self.source.announce(layer, experts)
         nxt = self.predicted.get(layer + 1) if m == 1 else None
         if m == 1 and self.fused[layer] is not None:
             order = np.argsort(ids[0])  # expert weights in ascending id order, dropped (-1) first

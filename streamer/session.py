@@ -79,21 +79,20 @@ def resident_ranges(gf: GGUFFile, streaming: bool) -> list[tuple[int, int]]:
     return [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." not in t.name or not streaming]
 
 
-def advise_pages(gf: GGUFFile, streaming: bool) -> None:
-    """Tell the kernel what to read ahead. Weights used in place are read ahead in the background (the file
-    is read in large requests instead of one page fault at a time). When experts stream, their bytes in the
-    mapping get MADV_RANDOM so readahead around non-expert pages never drags expert bytes into the page
-    cache: the budget pays for experts once, in our cache."""
+def advise_pages(gf: GGUFFile) -> None:
+    """Tell the kernel what to read ahead. Non-expert weights are read ahead in the background (in large
+    requests instead of one page fault at a time). Expert bytes in the mapping get MADV_RANDOM: readahead
+    around other pages never drags them into the page cache. Streamed experts are read into our own cache;
+    resident ones are read ahead expert by expert as they are first needed (experts/source.py)."""
     import mmap
 
     from streamer.budget import DEFAULT_FRACTION, available_memory
 
     experts = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name]
-    resident = resident_ranges(gf, streaming)
+    resident = resident_ranges(gf, streaming=True)
     if sum(n for _, n in resident) < DEFAULT_FRACTION * available_memory():
         gf.advise(resident, mmap.MADV_WILLNEED)
-    if streaming:
-        gf.advise(experts, mmap.MADV_RANDOM)
+    gf.advise(experts, mmap.MADV_RANDOM)
 
 
 def physical_cores() -> int:
@@ -130,7 +129,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
         warn_dense_budget(gf, cfg, n_ctx, ffn_options["ram_budget"])
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
     session = Session(gf, cfg, model)
-    advise_pages(gf, session.streaming)
+    advise_pages(gf)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
     return session

@@ -56,6 +56,6 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0),
                             reserve=cfg.n_expert_used)
         source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
-    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch and stream)
+    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch)
     ffn.plan = plan
     return ffn

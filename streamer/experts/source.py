@@ -8,6 +8,7 @@ wait (block until it is, return the matrices), release (done computing with it) 
 
 from __future__ import annotations
 
+import mmap
 import time
 import weakref
 
@@ -22,17 +23,40 @@ DEMAND, PREFETCH = 0, 1
 
 
 class ResidentSource:
+    """Experts used in place from the mapping. Until every expert has been touched once, each expert about
+    to be used (routed, or predicted by the router lookahead) gets MADV_WILLNEED on its three byte ranges:
+    the kernel reads exactly those in the background, instead of the whole file up front or a fault at a
+    time (expert ranges are MADV_RANDOM, so faults do not read neighbouring experts ahead)."""
+
     def __init__(self, gf, cfg, profiler: Profiler):
         self.prof = profiler
         self.gf = gf
         self.layout = ExpertLayout(gf, cfg)
         self.mats: dict = {}
+        self.touched: set = set()
+        self.cold = True  # some expert was never touched: the lookahead is still worth running
+
+    def _warm(self, layer: int, experts) -> None:
+        new = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.touched]
+        if new:
+            self.gf.advise([(p.offset + e * p.nbytes, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
+                           mmap.MADV_WILLNEED)
+            self.touched.update(new)
+            self.cold = len(self.touched) < self.layout.n_layer * self.layout.n_expert
 
     def request(self, layer: int, e: int) -> bool:
         st = self.prof.layers[layer]
         st.requests += 1
         st.hit_pinned += 1  # resident: every expert is always there
+        self._warm(layer, (e,))
         return True
+
+    def prefetch(self, layer: int, experts) -> None:
+        self._warm(layer, experts)
+
+    def announce(self, layer: int, experts) -> None:
+        """All experts this layer call will request (a prefill needs many: read them ahead together)."""
+        self._warm(layer, experts)
 
     def drain(self) -> None:
         pass
@@ -48,9 +72,6 @@ class ResidentSource:
         return m
 
     def release(self, layer: int, e: int) -> None:
-        pass
-
-    def prefetch(self, layer: int, experts) -> None:
         pass
 
     def close(self) -> None:
@@ -139,6 +160,9 @@ class StreamingSource:
         if isinstance(err, StreamerError):
             raise err
         raise StreamerError(f"I/O error reading expert {e} of layer {layer}: {err}") from None
+
+    def announce(self, layer: int, experts) -> None:
+        pass  # reads start on request, as many as the window and the cache allow
 
     def drain(self) -> None:
         """Wait for every read in flight (prefetches): their slots become evictable."""
