@@ -221,11 +221,12 @@ class GGUFFile:
                 return
 
     def populate(self, ranges) -> None:
-        """Read byte ranges into memory now, as llama.cpp's load does: ask the kernel to read them ahead in
-        large requests, then touch one byte per page (which waits for them)."""
-        self.advise(ranges, mmap.MADV_WILLNEED)
+        """Read byte ranges into memory now, as llama.cpp's load does: one byte per page is touched with
+        sequential readahead on (so the kernel reads in large requests); the ranges are left MADV_NORMAL."""
+        self.advise(ranges, mmap.MADV_SEQUENTIAL)
         for start, n in ranges:
             int(self.mm[start:start + n:mmap.PAGESIZE].sum(dtype=np.uint64))
+        self.advise(ranges, mmap.MADV_NORMAL)
 
     def close(self) -> None:
         self._buf.release()

@@ -55,6 +55,7 @@ class Session:
     def populate(self) -> None:
         """Bring every weight used in place into memory now (benchmarks do this, as llama.cpp's load does)."""
         self.gf.populate(resident_ranges(self.gf, self.streaming))
+        advise_pages(self.gf)  # expert ranges back to MADV_RANDOM
 
     @property
     def profiler(self):
