@@ -66,8 +66,8 @@ class MoEFFN:
         """Right after layer L's attention, apply layer L+1's ffn_norm and router to the residual: the
         experts it picks are prefetched while layer L computes. Decode only (one token)."""
         nxt = layer + 1
-        if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer or not getattr(self.source, "cold", True):
-            return  # (a resident source stops asking once every expert has been read)
+        if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer or not self.source.wants_lookahead:
+            return
         h = ops.rmsnorm(x, self.ffn_norm[nxt], self.cfg.rms_eps, np.empty_like(x))
         ids, _ = route(self.router[nxt].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.top_p)
         self.predicted[nxt] = ids[0][ids[0] >= 0]

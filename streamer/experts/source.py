@@ -34,7 +34,7 @@ class ResidentSource:
         self.layout = ExpertLayout(gf, cfg)
         self.mats: dict = {}
         self.touched: set = set()
-        self.cold = True  # some expert was never touched: the lookahead is still worth running
+        self.wants_lookahead = True  # until every expert has been touched once
 
     def _warm(self, layer: int, experts) -> None:
         new = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.touched]
@@ -42,7 +42,7 @@ class ResidentSource:
             self.gf.advise([(p.offset + e * p.nbytes, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
                            mmap.MADV_WILLNEED)
             self.touched.update(new)
-            self.cold = len(self.touched) < self.layout.n_layer * self.layout.n_expert
+            self.wants_lookahead = len(self.touched) < self.layout.n_layer * self.layout.n_expert
 
     def request(self, layer: int, e: int) -> bool:
         st = self.prof.layers[layer]
@@ -79,6 +79,8 @@ class ResidentSource:
 
 
 class StreamingSource:
+    wants_lookahead = True
+
     def __init__(self, path: str, layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
                  n_readers: int = 4, direct: bool | None = None):
         self.layout, self.cache, self.prof = layout, cache, profiler
