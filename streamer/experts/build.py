@@ -14,6 +14,7 @@ from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
 from streamer.profiler import Profiler
 
+
 def check_options(expert_top_p: float, n_readers: int, pin_share: float) -> None:
     if not 0.0 < expert_top_p <= 1.0:  # also refuses NaN
         raise StreamerError(f"--expert-top-p must be in (0, 1], got {expert_top_p}")
@@ -26,8 +27,7 @@ def check_options(expert_top_p: float, n_readers: int, pin_share: float) -> None
 def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bool = True,
                   expert_top_p: float = 1.0, prefetch: bool = True, learn: bool = True,
                   expert_cache_bytes: int | None = None, direct: bool | None = None, n_readers: int = 4,
-                  pin_share: float = 0.5,
-                  verbose: bool = True) -> MoEFFN:
+                  pin_share: float = 0.5, verbose: bool = True) -> MoEFFN:
     """expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most pin_share of the
     expert cache is pinned; the rest stays LRU."""
     check_options(expert_top_p, n_readers, pin_share)
