@@ -1,4 +1,5 @@
-"""The typer app with one error policy: a StreamerError or an I/O error is one line on stderr and exit 2."""
+"""The typer app with one error policy: a StreamerError or an I/O error is one line on stderr and exit 2;
+Ctrl-C is exit 130 without a traceback."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def _guard(f):
             raise fail(f"{e.strerror or e}{where}") from None
         except MemoryError:
             raise fail("out of memory (try a smaller --ram-budget or -c/--ctx-size)") from None
+        except KeyboardInterrupt:  # Ctrl-C while loading or between steps: no traceback, the shell's code
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130) from None
 
     return wrapper
 

@@ -33,12 +33,11 @@ class Conversation:
         self.gen, self.tok = gen, tokenizer
         self.system, self.think, self.n_predict = system, think, n_predict
         self.im_end = tokenizer.token_id("<|im_end|>")
-        self.turns = 0
 
     def turn_text(self, user: str) -> str:
         """The ChatML text of one user turn, including the close of the previous assistant reply."""
         text = ""
-        if self.turns == 0:
+        if not self.gen.history and self.gen.pending is None:  # nothing in the cache yet: the first turn
             if self.system:
                 text += f"<|im_start|>system\n{self.system}<|im_end|>\n"
         elif self.gen.pending == self.im_end:
@@ -50,13 +49,13 @@ class Conversation:
 
     def reset(self) -> None:
         self.gen.reset()
-        self.turns = 0
 
     def send(self, user: str) -> Iterator[str]:
-        """Stream the assistant's reply as text pieces (never a broken UTF-8 character)."""
+        """Stream the assistant's reply as text pieces (never a broken UTF-8 character). The conversation is
+        the KV cache's content: a turn interrupted during its prefill leaves no trace (Generator rolls back),
+        one interrupted while replying keeps the reply so far."""
         ids = self.tok.encode_raw(self.turn_text(user))
         self.gen.stats = Stats()  # per-turn figures
-        self.turns += 1
         dec = self.tok.stream_decoder()
         for t in self.gen.generate(ids, self.n_predict):
             piece = dec.push(t)

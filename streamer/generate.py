@@ -45,15 +45,26 @@ class Generator:
         self.history.clear()
         self.pending = None
 
+    def _step(self, ids: list) -> np.ndarray:
+        """Run `ids` through the model at the end of the cache. All or nothing: if the forward is interrupted
+        (Ctrl-C) or fails, the cache is rolled back and the history and pending token are as they were."""
+        n0 = self.cache.n
+        try:
+            logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache)
+        except BaseException:
+            self.cache.truncate(min(n0, self.cache.n))
+            raise
+        self.pending = None
+        self.history.extend(ids)
+        return logits
+
     def feed(self, ids) -> np.ndarray:
         """Prefill `ids` (after any pending token); return the logits of the last position."""
         ids = ([self.pending] if self.pending is not None else []) + list(ids)
-        self.pending = None
         t0 = time.perf_counter()
-        logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache)
+        logits = self._step(ids)
         self.stats.prompt_s += time.perf_counter() - t0
         self.stats.prompt_tokens += len(ids)
-        self.history.extend(ids)
         return logits
 
     def generate(self, prompt_ids, n_predict: int = -1) -> Iterator[int]:
@@ -79,8 +90,6 @@ class Generator:
                 self.stop_reason = "length"
                 return
             t0 = time.perf_counter()
-            self.pending = None
-            logits = self.model.forward(np.array([tok], dtype=np.int64), self.cache)
-            self.history.append(tok)
+            logits = self._step([tok])  # interrupted: tok stays pending, fed before the next prompt
             self.stats.gen_s += time.perf_counter() - t0
             self.stats.gen_tokens += 1
