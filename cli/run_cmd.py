@@ -14,6 +14,7 @@ from cli.options import (CtxSize, ExpertTopP, IoMode, FreqPenalty, MinP, ModelAr
 
 def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io):
     from streamer.errors import StreamerError
+    from streamer.filewatch import install_bus_error_exit
     from streamer.profiles import resolve
     from streamer.session import open_model
 
@@ -23,6 +24,8 @@ def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetc
     opts = resolve(profile, ram_budget=ram_budget, expert_top_p=expert_top_p, prefetch=prefetch)
     if "readers" in opts:
         opts["n_readers"] = opts.pop("readers")
+    if model.is_file():
+        install_bus_error_exit(str(model))  # the file truncated under us: one line and exit 2, not "Bus error"
     return open_model(model, n_ctx=ctx_size, threads=threads, stream=not no_stream, learn=not no_learn,
                       direct={"auto": None, "direct": True, "buffered": False}[io], **opts)
 
@@ -64,19 +67,32 @@ def run(
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
                                                  help="Echo the prompt before the completion.")] = True,
 ) -> None:
-    """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr."""
-    import numpy as np
-
+    """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
+    Ctrl-C stops the run (exit code 130) after printing what was generated."""
     from streamer.errors import StreamerError
-    from streamer.generate import Generator
-    from streamer.io import atomic_save_npy, read_text
-    from streamer.sampler import Sampler, SamplerParams
+    from streamer.sampler import SamplerParams
 
     if sum(x is not None for x in (prompt, file, tokens)) != 1:
         raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
     if logits_out is not None and tokens is None:
         raise StreamerError("--logits-out needs --tokens")
     s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
+    try:
+        _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt,
+                  SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
+                                presence_penalty, None if seed < 0 else seed))
+    finally:
+        s.close()  # reader threads stopped and joined, on every way out
+
+
+def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, params) -> None:
+    import numpy as np
+
+    from streamer.errors import StreamerError
+    from streamer.generate import Generator
+    from streamer.io import atomic_save_npy, read_text
+    from streamer.sampler import Sampler
+
     if logits_out is not None:
         ids = _parse_tokens(tokens)
         logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
@@ -88,10 +104,8 @@ def run(
     ids = _parse_tokens(tokens) if tokens is not None else tok.encode(text)
     if not ids:
         raise StreamerError("the prompt is empty")
-    params = SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
-                           presence_penalty, None if seed < 0 else seed)
     sampler = Sampler(params)
-    if temp > 0:
+    if params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
     gen = Generator(s.model, s.model.new_cache(), sampler, tok.eog_ids)
     out = sys.stdout
@@ -111,6 +125,8 @@ def run(
     out.flush()
     print(gen.stats.line() + f" | stop: {gen.stop_reason}", file=sys.stderr)
     s.report(sys.stderr)
+    if gen.stop_reason == "interrupted":
+        raise typer.Exit(130)  # the shell's convention for a run stopped by SIGINT
 
 
 def chat(
@@ -141,7 +157,6 @@ def chat(
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
     (thinking: temp 0.6, top-k 20, top-p 0.95; --no-think: 0.7, 20, 0.8)."""
     from streamer.chat import Conversation, sampler_params
-    from streamer.errors import StreamerError
     from streamer.generate import Generator
     from streamer.sampler import Sampler
 
@@ -153,6 +168,15 @@ def chat(
     sampler = Sampler(params)
     gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids)
     conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
+    try:
+        _repl(s, gen, conv)
+    finally:
+        s.close()
+
+
+def _repl(s, gen, conv) -> None:
+    from streamer.errors import ModelFileChanged, StreamerError
+
     tty = sys.stdin.isatty()
     if tty:
         print("chat: one message per line; Ctrl-C stops a reply, /reset starts over, /exit quits.", file=sys.stderr)
@@ -179,6 +203,8 @@ def chat(
                 sys.stdout.flush()
         except KeyboardInterrupt:
             sys.stdout.write(" [interrupted]")
+        except ModelFileChanged:
+            raise  # the weights under us are gone: nothing sensible to continue with
         except StreamerError as e:  # e.g. the context is full: the session survives
             print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
         sys.stdout.write("\n")

@@ -3,3 +3,7 @@
 
 class StreamerError(Exception):
     """Bad input (file, tensor, type, value, budget). The message names the bad thing."""
+
+
+class ModelFileChanged(StreamerError):
+    """The model file was truncated or rewritten while in use: the weights mapped from it are no longer valid."""

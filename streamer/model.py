@@ -72,6 +72,8 @@ class Layer:
 
 
 class Model:
+    watch = None  # a streamer.filewatch.FileWatch: checked before each forward (the file must not change)
+
     def __init__(self, gf: GGUFFile, cfg: ModelConfig, ffn: FFN | None = None, n_ctx: int | None = None):
         self.gf, self.cfg = gf, cfg
         self.layers = [Layer(gf, i) for i in range(cfg.n_layer)]
@@ -125,6 +127,8 @@ class Model:
         if ids.size == 0:
             raise StreamerError("no tokens to run (the prompt is empty)")
         self.check_tokens(ids)
+        if self.watch is not None:
+            self.watch.check()
         cache.check_room(len(ids))
         outs = []
         for s in range(0, len(ids), self.ubatch):

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from streamer.config import ModelConfig
+from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
 
 
@@ -66,6 +67,8 @@ class Session:
         close = getattr(self.model.ffn, "close", None)
         if close is not None:
             close()
+        if self.model.watch is not None:
+            self.model.watch.close()
 
     @property
     def tokenizer(self):
@@ -129,6 +132,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     elif ffn_options.get("ram_budget") is not None:
         warn_dense_budget(gf, cfg, n_ctx, ffn_options["ram_budget"])
     model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
+    model.watch = FileWatch(gf.path)
     session = Session(gf, cfg, model)
     advise_pages(gf)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):

@@ -1,0 +1,75 @@
+"""Guards against the model file changing under a running process.
+
+Weights are used in place from a read-only mapping of the file. If the file is truncated or rewritten in
+place while we run, pages past the new end raise SIGBUS when touched and rewritten pages silently change
+the weights. Two defences:
+- FileWatch.check(), called before every forward pass, compares the open file's size and modification time
+  with what they were at open: a change between steps becomes a ModelFileChanged error (one clear line).
+- install_bus_error_exit() replaces the default SIGBUS action (the interpreter dies with "Bus error") by a
+  native handler that prints one line and exits with code 2; it catches a truncation in the middle of a step.
+  The handler is a few instructions of LLVM IR (write + _exit, both async-signal-safe), compiled with
+  llvmlite (numba's own backend), because a Python-level handler cannot run while a numba kernel faults.
+A file replaced by rename (cp new && mv new model.gguf) is harmless: the process keeps the old inode.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+from streamer.errors import ModelFileChanged
+
+
+class FileWatch:
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.size, self.mtime = st.st_size, st.st_mtime_ns
+        self.close = weakref.finalize(self, os.close, self.fd)  # at close(), GC or exit
+
+    def check(self) -> None:
+        st = os.fstat(self.fd)
+        if st.st_size != self.size:
+            raise ModelFileChanged(f"{self.path} changed size while in use ({self.size} -> {st.st_size} bytes); "
+                                   f"stopping (restart on the new file)")
+        if st.st_mtime_ns != self.mtime:
+            raise ModelFileChanged(f"{self.path} was rewritten while in use; stopping (restart on the new file)")
+
+
+_engines: list = []  # keeps the compiled handlers alive: the kernel calls into their code
+
+
+def install_bus_error_exit(path: str) -> None:
+    """On SIGBUS (a mapped page of `path` vanished: truncated under us), print one error line, exit 2."""
+    import ctypes
+    import signal
+
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+
+    msg = (f"error: {path} was truncated or changed while in use (bus error reading its mapping)\n"
+           .encode("utf-8", "replace"))
+    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    mod = ir.Module(name="stream_run_sigbus")
+    text = ir.GlobalVariable(mod, ir.ArrayType(i8, len(msg)), "msg")
+    text.global_constant, text.linkage = True, "private"
+    text.initializer = ir.Constant(ir.ArrayType(i8, len(msg)), bytearray(msg))
+    write = ir.Function(mod, ir.FunctionType(i64, [i32, i8.as_pointer(), i64]), "write")
+    _exit = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i32]), "_exit")
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [i32]), "on_sigbus")
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.call(write, [i32(2), b.bitcast(text, i8.as_pointer()), i64(len(msg))])
+    b.call(_exit, [i32(2)])
+    b.unreachable()
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    parsed = llvm.parse_assembly(str(mod))
+    engine = llvm.create_mcjit_compiler(parsed, llvm.Target.from_default_triple().create_target_machine())
+    engine.finalize_object()
+    _engines.append(engine)
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(signal.SIGBUS, engine.get_function_address("on_sigbus"))
