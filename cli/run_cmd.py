@@ -66,6 +66,8 @@ def run(
     io: IoMode = "auto",
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
                                                  help="Echo the prompt before the completion.")] = True,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-generation tokens "
+                                             "(generate -n tokens or to a full context).")] = False,
 ) -> None:
     """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
     Ctrl-C stops the run (exit code 130) after printing what was generated."""
@@ -78,14 +80,14 @@ def run(
         raise StreamerError("--logits-out needs --tokens")
     s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
     try:
-        _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt,
+        _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos,
                   SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
                                 presence_penalty, None if seed < 0 else seed))
     finally:
         s.close()  # reader threads stopped and joined, on every way out
 
 
-def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, params) -> None:
+def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos, params) -> None:
     import numpy as np
 
     from streamer.errors import StreamerError
@@ -107,7 +109,7 @@ def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, pa
     sampler = Sampler(params)
     if params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
-    gen = Generator(s.model, s.model.new_cache(), sampler, tok.eog_ids)
+    gen = Generator(s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids)
     out = sys.stdout
     if display_prompt:
         out.write(tok.decode(ids))

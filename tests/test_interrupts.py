@@ -1,0 +1,149 @@
+"""Ctrl-C: during prefill or decode, `run` prints what it has and exits 130 with its reader threads stopped;
+`chat` returns to the prompt with the conversation intact (an interrupted prefill leaves no trace, an
+interrupted reply keeps what was said). Plus determinism: same seed and flags, same tokens, streamed or not."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from streamer.chat import Conversation
+from streamer.generate import Generator
+from streamer.model import Model
+from streamer.sampler import Sampler, SamplerParams
+from streamer.session import open_model
+
+STREAM_RUN = Path(sys.executable).parent / "stream-run"
+SUBPROCESS_BUDGET = ("--ram-budget", "300M", "-c", "512")  # needs ~255 MiB; the cache gets ~1/3 of the experts
+
+
+def streaming_budget():
+    """A --ram-budget for this (long-lived, variable) pytest process: the plan charges its RSS first, then
+    ~130 MiB for the demo model's resident part at -c 512; the rest (~40 MiB) caches a third of its 113 MiB of
+    experts."""
+    import psutil
+
+    return ("--ram-budget", str(psutil.Process().memory_info().rss + 170 * 2**20), "-c", "512")
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
+
+
+def interrupt_forward(monkeypatch, when):
+    """Make Model.forward raise KeyboardInterrupt on the first call `when(ids)` accepts, as SIGINT would."""
+    real, fired = Model.forward, []
+
+    def forward(self, ids, cache, all_logits=False):
+        if not fired and when(np.asarray(ids)):
+            fired.append(cache.n)
+            real(self, ids[:1], cache)  # some work done, part of the step in the cache
+            raise KeyboardInterrupt
+        return real(self, ids, cache, all_logits)
+
+    monkeypatch.setattr(Model, "forward", forward)
+    return fired
+
+
+def reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("expert-reader")]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_run_exits_130_and_stops_its_readers(synth_model, monkeypatch, phase):
+    path = synth_model("demo", "Q4_K")
+    before = reader_threads()
+    fired = interrupt_forward(monkeypatch, (lambda ids: len(ids) > 1) if phase == "prefill" else
+                              (lambda ids: len(ids) == 1))
+    r = CliRunner().invoke(app, ["run", str(path), "-p", "hello there friend", "-n", "8", "--ignore-eos",
+                                     *streaming_budget()])
+    assert fired and r.exit_code == 130, (r.exit_code, r.output)
+    assert "stop: interrupted" in r.stderr and "Traceback" not in r.output
+    assert "experts: hit rate" in r.stderr  # it was streaming, so it had reader threads
+    assert reader_threads() == before
+
+
+def test_run_real_sigint_during_decode(synth_model, tmp_path):
+    path = synth_model("demo", "Q4_K")
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
+    p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", *SUBPROCESS_BUDGET],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        p.stdout.read(20)  # generating
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err.decode()
+    assert b"stop: interrupted" in err and b"Traceback" not in err
+
+
+def converse(session, turns, monkeypatch=None, interrupt=None):
+    """Greedy conversation; interrupt = (turn index, 'prefill' | 'decode'). Returns (replies, history)."""
+    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()),
+                    session.tokenizer.eog_ids)
+    conv = Conversation(gen, session.tokenizer, n_predict=6)
+    replies = []
+    for i, text in enumerate(turns):
+        if interrupt and interrupt[0] == i:
+            fired = interrupt_forward(monkeypatch, (lambda ids: len(ids) > 1) if interrupt[1] == "prefill" else
+                                      (lambda ids: len(ids) == 1))
+            pieces = []
+            with pytest.raises(KeyboardInterrupt):
+                for piece in conv.send(text):
+                    pieces.append(piece)
+            monkeypatch.undo()
+            assert fired
+            replies.append("".join(pieces))
+        else:
+            replies.append("".join(conv.send(text)))
+        assert gen.cache.n == len(gen.history)  # the cache holds exactly the conversation
+    return replies, list(gen.history), gen.pending
+
+
+def test_chat_interrupted_prefill_leaves_no_trace(synth_model, monkeypatch):
+    s = open_model(synth_model("tiny-moe", "Q8_0"), learn=False, stream=False)
+    got, hist, pending = converse(s, ["first", "second", "third"], monkeypatch, interrupt=(1, "prefill"))
+    want, want_hist, want_pending = converse(s, ["first", "third"])
+    assert got[1] == "" and [got[0], got[2]] == want
+    assert hist == want_hist and pending == want_pending
+
+
+def test_chat_interrupted_reply_is_kept_and_closed(synth_model, monkeypatch):
+    s = open_model(synth_model("tiny-moe", "Q8_0"), learn=False, stream=False)
+    tok = s.tokenizer
+    got, hist, _ = converse(s, ["first", "second", "third"], monkeypatch, interrupt=(1, "decode"))
+    assert len(got[1]) > 0  # one token was shown before Ctrl-C
+    text = tok.decode(hist)
+    # the cut reply is in the context, closed with <|im_end|>, and the third turn follows it
+    cut = text.index("<|im_start|>user\nthird")
+    assert text[:cut].endswith("<|im_end|>\n") and got[1] in text[:cut]
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("preset,qtype", [("tiny", "Q8_0"), ("demo", "Q4_K")])
+def test_same_seed_same_tokens_across_runs_and_streaming(synth_model, preset, qtype):
+    path = synth_model(preset, qtype)
+    moe = preset == "demo"
+    flags = ["-p", "once upon", "-n", "24", "--ignore-eos", "--temp", "0.9", "--top-k", "0", "--seed", "1234"]
+    first = run_cli("run", path, *flags, *(streaming_budget() if moe else ()))
+    assert first.exit_code == 0, first.output
+    assert run_cli("run", path, *flags, *(streaming_budget() if moe else ())).stdout == first.stdout
+    if moe:
+        assert "in place" not in first.stderr and "experts: hit rate" in first.stderr  # it did stream
+        assert run_cli("run", path, *flags, "--no-stream").stdout == first.stdout
+        assert run_cli("run", path, *flags, *streaming_budget(), "--no-prefetch").stdout == first.stdout
+    other = run_cli("run", path, *flags[:-1], "4321")
+    assert other.stdout != first.stdout  # the seed matters: the comparison above could fail
