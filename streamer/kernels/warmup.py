@@ -1,0 +1,129 @@
+"""Compile every kernel ahead of time (`stream-run warmup`), or load it from numba's on-disk cache.
+
+Each group runs its kernels once on tiny zero inputs: per GGML type the QMatrix matvec, matmul and rows;
+the forward pass's ops (RMSNorm, head norm + RoPE, attention, SwiGLU); the multi-expert decode kernels.
+numba compiles one machine-code version per argument-type signature, and a cached version is only found
+again for the same signature, so the inputs here have exactly the types a model run passes: weights
+read-only and C-contiguous (as views of the file's read-only mapping or of the expert cache's read-only
+arena), activations float32 and C-contiguous, Python ints and floats for the scalars.
+tests/test_first_run.py checks that a model run afterwards compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from . import experts, ops
+from .dispatch import SUPPORTED, QMatrix
+
+N_IN = 256  # a multiple of every block size (32 and 256 elements)
+N_OUT = 4
+
+
+class Group(NamedTuple):
+    name: str
+    kernels: tuple  # the numba dispatchers the group compiles
+    run: Callable[[], None]
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _matrix_group(qtype: T) -> Group:
+    k = SUPPORTED[qtype]
+
+    def run() -> None:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        m = QMatrix(np.zeros((N_OUT, N_IN // block * type_size), np.uint8), qtype, N_IN, f"warmup-{qtype.name}")
+        m.matvec(np.zeros(N_IN, np.float32))
+        m.matmul(np.zeros((2, N_IN), np.float32))
+        m.rows(np.zeros(1, np.int64))
+
+    return Group(qtype.name, (k.matvec, k.matmul, k.rows), run)
+
+
+def _run_ops() -> None:
+    n_embd, n_head, n_kv, head_dim, n_ctx = 64, 2, 1, 16, 4
+    norm = _readonly(np.ones(n_embd, np.float32))  # norm weights are F32 views of the read-only mapping
+    head_norm = _readonly(np.ones(head_dim, np.float32))
+    cos, sin = ops.rope_tables(n_ctx, head_dim, 1e6)
+    kc = np.zeros((n_kv, n_ctx, head_dim), np.uint16)  # one layer of the f16 KV cache
+    for m in (2, 1):
+        x = np.zeros((m, n_embd), np.float32)
+        ops.rmsnorm(x, norm, 1e-6, x)
+        q = np.zeros((m, n_head, head_dim), np.float32)
+        ops.head_norm_rope(q, head_norm, 1e-6, cos, sin, 0)
+        ops.attention(q, kc, kc, 0, np.float32(0.25), np.empty_like(q))
+        ops.swiglu(x, x, x)
+
+
+def _run_experts() -> None:
+    """Both multi-expert kernels for every format they handle (one compiled version serves all: the format
+    is a runtime argument), over a read-only flat byte array as MoEFFN passes them."""
+    k = 2
+    for qtype, fmt in experts.FORMATS.items():
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = N_IN // block * type_size
+        w = _readonly(np.zeros(k * N_OUT * row_bytes, np.uint8))
+        offs = np.arange(k, dtype=np.int64) * (N_OUT * row_bytes)
+        sx = experts.ExpertScratch(1, N_IN)
+        out = np.empty((k, N_OUT), np.float32)
+        experts.experts_matvec(fmt, w, offs, row_bytes, np.zeros(N_IN, np.float32), out, sx.xq[0], sx.aux[0])
+        sa = experts.ExpertScratch(k, N_IN)
+        experts.experts_down(fmt, w, offs, row_bytes, np.zeros((k, N_IN), np.float32),
+                             np.ones(k, np.float32), np.zeros(N_OUT, np.float32), sa.xq, sa.aux)
+
+
+def groups() -> list[Group]:
+    """Everything a model run can call: one group per supported GGML type, then the ops, then the MoE kernels."""
+    return ([_matrix_group(t) for t in SUPPORTED]
+            + [Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.attention, ops.swiglu), _run_ops),
+               Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts)])
+
+
+def entry_points() -> list:
+    """The numba dispatchers a model calls directly (the others are inlined into these or called by them)."""
+    return [d for g in groups() for d in g.kernels]
+
+
+def cache_dir() -> str:
+    """Where numba keeps the compiled kernels (NUMBA_CACHE_DIR if set, else next to the kernel sources)."""
+    return ops.rmsnorm.stats.cache_path
+
+
+class Report(NamedTuple):
+    name: str
+    n_kernels: int
+    compiled: int  # kernels numba had to compile (the others came from its cache, or were already loaded)
+    seconds: float
+
+
+def warmup(before: Callable[[Group], None] | None = None,
+           after: Callable[[Report], None] | None = None, only=None) -> list[Report]:
+    """Run every group (or those named in `only`); `before` is called with each group as it starts, `after`
+    with its report."""
+    reports = []
+    for g in groups():
+        if only is not None and g.name not in only:
+            continue
+        if before is not None:
+            before(g)
+        misses = sum(sum(d.stats.cache_misses.values()) for d in g.kernels)
+        t0 = time.perf_counter()
+        g.run()
+        dt = time.perf_counter() - t0
+        compiled = sum(sum(d.stats.cache_misses.values()) for d in g.kernels) - misses
+        r = Report(g.name, len(g.kernels), compiled, dt)
+        reports.append(r)
+        if after is not None:
+            after(r)
+    return reports
+
+
+__all__ = ["Group", "Report", "cache_dir", "entry_points", "groups", "warmup"]
