@@ -32,5 +32,17 @@ Prefetch = Annotated[Optional[bool], typer.Option("--prefetch/--no-prefetch", he
 NoLearn = Annotated[bool, typer.Option("--no-learn", help="Do not load or save the learned expert-usage profile.")]
 IoMode = Annotated[str, typer.Option("--io", help="Expert reads: direct (O_DIRECT, bypasses the page cache), buffered "
                                      "(+ POSIX_FADV_DONTNEED), or auto (direct where the filesystem allows it).")]
-Profile = Annotated[Optional[str], typer.Option("--profile", help="Streaming preset: 8g, 8g-fast, 16g, 32g or a "
-                                               ".toml file; flags given explicitly win.")]
+
+
+def _profile_names() -> str:
+    """The built-in profile names, read from the profiles/ package (a directory listing: no TOML parsed)."""
+    try:
+        from streamer.profiles import available
+        return ", ".join(available())
+    except Exception:  # never let --help fail over a listing
+        return "see `stream-run profiles`"
+
+
+Profile = Annotated[Optional[str], typer.Option("--profile", help=f"Runtime preset: a built-in name ({_profile_names()}; "
+                                               "`stream-run profiles` describes them) or a .toml file; flags given "
+                                               "explicitly win.")]

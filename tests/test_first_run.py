@@ -1,0 +1,242 @@
+"""First run as a new user: runtime profiles (budget_fraction, precedence, `stream-run profiles`),
+`stream-run warmup` (compiles what a model run later uses, and nothing is left to compile), and a `--help`
+that never imports numba."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from streamer import budget
+from streamer.errors import StreamerError
+from streamer.profiles import available, describe, load_profile, resolve
+
+runner = CliRunner()
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def ten_gib(monkeypatch):
+    """Pretend 10 GiB are available (what budget_fraction is a share of)."""
+    monkeypatch.setattr(budget, "available_memory", lambda: 10 * GiB)
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+# ---- profiles ----
+
+def test_new_presets_exist_with_descriptions():
+    names = set(available())
+    assert {"low-ram", "balanced", "max-speed", "8g", "8g-fast", "16g", "32g"} <= names
+    for name in names:
+        description, opts = describe(name)
+        assert description and "\n" not in description, name
+        assert ("ram_budget" in opts) != ("budget_fraction" in opts), name  # exactly one kind of budget
+    assert load_profile("balanced")["budget_fraction"] == budget.DEFAULT_FRACTION  # "the defaults written out"
+    # a lossy preset says so in the line `stream-run profiles` prints
+    for name in names:
+        description, opts = describe(name)
+        if opts.get("expert_top_p", 1.0) < 1.0:
+            assert "APPROXIMATE" in description, name
+
+
+def test_resolve_precedence_flag_over_profile_over_default(ten_gib):
+    assert resolve(None, ram_budget=None, expert_top_p=None, prefetch=None) == {}  # built-in defaults apply
+    assert resolve("8g", ram_budget=None)["ram_budget"] == "7G"  # profile over default
+    assert resolve("8g", ram_budget="3G")["ram_budget"] == "3G"  # flag over profile
+    assert resolve("max-speed", expert_top_p=None)["expert_top_p"] == 0.9
+    assert resolve("max-speed", expert_top_p=1.0)["expert_top_p"] == 1.0
+    assert resolve("low-ram", prefetch=False)["prefetch"] is False
+
+
+def test_budget_fraction_becomes_bytes_of_available_memory(ten_gib):
+    opts = resolve("low-ram", ram_budget=None)
+    assert opts["ram_budget"] == 5 * GiB
+    assert "budget_fraction" not in opts and "description" not in opts  # open_model gets options only
+    assert resolve("max-speed")["ram_budget"] == int(0.9 * 10 * GiB)
+    assert resolve("low-ram", ram_budget="2G")["ram_budget"] == "2G"  # an explicit --ram-budget wins
+
+
+def test_budget_fraction_and_ram_budget_are_exclusive(tmp_path, ten_gib):
+    both = tmp_path / "both.toml"
+    both.write_text('ram_budget = "4G"\nbudget_fraction = 0.5\n')
+    with pytest.raises(StreamerError, match="ram_budget or budget_fraction, not both"):
+        resolve(str(both))
+    r = invoke("run", tmp_path / "any.gguf", "-p", "x", "--profile", both)  # checked before the model is opened
+    assert r.exit_code == 2 and "not both" in r.stderr and "Traceback" not in r.output
+    for bad in ("0", "1.5", "-0.2", '"half"'):
+        (tmp_path / "f.toml").write_text(f"budget_fraction = {bad}\n")
+        with pytest.raises(StreamerError, match="budget_fraction"):
+            resolve(str(tmp_path / "f.toml"))
+    (tmp_path / "d.toml").write_text("description = 3\n")
+    with pytest.raises(StreamerError, match="'description' has a bad value"):
+        load_profile(str(tmp_path / "d.toml"))
+
+
+def test_every_builtin_profile_gives_options_open_model_takes(ten_gib):
+    import inspect
+
+    from streamer.experts.build import build_moe_ffn
+
+    params = set(inspect.signature(build_moe_ffn).parameters)
+    for name in available():
+        opts = resolve(name)
+        opts["n_readers"] = opts.pop("readers")  # as cli/run_cmd.py passes it
+        assert set(opts) <= params, (name, set(opts) - params)
+
+
+def test_profile_budget_on_the_command_line(synth_model, monkeypatch):
+    """Through `stream-run run`: the plan's budget is the profile's share of (patched) available memory, and
+    --ram-budget beats it."""
+    monkeypatch.setattr(budget, "available_memory", lambda: 2 * GiB)
+    path = synth_model("tiny-moe", "Q8_0")
+    r = invoke("run", path, "-p", "x", "-n", "1", "--profile", "low-ram", "--no-learn")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"RAM budget 1(\.00)? GiB", r.stderr), r.stderr
+    r = invoke("run", path, "-p", "x", "-n", "1", "--profile", "low-ram", "--ram-budget", "700M", "--no-learn")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"RAM budget 700(\.00)? MiB", r.stderr), r.stderr
+
+
+def test_profiles_command_lists_every_builtin():
+    r = invoke("profiles")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    for name in available():
+        description, opts = describe(name)
+        assert any(re.match(rf"\s+{re.escape(name)}\s+{re.escape(description)}$", ln) for ln in lines), name
+        for k, v in opts.items():
+            assert f"{k}=" in r.stdout
+    assert "--profile PATH.toml" in r.stdout and "budget_fraction" in r.stdout
+
+
+def test_profile_help_names_the_builtins():
+    r = invoke("run", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    for name in ("low-ram", "balanced", "max-speed"):
+        assert name in text
+
+
+# ---- warmup ----
+
+# Runs in a fresh interpreter, so no kernel compiled by another test counts: the real `stream-run warmup`
+# command, then a look at every numba dispatcher in streamer.kernels, then real model runs (prefill and
+# decode, dense in every supported type, MoE streamed and resident) that must not compile anything new.
+WARMUP_SCRIPT = textwrap.dedent("""
+    import importlib, inspect, json, pkgutil, re, sys
+    import numpy as np
+    from numba.core.registry import CPUDispatcher
+    from cli.main import app
+
+    try:
+        app(["warmup"], standalone_mode=False)
+    except SystemExit as e:
+        assert not e.code, e.code
+
+    import streamer.kernels as K
+    disp = {}
+    for m in pkgutil.iter_modules(K.__path__):
+        mod = importlib.import_module("streamer.kernels." + m.name)
+        for n, v in vars(mod).items():
+            if isinstance(v, CPUDispatcher) and v.__module__ == mod.__name__:
+                disp[mod.__name__ + "." + n] = v
+    sigs = lambda: {k: sorted(map(str, d.signatures)) for k, d in disp.items()}
+    before = sigs()
+    sources = {k: inspect.getsource(d.py_func) for k, d in disp.items()}
+    helpers = [k for k in disp if any(re.search(r"\\b" + k.rsplit(".", 1)[1] + r"\\(", src)
+                                      for j, src in sources.items() if j != k)]
+
+    from streamer.session import open_model
+    for path, kw in json.loads(sys.argv[1]):
+        s = open_model(path, learn=False, **kw)
+        cache = s.model.new_cache()
+        s.model.forward(np.arange(1, 7), cache)  # prefill: 6 tokens (matrix-matrix kernels)
+        s.model.forward(np.array([7]), cache)    # decode: one token (matvec, multi-expert kernels)
+        s.model.forward(np.array([8]), cache)
+        s.close()
+    print(json.dumps({"before": before, "after": sigs(), "helpers": helpers}))
+""")
+
+
+def test_warmup_compiles_every_kernel_a_run_uses(synth_model, tmp_path):
+    from streamer.kernels.dispatch import SUPPORTED
+
+    runs = [(str(synth_model("tiny", t.name)), {}) for t in SUPPORTED]
+    moe = synth_model("tiny-moe", "Q4_K")
+    runs += [(str(moe), {"expert_cache_bytes": 1 << 20}), (str(moe), {"stream": False}),
+             (str(synth_model("tiny-moe", "Q8_0")), {"expert_cache_bytes": 1 << 20})]
+    env = {**os.environ, "STREAM_RUN_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    # the command's own report: one line per group, then the total
+    for group in [t.name for t in SUPPORTED] + ["ops", "experts"]:
+        assert re.search(rf"^\s*{group}: \d+ kernels \.\.\. (compiled|from cache).* in [\d.]+ s$", p.stderr, re.M), \
+            (group, p.stderr)
+    assert re.search(r"^warmup: \d+ kernels ready .* in [\d.]+ s; numba cache: ", p.stdout, re.M), p.stdout
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    before, after, helpers = got["before"], got["after"], set(got["helpers"])
+    # every kernel of the dispatch table has a compiled version after warmup
+    for t, k in SUPPORTED.items():
+        for f in (k.matvec, k.matmul, k.rows):
+            assert before[f"{f.__module__}.{f.__name__}"], (t.name, f.__name__)
+    # and so has every other dispatcher, except helpers that only other kernels call (compiled into them)
+    missing = [k for k, v in before.items() if not v and k not in helpers]
+    assert not missing, missing
+    # real runs afterwards found everything compiled: no new signature anywhere
+    grown = {k: (before[k], after[k]) for k in after if after[k] != before[k]}
+    assert not grown, grown
+
+
+# ---- --help without numba ----
+
+HELP_SCRIPT = textwrap.dedent("""
+    import runpy, sys, time
+    script, cmds = sys.argv[1], sys.argv[2:]
+    times = {}
+    for cmd in cmds:
+        sys.argv = [script] + ([cmd] if cmd else []) + ["--help"]
+        t0 = time.perf_counter()
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            assert not e.code, (cmd, e.code)
+        times[cmd or "(app)"] = time.perf_counter() - t0
+        heavy = [m for m in ("numba", "numpy", "streamer.kernels", "gguf") if m in sys.modules]
+        assert not heavy, (cmd, heavy)
+    print("TIMES", times, file=sys.stderr)
+""")
+
+
+def test_help_of_every_command_through_the_real_script_imports_no_numba():
+    import typer.main
+
+    script = Path(sys.executable).parent / "stream-run"
+    if not script.exists():
+        pytest.skip(f"no console script at {script} (package not installed)")
+    names = [c.name for c in typer.main.get_command(app).commands.values()]
+    assert {"warmup", "profiles", "demo", "run"} <= set(names)
+    # the real entry point, each subcommand's --help in turn, in one process
+    p = subprocess.run([sys.executable, "-c", HELP_SCRIPT, str(script), "", *names], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("Usage:") == len(names) + 1
+    # and one whole process, as a user types it
+    p = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "warmup" in p.stdout and "profiles" in p.stdout
