@@ -36,7 +36,26 @@ def _guard(f):
 
 
 class App(typer.Typer):
-    """typer.Typer whose commands all go through _guard."""
+    """typer.Typer whose commands all go through _guard, and whose command-line errors (unknown option, bad
+    value, missing argument) are one line too, instead of click's usage text and box."""
+
+    def __call__(self, args=None, prog_name: str = "stream-run"):
+        command = typer.main.get_command(self)
+        try:
+            code = command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        except typer.Abort:  # Ctrl-C outside a command (while parsing)
+            sys.exit(130)
+        except Exception as e:  # click's usage errors (typer vendors click: match what they provide)
+            if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+                raise
+            ctx = getattr(e, "ctx", None)
+            if not e.format_message().strip() and ctx is not None:  # no arguments at all: the help, as before
+                print(ctx.get_help())
+                sys.exit(e.exit_code)
+            where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            print(f"error: {' '.join(e.format_message().split())}{where}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def command(self, *args, **kwargs):
         register = super().command(*args, **kwargs)
