@@ -4,6 +4,7 @@ generates with the experts streamed from disk into a cache that holds only a qua
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -22,13 +23,15 @@ def demo(
     threads: Threads = None,
 ) -> None:
     """Write (once) a small synthetic Qwen3-MoE and generate from it with expert streaming and profiling."""
+    # Idle OpenMP workers sleep instead of spinning (unless the user chose otherwise). Set before numba loads
+    # its threading layer, which reads it once. On a busy machine spinning workers take the cores from the
+    # ones doing the work: warm demo on 2 shared cores under load 3-4, 18-27 s spinning vs 5-6 s passive.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from cli.synth_cmd import progress_printer
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
     from streamer.experts.usage import cache_dir
-    from streamer.generate import Generator
     from streamer.io import human
-    from streamer.sampler import Sampler, SamplerParams
     from streamer.session import open_model
     from streamer.synth.writer import spec_for, write_model
 
@@ -37,28 +40,59 @@ def demo(
     path = (model_dir or cache_dir() / "demo") / "demo-qwen3moe-q4_k.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        print("writing a synthetic Qwen3-MoE demo model (random weights; its text is gibberish by design)",
-              file=sys.stderr)
+        print("writing a synthetic Qwen3-MoE demo model (once; later runs reuse it)", file=sys.stderr)
         write_model(path, spec_for("demo", "Q4_K"), progress=progress_printer(f"writing {path.name}"))
     from streamer.config import ModelConfig
     from streamer.gguf_file import GGUFFile
     gf = GGUFFile(path)
     layout = ExpertLayout(gf, ModelConfig.from_gguf(gf))
     cache_bytes = max(int(cache_share * layout.total_bytes), 8 * layout.slot_bytes)
-    print(f"model {path} ({human(gf.size)}): experts {human(layout.total_bytes)}, expert cache "
-          f"{human(cache_bytes)} ({100 * cache_share:.0f}%)", file=sys.stderr)
+    nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
+    print(f"model {path} ({human(gf.size)})\n"
+          "  its weights are RANDOM: the text below is gibberish by design; the demo shows expert streaming, "
+          "not a language model\n"
+          f"  in RAM: non-expert weights {human(nonexpert)} (used in place) + expert cache {human(cache_bytes)} "
+          f"({100 * cache_bytes / layout.total_bytes:.0f}% of the {human(layout.total_bytes)} of experts) = "
+          f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
+          "the other experts are read from disk as tokens need them", file=sys.stderr)
     s = open_model(path, threads=threads, expert_cache_bytes=cache_bytes, prefetch=True)
+    try:
+        _generate(s, prompt, n_predict)
+    finally:
+        s.close()
+
+
+def _generate(s, prompt: str, n_predict: int) -> None:
+    from streamer.generate import Generator
+    from streamer.kernels.warmup import warmup
+    from streamer.sampler import Sampler, SamplerParams
+    from streamer.session import notice_if_slow
+
+    # open_model compiled the per-matrix kernels; the multi-expert decode kernels are compiled here, so their
+    # first-run compile time shows up as such and not as slow generation
+    with notice_if_slow("compiling the MoE expert kernels (first run only; numba caches them)..."):
+        warmup(only=("experts",))
     tok = s.tokenizer
     gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
     ids = tok.encode(prompt)
     dec = tok.stream_decoder()
-    sys.stdout.write(prompt)
+    print(f"prefill: {len(ids)} tokens ...", end="", file=sys.stderr, flush=True)
+    out: list[int] = []
     for t in gen.generate(ids, n_predict):
+        if not out:
+            print(f" done in {gen.stats.prompt_s:.2f} s; generating {n_predict} tokens greedily", file=sys.stderr,
+                  flush=True)
+            sys.stdout.write(prompt)
+        out.append(t)
         sys.stdout.write(dec.push(t))
         sys.stdout.flush()
+    if not out:
+        print(f" done in {gen.stats.prompt_s:.2f} s", file=sys.stderr, flush=True)
+        sys.stdout.write(prompt)
     sys.stdout.write(dec.flush() + "\n\n")
+    print(f"prompt token ids: {ids}")
+    print(f"generated token ids: {out}\n")
     print(s.profiler.table())
     print(s.profiler.summary())
     print(gen.stats.line())
     print("(random router weights spread tokens evenly over experts: the worst case for any cache)")
-    s.close()

@@ -37,7 +37,7 @@ def user_error(result, pattern):
 def test_help_lists_commands():
     r = invoke("--help")
     assert r.exit_code == 0
-    for cmd in ("run", "chat", "bench", "profile", "inspect", "tokenize", "synth", "demo"):
+    for cmd in ("run", "chat", "bench", "profile", "inspect", "tokenize", "synth", "demo", "warmup", "profiles"):
         assert cmd in r.stdout
 
 
@@ -126,6 +126,10 @@ def test_demo_runs(tmp_path):
     r = invoke("demo", "--dir", tmp_path, "-n", "4")
     assert r.exit_code == 0, r.output
     assert "hit rate" in r.stdout and "layer" in r.stdout
+    assert "RANDOM" in r.stderr and re.search(r"expert cache .* of experts", r.stderr)
+    assert re.search(r"prefill: \d+ tokens \.\.\. done in [\d.]+ s", r.stderr)
+    ids = re.search(r"generated token ids: \[([\d, ]*)\]", r.stdout)
+    assert ids and len(ids.group(1).split(",")) <= 4, r.stdout
 
 
 # ---- bad input: one line, exit code 2 ----
