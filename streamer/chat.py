@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Iterator
 
+from streamer.errors import StreamerError
 from streamer.generate import Generator, Stats
 from streamer.sampler import SamplerParams
 
@@ -33,28 +34,68 @@ class Conversation:
         self.gen, self.tok = gen, tokenizer
         self.system, self.think, self.n_predict = system, think, n_predict
         self.im_end = tokenizer.token_id("<|im_end|>")
+        self.user_marker = tokenizer.encode_raw("<|im_start|>user\n")
 
     def turn_text(self, user: str) -> str:
         """The ChatML text of one user turn, including the close of the previous assistant reply."""
-        text = ""
+        closing, body = self._turn_parts(user)
+        return closing + body
+
+    def _turn_parts(self, user: str) -> tuple[str, str]:
+        """(what closes the previous reply, or the system block on the first turn; the user turn itself)."""
+        closing = ""
         if not self.gen.history and self.gen.pending is None:  # nothing in the cache yet: the first turn
             if self.system:
-                text += f"<|im_start|>system\n{self.system}<|im_end|>\n"
+                closing = f"<|im_start|>system\n{self.system}<|im_end|>\n"
         elif self.gen.pending == self.im_end:
-            text += "\n"  # the reply ended with <|im_end|>, which is pending: it is fed with this turn
+            closing = "\n"  # the reply ended with <|im_end|>, which is pending: it is fed with this turn
         else:
-            text += "<|im_end|>\n"  # the reply was cut short (-n, Ctrl-C): close it
-        text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        return text if self.think else text + EMPTY_THINK
+            closing = "<|im_end|>\n"  # the reply was cut short (-n, Ctrl-C, full context): close it
+        body = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        return closing, body if self.think else body + EMPTY_THINK
 
     def reset(self) -> None:
         self.gen.reset()
+
+    def _turn_starts(self) -> list[int]:
+        """Where each user turn ('<|im_start|>user\\n') begins in the token history."""
+        h, m = self.gen.history, self.user_marker
+        return [i for i in range(len(h) - len(m) + 1) if h[i] == m[0] and h[i:i + len(m)] == m]
+
+    def _prompt(self, user: str) -> list[int]:
+        """The tokens to prefill for this turn. When they and room for the reply do not fit after what the
+        cache holds, the oldest whole turns are dropped (the system prompt stays) until the context is at most
+        half full, and what is kept is prefilled again: llama.cpp's context shift, done exactly (K is stored
+        after RoPE, so shifting positions in place would need a re-rotation; re-reading is exact). Ctrl-C
+        during that re-read leaves an empty conversation (the old cache is already overwritten)."""
+        closing, body = (self.tok.encode_raw(t) for t in self._turn_parts(user))
+        gen, n_ctx = self.gen, self.gen.cache.n_ctx
+        pend = [gen.pending] if gen.pending is not None else []
+        reserve = self.n_predict if self.n_predict > 0 else n_ctx // 4
+        if gen.cache.n + len(pend) + len(closing) + len(body) + reserve <= n_ctx:
+            return closing + body
+        starts = self._turn_starts()
+        if not starts:
+            return closing + body  # nothing to drop: the turn alone is too long (forward says so)
+        head, hist = gen.history[:starts[0]], gen.history
+        n_drop, kept = len(starts), head  # every earlier turn, with the reply that closing and pending end
+        for k in range(1, len(starts)):
+            if len(head) + len(hist) - starts[k] + len(pend) + len(closing) + len(body) <= n_ctx // 2:
+                n_drop, kept = k, head + hist[starts[k]:] + pend + closing
+                break
+        if len(kept) + len(body) > n_ctx:  # refuse before touching the cache: the conversation survives
+            raise StreamerError(f"context overflow: this turn ({len(body)} tokens) does not fit in the context "
+                                f"size {n_ctx} (raise it with -c/--ctx-size)")
+        print(f"(context full: dropped the oldest {n_drop} turn(s); re-reading the {len(kept)} tokens kept)",
+              file=sys.stderr)
+        gen.reset()
+        return kept + body
 
     def send(self, user: str) -> Iterator[str]:
         """Stream the assistant's reply as text pieces (never a broken UTF-8 character). The conversation is
         the KV cache's content: a turn interrupted during its prefill leaves no trace (Generator rolls back),
         one interrupted while replying keeps the reply so far."""
-        ids = self.tok.encode_raw(self.turn_text(user))
+        ids = self._prompt(user)
         self.gen.stats = Stats()  # per-turn figures
         dec = self.tok.stream_decoder()
         for t in self.gen.generate(ids, self.n_predict):

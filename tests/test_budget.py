@@ -94,3 +94,51 @@ def test_too_small_budget_names_a_budget_that_works(streaming_moe, monkeypatch):
     make_plan(int((need + 0.01) * 2**20), *args)  # the printed figure, rounded up to its last digit: accepted
     with pytest.raises(StreamerError):
         make_plan(int((need - 0.5) * 2**20), *args)
+
+
+def test_kv_cache_is_paid_for_out_of_the_budget(streaming_moe, monkeypatch):
+    """A longer context leaves exactly its extra KV bytes less for the expert cache (same budget)."""
+    from streamer.session import open_model
+
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda self: type("m", (), {"rss": 150 * 2**20})())
+    plans = {n: open_model(streaming_moe, n_ctx=n, learn=False, ram_budget="600M").model.ffn.plan for n in (64, 512)}
+    s = open_model(streaming_moe, n_ctx=512, learn=False, stream=False)
+    kv = {n: s.cfg.kv_bytes_per_token * n for n in (64, 512)}
+    cache = s.model.new_cache()
+    assert cache.nbytes == kv[512]  # the plan charges what the KV cache really allocates
+    assert plans[64].expert_cache - plans[512].expert_cache == kv[512] - kv[64] > 0
+
+
+@pytest.mark.skipif(not cgroup_ok(), reason="needs root and the cgroup-v1 memory controller")
+def test_chat_fills_its_context_under_a_cap_with_a_two_layer_budget(streaming_moe, tmp_path):
+    """Five chat turns filling the context (the oldest turns are then dropped), in a cgroup capped at
+    --ram-budget, with a budget whose expert cache holds about two layers' routed experts (16 of 256): never
+    OOM-killed, peak usage under the cap, every turn answered."""
+    import re
+    import subprocess
+
+    from cgroup import MemoryCgroup, evict
+
+    from streamer.io import parse_size
+
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    base = [sys.executable, "-m", "cli.main", "chat", str(streaming_moe), "-c", "160", "-n", "16", "--temp", "0"]
+    probe = subprocess.run(base + ["--ram-budget", "1M"], input="", capture_output=True, text=True, env=env)
+    need = parse_size(re.search(r"needs at least ([\d.]+ [KMG]iB)", probe.stderr).group(1).replace(" ", ""))
+    from streamer.experts.store import ExpertLayout
+    from streamer.session import open_model
+    s = open_model(streaming_moe, learn=False, stream=False)
+    slot = ExpertLayout(s.gf, s.cfg).slot_bytes
+    budget = need + 8 * slot * 33 // 31 + 2**20  # one more layer's 8 experts, with the margin's 1/32 on top
+    evict(streaming_moe)
+    turns = "".join(f"hi {i}\n" for i in range(5))
+    with MemoryCgroup(budget) as cg:
+        r = subprocess.run(cg.wrap(base + ["--ram-budget", str(budget)]), input=turns, capture_output=True,
+                           text=True, env=env, timeout=600)
+        stats = cg.stats()
+    assert stats["oom_kill_count"] == 0 and r.returncode == 0, (stats, r.returncode, r.stderr[-2000:])
+    assert stats["max_usage_bytes"] <= budget
+    cache_slots = re.search(r"expert cache ([\d.]+ [KMG]iB)", r.stderr).group(1).replace(" ", "")
+    assert 14 <= parse_size(cache_slots) // slot <= 17  # about two layers' working set
+    assert r.stderr.count("[prompt:") == 5 and "error:" not in r.stderr  # every turn answered
+    assert "context full: dropped the oldest" in r.stderr  # the context did fill up
