@@ -145,7 +145,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
     from cli.main import app
 
     try:
-        app(["warmup"], standalone_mode=False)
+        app(["warmup"])  # the App exits with the command's code
     except SystemExit as e:
         assert not e.code, e.code
 
