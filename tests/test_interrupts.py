@@ -134,13 +134,14 @@ def run_cli(*args):
 
 
 @pytest.mark.parametrize("preset,qtype", [("tiny", "Q8_0"), ("demo", "Q4_K")])
-def test_same_seed_same_tokens_across_runs_and_streaming(synth_model, preset, qtype):
+def test_same_seed_same_tokens_across_runs_threads_and_streaming(synth_model, preset, qtype):
     path = synth_model(preset, qtype)
     moe = preset == "demo"
     flags = ["-p", "once upon", "-n", "24", "--ignore-eos", "--temp", "0.9", "--top-k", "0", "--seed", "1234"]
     first = run_cli("run", path, *flags, *(streaming_budget() if moe else ()))
     assert first.exit_code == 0, first.output
     assert run_cli("run", path, *flags, *(streaming_budget() if moe else ())).stdout == first.stdout
+    assert run_cli("run", path, *flags, "-t", "1", *(streaming_budget() if moe else ())).stdout == first.stdout
     if moe:
         assert "in place" not in first.stderr and "experts: hit rate" in first.stderr  # it did stream
         assert run_cli("run", path, *flags, "--no-stream").stdout == first.stdout
