@@ -32,7 +32,7 @@ def progress_printer(label: str):
 
 def synth(
     out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
-    preset: Annotated[str, typer.Option("--preset", help="tiny, tiny-moe, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b.")] = "tiny",
+    preset: Annotated[str, typer.Option("--preset", help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b.")] = "tiny",
     qtype: Annotated[str, typer.Option("--qtype", help="Weight format: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32.")] = "Q8_0",
     head_qtype: Annotated[Optional[str], typer.Option("--head-qtype", help="Format of output.weight [default: --qtype].")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="Override the preset's layer count.")] = None,
