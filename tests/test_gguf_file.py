@@ -91,8 +91,17 @@ def test_truncated_data_and_header(tmp_path, good):
     p = broken_copy(good, tmp_path / "t.gguf", truncate=size - 1000)
     with pytest.raises(StreamerError, match=r"is truncated: tensor '.+' ends at byte \d+ but the file has"):
         GGUFFile(p)
-    p = broken_copy(good, tmp_path / "h.gguf", truncate=200)
-    with pytest.raises(StreamerError, match="truncated: the GGUF header runs past the end"):
+    p = broken_copy(good, tmp_path / "h.gguf", truncate=9000)
+    with pytest.raises(StreamerError, match=r"truncated: the GGUF header runs past the end of the file "
+                                            r"\(reading tensor info #8\)"):
+        GGUFFile(p)
+    p = broken_copy(good, tmp_path / "v.gguf", truncate=2000)
+    with pytest.raises(StreamerError, match=r"v.gguf is truncated or corrupt: metadata key 'tokenizer.ggml.tokens' "
+                                            r"claims 381 array elements, more than the rest of the file can hold"):
+        GGUFFile(p)
+    p = broken_copy(good, tmp_path / "s.gguf", truncate=200)  # too short for the counts in its header
+    with pytest.raises(StreamerError, match=r"s.gguf is truncated or not a valid GGUF file \(its header claims "
+                                            r"25 tensors, more than its 200 bytes can hold\)"):
         GGUFFile(p)
 
 
@@ -148,6 +157,25 @@ def test_shape_mismatch(tmp_path, good):
 
     with pytest.raises(StreamerError, match=r"tensor 'blk.0.attn_k_norm.weight' has shape \[32\], expected \[64\]"):
         open_cfg(broken_copy(good, tmp_path / "s.gguf", patch=patch))
+
+
+def test_nested_arrays_are_read_like_gguf_py(tmp_path):
+    """An array of arrays: each element is itself an array value (element type, count, elements)."""
+    import gguf
+
+    path = tmp_path / "n.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_array("test.nested", [[1, 2, 3], [4, 5]])
+    w.add_array("test.strings", [["a", "bc"], ["d"]])
+    w.add_uint32("test.after", 7)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf, ref = GGUFFile(path), GGUFReader(str(path))
+    assert [a.tolist() for a in gf.fields["test.nested"]] == [[1, 2, 3], [4, 5]]
+    assert [a.count for a in gf.fields["test.strings"]] == [2, 1]
+    assert gf.fields["test.after"] == ref.fields["test.after"].contents() == 7  # both walked the same bytes
 
 
 @pytest.mark.parametrize("value", [0, 3])
