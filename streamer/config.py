@@ -3,6 +3,7 @@ tensor checks (presence, type, shape) that make a bad file fail with one line be
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gguf.constants import GGMLQuantizationType as T, Keys
@@ -39,11 +40,24 @@ class ModelConfig:
 
     def context(self, n_ctx: int | None) -> int:
         """The context to allocate for -c: None -> 4096 or the model's limit if smaller; 0 -> the model's limit."""
-        if n_ctx is None:
-            return min(4096, self.n_ctx_train)
-        if n_ctx < 0:
+        if n_ctx is not None and n_ctx < 0:
             raise StreamerError(f"-c/--ctx-size must be positive (0 = the model's limit), got {n_ctx}")
-        return n_ctx or self.n_ctx_train
+        n = min(4096, self.n_ctx_train) if n_ctx is None else n_ctx or self.n_ctx_train
+        self._check_context_memory(n)
+        return n
+
+    def _check_context_memory(self, n_ctx: int) -> None:
+        """Refuse, before allocating anything, a context whose KV cache and RoPE tables cannot fit in memory: a
+        file may claim a context of 2**40 tokens, or heads so wide that even 4096 positions are too many.
+        The RoPE tables are computed at once (float64 angles, cos and sin: ~16 bytes per channel at peak)."""
+        from streamer.budget import available_memory
+        from streamer.io import human
+
+        need = n_ctx * (self.kv_bytes_per_token + 16 * self.head_dim)
+        avail = available_memory()
+        if need > avail:
+            raise StreamerError(f"a context of {n_ctx} tokens needs {human(need)} for its KV cache and RoPE tables, "
+                                f"more than the {human(avail)} of memory available (set a smaller -c/--ctx-size)")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -53,17 +67,14 @@ class ModelConfig:
     def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":
         arch = gf.arch
         if arch not in ARCHS:
-            raise StreamerError(f"{gf.path}: unsupported architecture '{arch}' (stream-run runs {' and '.join(ARCHS)})")
+            raise StreamerError(f"{gf.path}: unsupported architecture {arch!r} (stream-run runs {' and '.join(ARCHS)})")
 
         def key(tmpl: str, default=None, kind=int):
             k = tmpl.format(arch=arch)
-            v = gf.get(k, default)
+            v = gf.scalar(k, kind, default)  # a value of another type (e.g. a string) is an error naming k
             if v is None:
                 raise StreamerError(f"{gf.path}: missing metadata key '{k}'")
-            try:
-                return kind(v)
-            except (TypeError, ValueError):
-                raise StreamerError(f"{gf.path}: metadata key '{k}' has a bad value {v!r}") from None
+            return v
 
         L = Keys.LLM
         A = Keys.Attention
@@ -91,18 +102,31 @@ class ModelConfig:
             n_ff_exp=key(L.EXPERT_FEED_FORWARD_LENGTH) if moe else 0,
         )
         cfg._check_geometry(gf.path)
+        if cfg.n_layer > len(gf.tensors):  # checked before expected_shapes() lists every layer's tensors
+            raise StreamerError(f"{gf.path}: {arch}.block_count is {cfg.n_layer}, but the file has only "
+                                f"{len(gf.tensors)} tensors")
         cfg.check_tensors(gf)
+        n_tokens = gf.array_len(Keys.Tokenizer.LIST)
+        if n_tokens is not None and n_tokens != cfg.n_vocab:
+            raise StreamerError(f"{gf.path}: the vocabulary has {n_tokens} tokens but 'token_embd.weight' has "
+                                f"{cfg.n_vocab} rows")
         return cfg
 
     def _check_geometry(self, path: str) -> None:
-        bad = [n for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim") if getattr(self, n) <= 0]
+        bad = [n for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_ctx_train")
+               if getattr(self, n) <= 0]
+        # the kernels divide by sqrt(mean(x^2) + eps): eps must be positive; RoPE needs theta^(-2j/d) finite
+        for n in ("rms_eps", "rope_theta"):
+            if not 0.0 < getattr(self, n) < math.inf:
+                bad.append(f"{n} {getattr(self, n)!r}")
         if self.n_head_kv > 0 and self.n_head % self.n_head_kv:
             bad.append("n_head % n_head_kv")
         if self.head_dim % 2:
             bad.append("head_dim (must be even for RoPE)")
-        if self.is_moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
+        moe = self.arch == "qwen3moe"  # not is_moe: an expert_count of 0 must not turn the file into a dense model
+        if moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
             bad.append("expert_count/expert_used_count/expert_feed_forward_length")
-        if not self.is_moe and self.n_ff <= 0:
+        if not moe and self.n_ff <= 0:
             bad.append("feed_forward_length")
         if bad:
             raise StreamerError(f"{path}: bad model geometry in metadata: {', '.join(bad)}")
