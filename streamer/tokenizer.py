@@ -92,9 +92,9 @@ class Tokenizer:
                     raise StreamerError(f"{source}: duplicate token {t!r} in the vocabulary (ids {seen[t]} and {i})")
                 seen[t] = i
         types = np.full(n, _NORMAL, np.int32) if types is None else np.array(types, dtype=np.int32)
-        if len(types) < n:
+        if len(types) != n:
             raise StreamerError(f"{source}: {len(types)} token types for {n} tokens")
-        self._types = types[:n]
+        self._types = types
         self._merges = merges  # list[str] or a zero-argument callable returning it (decoded lazily)
         self._ranks: dict[str, int] | None = None
         self.n_vocab = n
@@ -108,6 +108,7 @@ class Tokenizer:
         if self.add_eos and eos_id is None:
             raise StreamerError(f"{source}: {K.ADD_EOS} is true but {K.EOS_ID} is not set")
         self.chat_template = chat_template
+        self._source = source
         eog = {self._tok2id[t] for t in EOG_TEXTS if t in self._tok2id}
         self._types[[self._tok2id[t] for t in EOG_TEXTS | FIM_TEXTS if t in self._tok2id]] = _CONTROL
         eog.update(i for i in (eos_id, *eog_extra) if i is not None and 0 <= i < n)
@@ -126,34 +127,35 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "Tokenizer":
-        """Vocabulary and policy from gf's tokenizer.* keys. The merges are decoded on the first encode."""
-        if K.LIST not in gf.fields or gf.array_len(K.LIST) is None:
+        """Vocabulary and policy from gf's tokenizer.* keys. The merges are decoded on the first encode.
+        Every key must have its GGUF type (llama.cpp refuses a key of the wrong type too)."""
+        if K.LIST not in gf.fields:
             raise StreamerError(f"{gf.path} has no tokenizer vocabulary ({K.LIST})")
-        try:
-            tokens = gf.get_strings(K.LIST, errors="surrogateescape")
-        except (AssertionError, TypeError):
-            raise StreamerError(f"{gf.path}: {K.LIST} is not an array of strings") from None
+        tokens = gf.get_strings(K.LIST, errors="surrogateescape")
+        for key, kind in ((K.TOKEN_TYPE, int), (K.SCORES, float)):
+            arr = gf.array(key, kind)
+            if arr is not None and len(arr) != len(tokens):
+                raise StreamerError(f"{gf.path}: {key} has {len(arr)} entries for {len(tokens)} tokens")
         merges = None
         if K.MERGES in gf.fields:
-            def merges():  # decoded on the first encode, so `gf` must stay open until then
+            gf.string_count(K.MERGES)  # an array of strings, checked now; decoded on the first encode
+
+            def merges():  # `gf` must stay open until then
                 if gf.mm is None:
                     raise StreamerError(f"{gf.path} was closed before the tokenizer read its merges")
                 return gf.get_strings(K.MERGES, errors="surrogateescape")
-        model = str(gf.get(K.MODEL, ""))
+        model = gf.scalar(K.MODEL, str, "")
         if merges is None:
             if model == "gpt2":
                 raise StreamerError(f"{gf.path} has no BPE merges ({K.MERGES})")
             merges = []
-
-        def opt_id(key: str) -> int | None:
-            v = gf.get(key)
-            return None if v is None else int(v)
-
-        return cls(tokens, gf.get(K.TOKEN_TYPE), merges, bos_id=opt_id(K.BOS_ID), eos_id=opt_id(K.EOS_ID),
-                   add_bos=bool(gf.get(K.ADD_BOS, False)), add_eos=bool(gf.get(K.ADD_EOS, False)),
-                   chat_template=gf.get(K.CHAT_TEMPLATE),
-                   eog_extra=tuple(opt_id(k) for k in (K.EOT_ID, K.EOM_ID, K.FIM_PAD_ID, K.FIM_REP_ID, K.FIM_SEP_ID)),
-                   model=model, pre=str(gf.get(K.PRE, "")), source=gf.path)
+        eog_keys = (K.EOT_ID, K.EOM_ID, K.FIM_PAD_ID, K.FIM_REP_ID, K.FIM_SEP_ID)
+        return cls(tokens, gf.array(K.TOKEN_TYPE, int), merges, bos_id=gf.scalar(K.BOS_ID, int),
+                   eos_id=gf.scalar(K.EOS_ID, int),
+                   add_bos=gf.scalar(K.ADD_BOS, bool, False), add_eos=gf.scalar(K.ADD_EOS, bool, False),
+                   chat_template=gf.scalar(K.CHAT_TEMPLATE, str),
+                   eog_extra=tuple(gf.scalar(k, int) for k in eog_keys),
+                   model=model, pre=gf.scalar(K.PRE, str, ""), source=gf.path)
 
     # ---- encode ----
     def encode(self, text: str) -> list[int]:
@@ -197,6 +199,9 @@ class Tokenizer:
         same key. The first occurrence of a duplicate wins, as with std::unordered_map::emplace."""
         if self._ranks is None:
             merges = self._merges() if callable(self._merges) else self._merges
+            for i, m in enumerate(merges):
+                if not 0 < m.find(" ", 1) < len(m) - 1:  # where llama.cpp splits the pair
+                    raise StreamerError(f"{self._source}: BPE merge #{i} {m!r} is not two symbols separated by a space")
             self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
             self._merges = None
         return self._ranks
