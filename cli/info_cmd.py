@@ -38,7 +38,8 @@ def inspect(
         "resident_bytes": total - expert, "expert_bytes": expert,
         "expert_bytes_per_layer_expert": expert // max(cfg.n_layer * cfg.n_expert, 1),
         "kv_bytes_per_token": cfg.kv_bytes_per_token, "kv_bytes_at_ctx": cfg.kv_bytes_per_token * n_ctx, "ctx": n_ctx,
-        "tokenizer": {k: gf.get(f"tokenizer.ggml.{k}") for k in ("model", "pre", "bos_token_id", "eos_token_id")},
+        "tokenizer": {k: gf.scalar(f"tokenizer.ggml.{k}", kind) for k, kind in
+                      (("model", str), ("pre", str), ("bos_token_id", int), ("eos_token_id", int))},
         "n_vocab_tokens": gf.array_len("tokenizer.ggml.tokens"),
     }
     if as_json:

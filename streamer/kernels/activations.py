@@ -13,7 +13,7 @@ from ._bits import FASTMATH
 XQ_MAX = 16383
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
 def quantize_groups(x, xq, dx, group):
     """xq[k] = rint(x[k] / dx[g]), dx[g] = max|x in group g| / XQ_MAX."""
     for g in range(x.size // group):
@@ -27,7 +27,7 @@ def quantize_groups(x, xq, dx, group):
             xq[k] = np.int16(np.rint(x[k] * inv))
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
 def group_sums(x, xs):
     """xs[g] = sum of x over 32-element group g: the K-quant min terms need only these."""
     for g in range(xs.size):

@@ -22,7 +22,7 @@ PF = 4096  # prefetch distance in bytes, as in the per-format matvecs
 FORMATS = {T.Q8_0: 0, T.Q4_0: 1, T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4}
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
 def _prepare(fmt, x, xq, aux):
     """Quantize x as that format's matvec does; return (dx, xs) views of aux."""
     ng = x.size >> 5
@@ -34,7 +34,7 @@ def _prepare(fmt, x, xq, aux):
     return aux[:ng], aux[ng:2 * ng]
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH, inline="always")
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
 def _dot(fmt, w, off, xq, dx, xs, n_in):
     if fmt == 2:
         return q4_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
@@ -47,7 +47,7 @@ def _dot(fmt, w, off, xq, dx, xs, n_in):
     return q4_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
     """out[i, r] = row r of the matrix starting at byte offs[i] of w, dot x. out is (n_mats, n_rows)."""
     dx, xs = _prepare(fmt, x, xq, aux)
@@ -58,7 +58,7 @@ def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
         out[i, r] = _dot(fmt, w, offs[i] + r * row_bytes, xq, dx, xs, x.size)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     """out[r] += sum over i, in order, of weights[i] * (row r of matrix i) . a[i]; a is (n_mats, n_in)."""
     k, n_in = a.shape

@@ -13,7 +13,7 @@ from .gemm import TILE, gemm_tile
 
 # ---- F32 -------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def f32_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -38,7 +38,7 @@ def f32_matvec(w, x, out, xq, aux):
                 out[rr] = s
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def f32_matmul(w, X, out, scratch):
     # No dequantization needed: the tile product reads W's rows in place.
     n_out = w.shape[0]
@@ -47,7 +47,7 @@ def f32_matmul(w, X, out, scratch):
         gemm_tile(X, w, r0, min(TILE, n_out - r0), out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def f32_rows(w, ids, out):
     for i in range(ids.size):
         out[i, :] = w[ids[i], :]
@@ -55,7 +55,7 @@ def f32_rows(w, ids, out):
 
 # ---- F16 -------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def f16_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -80,13 +80,13 @@ def f16_matvec(w, x, out, xq, aux):
                 out[rr] = s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def f16_row(w, r, dst, j):
     for k in range(w.shape[1]):
         dst[j, k] = f16_to_f32(w[r, k])
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def f16_matmul(w, X, out, scratch):
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
@@ -98,7 +98,7 @@ def f16_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def f16_rows(w, ids, out):
     for i in range(ids.size):
         f16_row(w, ids[i], out, i)
@@ -106,7 +106,7 @@ def f16_rows(w, ids, out):
 
 # ---- BF16 ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def bf16_matvec(w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -131,13 +131,13 @@ def bf16_matvec(w, x, out, xq, aux):
                 out[rr] = s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def bf16_row(w, r, dst, j):
     for k in range(w.shape[1]):
         dst[j, k] = bf16_to_f32(w[r, k])
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def bf16_matmul(w, X, out, scratch):
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
@@ -149,7 +149,7 @@ def bf16_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def bf16_rows(w, ids, out):
     for i in range(ids.size):
         bf16_row(w, ids[i], out, i)

@@ -10,7 +10,7 @@ from numba import njit
 from ._bits import FASTMATH
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
 def gemm_tile(X, T, t0, nr, out, c0):
     """out[i, c0 + j] = X[i] . T[t0 + j] for i < m, j < nr (T: f32 rows, X: f32 [m, K])."""
     m, K = X.shape

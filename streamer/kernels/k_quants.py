@@ -18,7 +18,7 @@ from .simd import q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot
 PF = 4096
 
 
-@njit(cache=True, nogil=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
 def _prepare(x, xq, aux):
     """int16 x per 256 (dx = aux[:n/32], first n/256 used) and f32 sums per 32 (xs = aux[n/32:])."""
     ng = x.size >> 5
@@ -29,7 +29,7 @@ def _prepare(x, xq, aux):
     return dx, xs
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q4_k_matvec(w, x, out, xq, aux):
     dx, xs = _prepare(x, xq, aux)
     rb = w.shape[1]
@@ -37,7 +37,7 @@ def q4_k_matvec(w, x, out, xq, aux):
         out[r] = q4_k_dot(w, r * rb, xq, dx, xs, x.size >> 8, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q5_k_matvec(w, x, out, xq, aux):
     dx, xs = _prepare(x, xq, aux)
     rb = w.shape[1]
@@ -45,7 +45,7 @@ def q5_k_matvec(w, x, out, xq, aux):
         out[r] = q5_k_dot(w, r * rb, xq, dx, xs, x.size >> 8, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q6_k_matvec(w, x, out, xq, aux):
     dx, xs = _prepare(x, xq, aux)
     rb = w.shape[1]
@@ -53,7 +53,7 @@ def q6_k_matvec(w, x, out, xq, aux):
         out[r] = q6_k_dot(w, r * rb, xq, dx, xs, x.size >> 8, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q4_k_matmul(w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -66,7 +66,7 @@ def q4_k_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q5_k_matmul(w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -79,7 +79,7 @@ def q5_k_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q6_k_matmul(w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -92,21 +92,21 @@ def q6_k_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def q4_k_rows(w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):
         q4_k_deq(w, ids[i] * w.shape[1], out, i * K, K >> 8)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def q5_k_rows(w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):
         q5_k_deq(w, ids[i] * w.shape[1], out, i * K, K >> 8)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def q6_k_rows(w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):

@@ -20,7 +20,7 @@ PF = 4096
 
 # ---- Q8_0 ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q8_0_matvec(w, x, out, xq, aux):
     nb = x.size >> 5
     dx = aux[:nb]
@@ -30,7 +30,7 @@ def q8_0_matvec(w, x, out, xq, aux):
         out[r] = q8_0_dot(w, r * rb, xq, dx, dx, nb, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q8_0_matmul(w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -43,7 +43,7 @@ def q8_0_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def q8_0_rows(w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):
@@ -52,7 +52,7 @@ def q8_0_rows(w, ids, out):
 
 # ---- Q4_0 ------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q4_0_matvec(w, x, out, xq, aux):
     nb = x.size >> 5
     dx = aux[:nb]
@@ -62,7 +62,7 @@ def q4_0_matvec(w, x, out, xq, aux):
         out[r] = q4_0_dot(w, r * rb, xq, dx, dx, nb, PF)
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
 def q4_0_matmul(w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -75,7 +75,7 @@ def q4_0_matmul(w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, error_model="numpy", nogil=True)
 def q4_0_rows(w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):
