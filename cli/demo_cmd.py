@@ -64,14 +64,8 @@ def demo(
 
 def _generate(s, prompt: str, n_predict: int) -> None:
     from streamer.generate import Generator
-    from streamer.kernels.warmup import warmup
     from streamer.sampler import Sampler, SamplerParams
-    from streamer.session import notice_if_slow
 
-    # open_model compiled the per-matrix kernels; the multi-expert decode kernels are compiled here, so their
-    # first-run compile time shows up as such and not as slow generation
-    with notice_if_slow("compiling the MoE expert kernels (first run only; numba caches them)..."):
-        warmup(only=("experts",))
     tok = s.tokenizer
     gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
     ids = tok.encode(prompt)

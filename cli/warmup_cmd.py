@@ -11,7 +11,7 @@ def warmup() -> None:
     disk, so later runs and a second warmup only load them."""
     t0 = time.perf_counter()
     print("loading numba...", file=sys.stderr, flush=True)
-    from streamer.kernels import warmup as kw
+    from streamer import warmup as kw
 
     def before(g) -> None:
         print(f"{g.name:>8}: {len(g.kernels)} kernels ...", end="", file=sys.stderr, flush=True)

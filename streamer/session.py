@@ -137,4 +137,7 @@ def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn
     advise_pages(gf)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
+        if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
+            from streamer.warmup import warmup
+            warmup(only=("experts",))
     return session

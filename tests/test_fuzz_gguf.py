@@ -184,7 +184,7 @@ def harness():
     slows the parser ~10x, so the seeded runs trace a sample)."""
     import numba
 
-    from streamer.kernels.warmup import warmup
+    from streamer.warmup import warmup
 
     threads = numba.get_num_threads()
     warmup()  # every kernel compiled or loaded now: a mutated type must not compile (time, memory) mid-variant

@@ -17,8 +17,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from . import experts, ops
-from .dispatch import SUPPORTED, QMatrix
+from streamer.kernels import experts, ops
+from streamer.kernels.dispatch import SUPPORTED, QMatrix
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
 N_OUT = 4
