@@ -4,7 +4,6 @@ generates with the experts streamed from disk into a cache that holds only a qua
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -23,10 +22,6 @@ def demo(
     threads: Threads = None,
 ) -> None:
     """Write (once) a small synthetic Qwen3-MoE and generate from it with expert streaming and profiling."""
-    # Idle OpenMP workers sleep instead of spinning (unless the user chose otherwise). Set before numba loads
-    # its threading layer, which reads it once. On a busy machine spinning workers take the cores from the
-    # ones doing the work: warm demo on 2 shared cores under load 3-4, 18-27 s spinning vs 5-6 s passive.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from cli.synth_cmd import progress_printer
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
