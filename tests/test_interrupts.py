@@ -75,8 +75,11 @@ def test_run_exits_130_and_stops_its_readers(synth_model, monkeypatch, phase):
 def test_run_real_sigint_during_decode(synth_model, tmp_path):
     path = synth_model("demo", "Q4_K")
     env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
+    # a shell runs background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: restore
+    # the default in the child, as an interactive terminal would have it
     p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", *SUBPROCESS_BUDGET],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         p.stdout.read(20)  # generating
         p.send_signal(signal.SIGINT)
