@@ -151,3 +151,22 @@ def test_same_seed_same_tokens_across_runs_threads_and_streaming(synth_model, pr
         assert run_cli("run", path, *flags, *streaming_budget(), "--no-prefetch").stdout == first.stdout
     other = run_cli("run", path, *flags[:-1], "4321")
     assert other.stdout != first.stdout  # the seed matters: the comparison above could fail
+
+
+def test_chat_repl_returns_to_the_prompt_after_ctrl_c(synth_model, monkeypatch):
+    """Through the real REPL: Ctrl-C in the second turn's prefill prints [interrupted], the third turn is
+    answered, and the session ends normally."""
+    path = synth_model("tiny-moe", "Q8_0")
+    prefills = []
+
+    def second_prefill(ids):
+        if len(ids) > 1:
+            prefills.append(len(ids))
+        return len(prefills) == 2 and len(ids) > 1
+
+    interrupt_forward(monkeypatch, second_prefill)
+    r = CliRunner().invoke(app, ["chat", str(path), "-n", "4", "--temp", "0", "--no-think"],
+                           input="first\nsecond\nthird\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("[interrupted]") == 1 and r.stderr.count("[prompt:") == 3
+    assert "Traceback" not in r.output
