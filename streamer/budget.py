@@ -5,6 +5,7 @@ why expert reads bypass it (see experts/store.py)."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import psutil
@@ -107,4 +108,9 @@ def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: 
                             f"{human(kv_bytes)} + scratch {human(plan.scratch)} + one layer's {cfg.n_expert_used} "
                             f"experts {human(need_cache)}, plus a margin of 64 MiB + 1/32 of the budget); "
                             f"lower -c/--ctx-size or raise the budget")
+    can_have = plan.baseline + available_memory()
+    if b > can_have and not plan.fits_resident:
+        print(f"warning: --ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
+              f"holds plus the memory available, cgroup limit included); the expert cache would outgrow RAM "
+              f"and the run may be OOM-killed", file=sys.stderr)
     return plan

@@ -2,6 +2,7 @@
 cgroup memory cap equal to --ram-budget (page cache included) completes instead of being OOM-killed."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -142,3 +143,15 @@ def test_chat_fills_its_context_under_a_cap_with_a_two_layer_budget(streaming_mo
     assert 14 <= parse_size(cache_slots) // slot <= 17  # about two layers' working set
     assert r.stderr.count("[prompt:") == 5 and "error:" not in r.stderr  # every turn answered
     assert "context full: dropped the oldest" in r.stderr  # the context did fill up
+
+
+def test_a_budget_beyond_available_memory_is_warned_about(streaming_moe, monkeypatch, capsys):
+    import streamer.budget as budget
+    from streamer.session import open_model
+
+    rss = psutil.Process().memory_info().rss
+    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=rss + 300 * 2**20).close()
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**20)  # as if in a 100 MiB-free machine
+    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=rss + 300 * 2**20).close()
+    assert re.search(r"warning: --ram-budget .* is more than this process can have", capsys.readouterr().err)
