@@ -30,6 +30,13 @@ def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetc
                       direct={"auto": None, "direct": True, "buffered": False}[io], **opts)
 
 
+def prefill_progress():
+    """Progress of a prompt longer than one prefill chunk (512 tokens), on stderr."""
+    from cli.synth_cmd import progress_printer
+
+    return progress_printer("prefill", lambda done, total: f"{done} / {total} tokens")
+
+
 def _parse_tokens(text: str) -> list[int]:
     from streamer.errors import StreamerError
     try:
@@ -109,7 +116,8 @@ def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ig
     sampler = Sampler(params)
     if params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
-    gen = Generator(s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids)
+    gen = Generator(s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids,
+                    on_prefill=prefill_progress())
     out = sys.stdout
     if display_prompt:
         out.write(tok.decode(ids))
@@ -168,7 +176,7 @@ def chat(
                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                             seed=None if seed < 0 else seed)
     sampler = Sampler(params)
-    gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids)
+    gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
     conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
     try:
         _repl(s, gen, conv)

@@ -9,9 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 
-def progress_printer(label: str):
-    """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%."""
+def progress_printer(label: str, fmt=None):
+    """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
+    total)` words the counts (default: byte sizes)."""
     from streamer.io import human
+
+    fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
 
     tty = sys.stderr.isatty()
     last = [-1]
@@ -22,7 +25,7 @@ def progress_printer(label: str):
         if step == last[0]:
             return
         last[0] = step
-        line = f"{label}: {human(done)} / {human(total)} ({pct}%)"
+        line = f"{label}: {fmt(done, total)} ({pct}%)"
         if tty:
             print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class Generator:
     pending: int | None = None
     stop_reason: str = ""
     stats: Stats = field(default_factory=Stats)
+    on_prefill: Callable[[int, int], None] | None = None  # progress of long prompts: (tokens done, total)
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -47,10 +48,19 @@ class Generator:
 
     def _step(self, ids: list) -> np.ndarray:
         """Run `ids` through the model at the end of the cache. All or nothing: if the forward is interrupted
-        (Ctrl-C) or fails, the cache is rolled back and the history and pending token are as they were."""
-        n0 = self.cache.n
+        (Ctrl-C) or fails, the cache is rolled back and the history and pending token are as they were.
+        A prompt longer than one prefill chunk goes chunk by chunk (the chunks Model.forward would use, so
+        the results are the same) and reports (done, total) to `on_prefill` after each."""
+        n0, arr = self.cache.n, np.asarray(ids, dtype=np.int64)
+        chunk = getattr(self.model, "ubatch", len(arr))
         try:
-            logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache)
+            if self.on_prefill is None or len(arr) <= chunk:
+                logits = self.model.forward(arr, self.cache)
+            else:
+                self.cache.check_room(len(arr))
+                for s in range(0, len(arr), chunk):
+                    logits = self.model.forward(arr[s:s + chunk], self.cache)
+                    self.on_prefill(min(s + chunk, len(arr)), len(arr))
         except BaseException:
             self.cache.truncate(min(n0, self.cache.n))
             raise

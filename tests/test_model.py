@@ -77,3 +77,30 @@ def test_context_overflow_and_bad_tokens_are_user_errors(synth_model):
         s.model.forward(np.array([1, n]), s.model.new_cache())
     with pytest.raises(StreamerError, match="token id -1"):
         s.model.forward(np.array([-1]), s.model.new_cache())
+
+
+def test_long_prompt_progress_gives_the_same_results(synth_model):
+    """A prompt of several prefill chunks, fed chunk by chunk to report progress, fills the cache exactly as
+    one forward does, and an interrupted chunk rolls the whole prompt back."""
+    from streamer.generate import Generator
+    from streamer.sampler import Sampler, SamplerParams
+
+    s = open_model(synth_model("tiny", "Q8_0"), n_ctx=2048)
+    ids = list(np.random.default_rng(1).integers(0, s.cfg.n_vocab, 1100))
+    more = ids[:700]  # a second prompt after the first: 1800 of 2048 positions
+    plain = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()))
+    calls = []
+    shown = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()),
+                      on_prefill=lambda done, total: calls.append((done, total)))
+    assert np.array_equal(plain.feed(ids), shown.feed(ids))
+    assert calls == [(512, 1100), (1024, 1100), (1100, 1100)]
+    n = plain.cache.n
+    assert np.array_equal(plain.cache.k[:, :, :n], shown.cache.k[:, :, :n])
+
+    def stop(done, total):
+        if done == 512:
+            raise KeyboardInterrupt
+    shown.on_prefill = stop
+    with pytest.raises(KeyboardInterrupt):
+        shown.feed(more)
+    assert shown.cache.n == n and shown.history == plain.history  # as before the interrupted prompt
