@@ -4,6 +4,7 @@ learned-pinning sidecar is written. Each stops with one clear error (or, for a r
 with the file it opened), never uses a partial expert, and never loses a file."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,3 +178,25 @@ def test_sidecar_write_is_atomic(synth_model, monkeypatch):
     monkeypatch.undo()
     assert u.path.read_bytes() == before
     assert sorted(p.name for p in u.path.parent.iterdir()) == [u.path.name]
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.97])
+def test_run_stops_with_one_line_when_the_model_is_truncated_mid_run(synth_model, tmp_path, cut):
+    """Whatever the run is doing when the file is cut (a step in progress: bus error on the mapping, or a short
+    expert read; between steps: the size check), it stops with exit code 2 and one error line."""
+    path = copy_of(synth_model("demo", "Q4_K"), tmp_path)
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
+    p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", "-c", "512",
+                          "--ram-budget", "300M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        p.stdout.read(40)  # generating
+        os.truncate(path, int(path.stat().st_size * cut))
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    err = err.decode()
+    assert p.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error: ") for line in lines) == 1, err
+    assert re.search(r"changed size while in use|truncated or changed while in use|short read of expert", lines[-1])
+    assert "Traceback" not in err
