@@ -24,6 +24,9 @@ def _guard(f):
             return f(*args, **kwargs)
         except StreamerError as e:
             raise fail(str(e)) from None
+        except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a tool killed by SIGPIPE
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            raise typer.Exit(128 + 13) from None
         except OSError as e:  # disk full, unreadable file, broken pipe: no traceback
             where = f" ({e.filename})" if getattr(e, "filename", None) else ""
             raise fail(f"{e.strerror or e}{where}") from None
@@ -36,22 +39,11 @@ def _guard(f):
     return wrapper
 
 
-def calm_openmp_workers() -> None:
-    """numba's OpenMP workers spin ~300k iterations waiting for the next parallel loop (libgomp's default).
-    On a shared machine that spinning takes the cores from the threads with work: 0.6B Q8_0 decode on 2 cores
-    beside two busy processes measured 0.55-6 tok/s spinning, 10-10.4 with GOMP_SPINCOUNT=3000, 11-12 passive;
-    on a quiet machine 21.4-21.6 spinning, 19.1-21.8 at 3000, 14.5-15.2 passive (prefill about 7% lower at
-    3000). So a short spin, set before numba loads OpenMP, unless the user chose a policy or a count."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "3000"
-
-
 class App(typer.Typer):
     """typer.Typer whose commands all go through _guard, and whose command-line errors (unknown option, bad
     value, missing argument) are one line too, instead of click's usage text and box."""
 
     def __call__(self, args=None, prog_name: str = "stream-run"):
-        calm_openmp_workers()
         command = typer.main.get_command(self)
         try:
             code = command.main(args=args, prog_name=prog_name, standalone_mode=False)

@@ -104,3 +104,16 @@ def test_user_error_is_one_line_and_exit_code_2(files, case, tmp_path):
     if before is not None:
         assert files["good"].read_bytes() == before  # never written in place
 
+
+
+def test_a_reader_that_goes_away_is_not_an_error(files, tmp_path):
+    """`stream-run run ... | head -c 5`: the pipe closes; the run stops quietly (exit 141, as a tool killed by
+    SIGPIPE), with no error line and no 'Exception ignored' noise from the interpreter's exit."""
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path))
+    p = subprocess.Popen([str(STREAM_RUN), "run", str(files["good"]), "-p", "hello", "-n", "-1", "--ignore-eos"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p.stdout.read(5)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141, err
+    assert "error" not in err.lower() and "Traceback" not in err and "Exception ignored" not in err, err
