@@ -1,6 +1,7 @@
 """Compile every kernel ahead of time (`stream-run warmup`), or load it from numba's on-disk cache.
 
-Each group runs its kernels once on tiny zero inputs: per GGML type the QMatrix matvec, matmul and rows;
+Each group runs its kernels once on tiny zero inputs: the QMatrix matvec, matmul and rows of each set of
+GGML types sharing kernels (F32; F16/BF16; the block formats), for every type of the set;
 the forward pass's ops (RMSNorm, head norm + RoPE, attention, SwiGLU); the multi-expert decode kernels.
 numba compiles one machine-code version per argument-type signature, and a cached version is only found
 again for the same signature, so the inputs here have exactly the types a model run passes: weights
@@ -17,7 +18,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import experts, ops
+from streamer.kernels import blocks, experts, ops
 from streamer.kernels.dispatch import SUPPORTED, QMatrix
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
@@ -35,17 +36,26 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _matrix_group(qtype: T) -> Group:
-    k = SUPPORTED[qtype]
+def _matrix_group(qtypes: list[T]) -> Group:
+    """The QMatrix kernels one set of formats shares (they take the format as an argument), run per format."""
+    k = SUPPORTED[qtypes[0]]
 
     def run() -> None:
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        m = QMatrix(np.zeros((N_OUT, N_IN // block * type_size), np.uint8), qtype, N_IN, f"warmup-{qtype.name}")
-        m.matvec(np.zeros(N_IN, np.float32))
-        m.matmul(np.zeros((2, N_IN), np.float32))
-        m.rows(np.zeros(1, np.int64))
+        for qtype in qtypes:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            m = QMatrix(np.zeros((N_OUT, N_IN // block * type_size), np.uint8), qtype, N_IN, f"warmup-{qtype.name}")
+            m.matvec(np.zeros(N_IN, np.float32))
+            m.matmul(np.zeros((2, N_IN), np.float32))
+            m.rows(np.zeros(1, np.int64))
 
-    return Group(qtype.name, (k.matvec, k.matmul, k.rows), run)
+    return Group("/".join(t.name for t in qtypes), (k.matvec, k.matmul, k.rows), run)
+
+
+def _matrix_groups() -> list[Group]:
+    shared: dict = {}  # matvec kernel -> the formats it serves, in SUPPORTED's order
+    for qtype, k in SUPPORTED.items():
+        shared.setdefault(k.matvec, []).append(qtype)
+    return [_matrix_group(qtypes) for qtypes in shared.values()]
 
 
 def _run_ops() -> None:
@@ -67,7 +77,7 @@ def _run_experts() -> None:
     """Both multi-expert kernels for every format they handle (one compiled version serves all: the format
     is a runtime argument), over a read-only flat byte array as MoEFFN passes them."""
     k = 2
-    for qtype, fmt in experts.FORMATS.items():
+    for qtype, fmt in blocks.FORMATS.items():
         block, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = N_IN // block * type_size
         w = _readonly(np.zeros(k * N_OUT * row_bytes, np.uint8))
@@ -81,8 +91,9 @@ def _run_experts() -> None:
 
 
 def groups() -> list[Group]:
-    """Everything a model run can call: one group per supported GGML type, then the ops, then the MoE kernels."""
-    return ([_matrix_group(t) for t in SUPPORTED]
+    """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
+    MoE kernels."""
+    return (_matrix_groups()
             + [Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.attention, ops.swiglu), _run_ops),
                Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts)])
 

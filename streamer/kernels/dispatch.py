@@ -6,27 +6,26 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import StreamerError
-from . import floats, k_quants, q8_0
+from . import blocks, floats
 from .gemm import TILE
 
 
 class Kernels(NamedTuple):
-    matvec: Callable  # (w, x, out, xq, aux) -> None; xq int16[n_in], aux f32 scratch (activations.py)
-    matmul: Callable  # (w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
-    rows: Callable    # (w, ids, out) -> None
+    matvec: Callable  # (fmt, w, x, out, xq, aux) -> None; xq int16[n_in], aux f32 scratch (activations.py)
+    matmul: Callable  # (fmt, w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
+    rows: Callable    # (fmt, w, ids, out) -> None
     view: type        # dtype the kernels see the data as
     act_group: int    # matvec quantizes x to int16 per this many elements (0: x used as f32)
+    fmt: int          # the format code the kernels are called with (they serve several formats)
 
 
+_F32 = (floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32, 0, 0)
+_HALF = (floats.half_matvec, floats.half_matmul, floats.half_rows, np.uint16, 0)
+_BLOCK = (blocks.block_matvec, blocks.block_matmul, blocks.block_rows, np.uint8)
 SUPPORTED: dict[T, Kernels] = {
-    T.F32: Kernels(floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32, 0),
-    T.F16: Kernels(floats.f16_matvec, floats.f16_matmul, floats.f16_rows, np.uint16, 0),
-    T.BF16: Kernels(floats.bf16_matvec, floats.bf16_matmul, floats.bf16_rows, np.uint16, 0),
-    T.Q8_0: Kernels(q8_0.q8_0_matvec, q8_0.q8_0_matmul, q8_0.q8_0_rows, np.uint8, 32),
-    T.Q4_0: Kernels(q8_0.q4_0_matvec, q8_0.q4_0_matmul, q8_0.q4_0_rows, np.uint8, 32),
-    T.Q4_K: Kernels(k_quants.q4_k_matvec, k_quants.q4_k_matmul, k_quants.q4_k_rows, np.uint8, 256),
-    T.Q5_K: Kernels(k_quants.q5_k_matvec, k_quants.q5_k_matmul, k_quants.q5_k_rows, np.uint8, 256),
-    T.Q6_K: Kernels(k_quants.q6_k_matvec, k_quants.q6_k_matmul, k_quants.q6_k_rows, np.uint8, 256),
+    T.F32: Kernels(*_F32),
+    **{t: Kernels(*_HALF, code) for t, code in floats.HALF.items()},
+    **{t: Kernels(*_BLOCK, 256 if code >= 2 else 32, code) for t, code in blocks.FORMATS.items()},
 }
 SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
 
@@ -53,7 +52,8 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_mv", "_xq", "_aux")
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_fmt", "_mv", "_xq",
+                 "_aux")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
         try:
@@ -77,7 +77,7 @@ class QMatrix:
         self.n_out = data.shape[0]
         self.nbytes = data.nbytes
         self.extra_bytes = 0
-        self._mv = k.matvec
+        self._fmt, self._mv = k.fmt, k.matvec
         self._xq, self._aux = _act_scratch(n_in)
 
     def first_rows(self, n: int) -> "QMatrix":
@@ -95,7 +95,7 @@ class QMatrix:
             out = np.empty(self.n_out, np.float32)
         elif out.shape != (self.n_out,):  # the kernels do not bounds-check
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected ({self.n_out},)")
-        self._mv(self._w, x, out, self._xq, self._aux)
+        self._mv(self._fmt, self._w, x, out, self._xq, self._aux)
         return out
 
     def matmul(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -109,9 +109,9 @@ class QMatrix:
         elif out.shape != (m, self.n_out) or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({m}, {self.n_out})")
         if m == 1:
-            self._mv(self._w, X[0], out[0], self._xq, self._aux)
+            self._mv(self._fmt, self._w, X[0], out[0], self._xq, self._aux)
         else:
-            self._k.matmul(self._w, X, out, _tile_scratch(self.n_in))
+            self._k.matmul(self._fmt, self._w, X, out, _tile_scratch(self.n_in))
         return out
 
     def rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -123,7 +123,7 @@ class QMatrix:
             out = np.empty((ids.size, self.n_in), np.float32)
         elif out.shape != (ids.size, self.n_in) or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({ids.size}, {self.n_in})")
-        self._k.rows(self._w, ids, out)
+        self._k.rows(self._fmt, self._w, ids, out)
         return out
 
 

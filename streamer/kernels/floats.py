@@ -1,10 +1,13 @@
 """F32, F16 and BF16 weights (ggml types 0, 1, 30): plain row-major element arrays.
 
 F16 and BF16 arrive as uint16 bit patterns (numba has no CPU float16); they are widened
-in registers, never copied. matvec does 4 rows per iteration so each x load feeds 4 FMAs.
+in registers, never copied, by one set of kernels that takes a format code. matvec does 4 rows
+per iteration so each x load feeds 4 FMAs. Every kernel takes a format code first (the F32 ones
+ignore it), the calling convention dispatch.py uses for all formats.
 """
 import numba
 import numpy as np
+from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 from ._bits import FASTMATH, bf16_to_f32, f16_to_f32
@@ -14,7 +17,7 @@ from .gemm import TILE, gemm_tile
 # ---- F32 -------------------------------------------------------------------------------
 
 @njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def f32_matvec(w, x, out, xq, aux):
+def f32_matvec(fmt, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
         r = g << 2
@@ -39,7 +42,7 @@ def f32_matvec(w, x, out, xq, aux):
 
 
 @njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def f32_matmul(w, X, out, scratch):
+def f32_matmul(fmt, w, X, out, scratch):
     # No dequantization needed: the tile product reads W's rows in place.
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
@@ -48,15 +51,23 @@ def f32_matmul(w, X, out, scratch):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def f32_rows(w, ids, out):
+def f32_rows(fmt, w, ids, out):
     for i in range(ids.size):
         out[i, :] = w[ids[i], :]
 
 
-# ---- F16 -------------------------------------------------------------------------------
+# ---- F16 and BF16: one set of kernels, `bf` (0: F16, 1: BF16) picks the widening ----------
+
+HALF = {T.F16: 0, T.BF16: 1}
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+def _widen(bf, v):
+    return bf16_to_f32(v) if bf else f16_to_f32(v)
+
 
 @njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def f16_matvec(w, x, out, xq, aux):
+def half_matvec(bf, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
         r = g << 2
@@ -64,10 +75,10 @@ def f16_matvec(w, x, out, xq, aux):
             s0 = s1 = s2 = s3 = np.float32(0)
             for k in range(n):
                 xv = x[k]
-                s0 += f16_to_f32(w[r, k]) * xv
-                s1 += f16_to_f32(w[r + 1, k]) * xv
-                s2 += f16_to_f32(w[r + 2, k]) * xv
-                s3 += f16_to_f32(w[r + 3, k]) * xv
+                s0 += _widen(bf, w[r, k]) * xv
+                s1 += _widen(bf, w[r + 1, k]) * xv
+                s2 += _widen(bf, w[r + 2, k]) * xv
+                s3 += _widen(bf, w[r + 3, k]) * xv
             out[r] = s0
             out[r + 1] = s1
             out[r + 2] = s2
@@ -76,80 +87,29 @@ def f16_matvec(w, x, out, xq, aux):
             for rr in range(r, n_out):
                 s = np.float32(0)
                 for k in range(n):
-                    s += f16_to_f32(w[rr, k]) * x[k]
+                    s += _widen(bf, w[rr, k]) * x[k]
                 out[rr] = s
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def f16_row(w, r, dst, j):
+def half_row(bf, w, r, dst, j):
     for k in range(w.shape[1]):
-        dst[j, k] = f16_to_f32(w[r, k])
+        dst[j, k] = _widen(bf, w[r, k])
 
 
 @njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def f16_matmul(w, X, out, scratch):
+def half_matmul(bf, w, X, out, scratch):
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
         buf = scratch[numba.get_thread_id()]
         r0 = t * TILE
         nr = min(TILE, n_out - r0)
         for j in range(nr):
-            f16_row(w, r0 + j, buf, j)
+            half_row(bf, w, r0 + j, buf, j)
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def f16_rows(w, ids, out):
+def half_rows(bf, w, ids, out):
     for i in range(ids.size):
-        f16_row(w, ids[i], out, i)
-
-
-# ---- BF16 ------------------------------------------------------------------------------
-
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def bf16_matvec(w, x, out, xq, aux):
-    n_out, n = w.shape
-    for g in prange((n_out + 3) >> 2):
-        r = g << 2
-        if r + 4 <= n_out:
-            s0 = s1 = s2 = s3 = np.float32(0)
-            for k in range(n):
-                xv = x[k]
-                s0 += bf16_to_f32(w[r, k]) * xv
-                s1 += bf16_to_f32(w[r + 1, k]) * xv
-                s2 += bf16_to_f32(w[r + 2, k]) * xv
-                s3 += bf16_to_f32(w[r + 3, k]) * xv
-            out[r] = s0
-            out[r + 1] = s1
-            out[r + 2] = s2
-            out[r + 3] = s3
-        else:
-            for rr in range(r, n_out):
-                s = np.float32(0)
-                for k in range(n):
-                    s += bf16_to_f32(w[rr, k]) * x[k]
-                out[rr] = s
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def bf16_row(w, r, dst, j):
-    for k in range(w.shape[1]):
-        dst[j, k] = bf16_to_f32(w[r, k])
-
-
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
-def bf16_matmul(w, X, out, scratch):
-    n_out = w.shape[0]
-    for t in prange((n_out + TILE - 1) // TILE):
-        buf = scratch[numba.get_thread_id()]
-        r0 = t * TILE
-        nr = min(TILE, n_out - r0)
-        for j in range(nr):
-            bf16_row(w, r0 + j, buf, j)
-        gemm_tile(X, buf, 0, nr, out, r0)
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def bf16_rows(w, ids, out):
-    for i in range(ids.size):
-        bf16_row(w, ids[i], out, i)
+        half_row(bf, w, ids[i], out, i)

@@ -1,0 +1,96 @@
+"""Block-quantized weights: Q8_0, Q4_0 (32-element blocks) and Q4_K, Q5_K, Q6_K (256-element super-blocks).
+
+Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes), block_q4_0 {ggml_half d; uint8_t qs[16]}
+(18 bytes; element l is the low nibble of qs[l], element l+16 the high nibble, value d * (q - 8)),
+block_q4_K {d, dmin, scales[12], qs[128]} (144 bytes), block_q5_K {d, dmin, scales[12], qh[32], qs[128]}
+(176 bytes) and block_q6_K {ql[128], qh[64], int8 scales[16], d} (210 bytes), as decoded by ggml's
+dequantize_row_*. Rows are read straight from the GGUF bytes: matvec runs simd's vector row dot on x
+quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32);
+matmul and rows dequantize exactly (simd's *_deq) into f32.
+
+One kernel serves every format: it takes the format's small code (FORMATS) and branches on it once per row,
+a predictable branch; the per-format work is simd's. The multi-expert kernels (experts.py) share prepare and
+dot.
+"""
+import numba
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from ._bits import FASTMATH
+from .activations import group_sums, quantize_groups
+from .gemm import TILE, gemm_tile
+from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
+
+PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
+FORMATS = {T.Q8_0: 0, T.Q4_0: 1, T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4}  # codes >= 2: 256-element super-blocks
+
+
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+def prepare(fmt, x, xq, aux):
+    """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
+    used for K-quants) and, for K-quants, f32 sums per 32 in aux[n/32:]. Returns (dx, xs) views of aux."""
+    ng = x.size >> 5
+    if fmt >= 2:
+        quantize_groups(x, xq, aux[:ng], 256)
+        group_sums(x, aux[ng:2 * ng])
+    else:
+        quantize_groups(x, xq, aux[:ng], 32)
+    return aux[:ng], aux[ng:2 * ng]
+
+
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+def dot(fmt, w, off, xq, dx, xs, n_in):
+    """The row starting at byte `off` of w, dot the prepared x of n_in elements."""
+    if fmt == 2:
+        return q4_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == 4:
+        return q6_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == 3:
+        return q5_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == 0:
+        return q8_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    return q4_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+
+
+@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+def deq(fmt, w, off, dst, at, n_in):
+    """Dequantize the row starting at byte `off` of w into n_in f32 elements of dst (C-contiguous), from flat
+    index `at`."""
+    if fmt == 2:
+        q4_k_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == 4:
+        q6_k_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == 3:
+        q5_k_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == 0:
+        q8_0_deq(w, off, dst, at, n_in >> 5)
+    else:
+        q4_0_deq(w, off, dst, at, n_in >> 5)
+
+
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+def block_matvec(fmt, w, x, out, xq, aux):
+    dx, xs = prepare(fmt, x, xq, aux)
+    rb = w.shape[1]
+    for r in prange(w.shape[0]):
+        out[r] = dot(fmt, w, r * rb, xq, dx, xs, x.size)
+
+
+@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+def block_matmul(fmt, w, X, out, scratch):
+    n_out, rb = w.shape
+    K = X.shape[1]
+    for t in prange((n_out + TILE - 1) // TILE):
+        buf = scratch[numba.get_thread_id()]
+        r0 = t * TILE
+        nr = min(TILE, n_out - r0)
+        for j in range(nr):
+            deq(fmt, w, (r0 + j) * rb, buf, j * K, K)
+        gemm_tile(X, buf, 0, nr, out, r0)
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def block_rows(fmt, w, ids, out):
+    K = out.shape[1]
+    for i in range(ids.size):
+        deq(fmt, w, ids[i] * w.shape[1], out, i * K, K)
