@@ -225,12 +225,10 @@ def _q45_k(qs_at, has_qh):
     return body
 
 
-def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
-    # block_q6_K: ql[128], qh[64], int8 scales[16], d; value d * scale[e // 16] * (q - 32)
+def _q6_k_values(e, wb, blk):
+    """block_q6_K's 256 six-bit values, as (half h, group k, int8 x 32 of q - 32) for elements
+    128h + 32k .. +31: the low 4 bits from ql, the top 2 from qh (ggml's dequantize_row_q6_K order)."""
     bb = e.b
-    scales = bb.sext(e.load(wb, e.off(blk, 192), V(I8, 16)), V(I16, 16))
-    xb = bb.mul(b, ir.Constant(I64, 512))
-    isum = ir.Constant(V(I32, 16), [0] * 16)
     for h in range(2):
         ql0 = e.load(wb, e.off(blk, 64 * h), V(I8, 32))
         ql1 = e.load(wb, e.off(blk, 64 * h + 32), V(I8, 32))
@@ -238,11 +236,21 @@ def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
         for k, (ql, shift) in enumerate(((ql0, 0), (ql1, 0), (ql0, 4), (ql1, 4))):
             nib = bb.and_(bb.lshr(ql, e.const(I8, 32, shift)), e.const(I8, 32, 15))
             top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
-            q = bb.sext(bb.sub(bb.or_(nib, top), e.const(I8, 32, 32)), V(I16, 32))
-            g = 8 * h + 2 * k  # scales of elements 0-15 and 16-31 of this 32-group
-            sc = e.shuffle(scales, scales, [g] * 16 + [g + 1] * 16)
-            xv = e.load(xqb, e.off(xb, 2 * (128 * h + 32 * k)), V(I16, 32), 2)
-            isum = bb.add(isum, e.pairdot(bb.mul(q, sc), xv))
+            yield h, k, bb.sub(bb.or_(nib, top), e.const(I8, 32, 32))
+
+
+def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
+    # block_q6_K: ql[128], qh[64], int8 scales[16], d; value d * scale[e // 16] * (q - 32)
+    bb = e.b
+    scales = bb.sext(e.load(wb, e.off(blk, 192), V(I8, 16)), V(I16, 16))
+    xb = bb.mul(b, ir.Constant(I64, 512))
+    isum = ir.Constant(V(I32, 16), [0] * 16)
+    for h, k, q8 in _q6_k_values(e, wb, blk):
+        q = bb.sext(q8, V(I16, 32))
+        g = 8 * h + 2 * k  # scales of elements 0-15 and 16-31 of this 32-group
+        sc = e.shuffle(scales, scales, [g] * 16 + [g + 1] * 16)
+        xv = e.load(xqb, e.off(xb, 2 * (128 * h + 32 * k)), V(I16, 32), 2)
+        isum = bb.add(isum, e.pairdot(bb.mul(q, sc), xv))
     s = bb.fmul(e.f16x2(wb, e.off(blk, 206))[1], e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
     return [e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))]
 
@@ -329,16 +337,9 @@ def _deq_q6_k(e, wb, blk, store):
     bb = e.b
     d = e.f16x2(wb, e.off(blk, 206))[1]
     dsc = bb.fmul(e.splat(d, 16), bb.sitofp(e.load(wb, e.off(blk, 192), V(I8, 16)), V(F32, 16)))
-    for h in range(2):
-        ql0 = e.load(wb, e.off(blk, 64 * h), V(I8, 32))
-        ql1 = e.load(wb, e.off(blk, 64 * h + 32), V(I8, 32))
-        qh = e.load(wb, e.off(blk, 128 + 32 * h), V(I8, 32))
-        for k, (ql, shift) in enumerate(((ql0, 0), (ql1, 0), (ql0, 4), (ql1, 4))):
-            nib = bb.and_(bb.lshr(ql, e.const(I8, 32, shift)), e.const(I8, 32, 15))
-            top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
-            q = bb.sitofp(bb.sub(bb.or_(nib, top), e.const(I8, 32, 32)), V(F32, 32))
-            g = 8 * h + 2 * k
-            store(128 * h + 32 * k, bb.fmul(e.shuffle(dsc, dsc, [g] * 16 + [g + 1] * 16), q))
+    for h, k, q8 in _q6_k_values(e, wb, blk):
+        g = 8 * h + 2 * k
+        store(128 * h + 32 * k, bb.fmul(e.shuffle(dsc, dsc, [g] * 16 + [g + 1] * 16), bb.sitofp(q8, V(F32, 32))))
 
 
 q8_0_deq = _deq_intrinsic(34, 32, _deq_q8_0)
