@@ -51,12 +51,9 @@ MODELS: dict[str, dict] = {
 
 
 def sha256_file(path, start: int = 0) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(start)
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tensor_data_offset(path) -> int:

@@ -69,12 +69,9 @@ MOE_NAMES = [n for n in MODEL_NAMES if _META["models"][n]["writer_args"]["preset
 
 
 def _sha256(path: Path, start: int = 0) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(start)
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _write(path: Path, writer_args: dict) -> Path:
