@@ -43,9 +43,8 @@ def bench(
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
     ctx = pp + tg + 1 if ctx_size is None else ctx_size
-    s = _open(model, ctx, threads, ram_budget, no_stream, expert_top_p, prefetch, not learn, profile, io)
-    r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
-    s.close()
+    with _open(model, ctx, threads, ram_budget, no_stream, expert_top_p, prefetch, not learn, profile, io) as s:
+        r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     print(json.dumps(r) if as_json else format_bench(r))
 
 
@@ -70,18 +69,17 @@ def profile(
     from streamer.io import atomic_write
     from streamer.sampler import Sampler, SamplerParams
 
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
-    if s.profiler is None:
-        raise StreamerError(f"{model} is a dense model: it has no experts to profile")
-    gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)
-    for _ in gen.generate(s.tokenizer.encode(prompt), n_predict):
-        pass
-    report = s.profiler.report()
-    report["speed"] = gen.stats.line()
-    print(s.profiler.table())
-    print(s.profiler.summary())
-    print(gen.stats.line(), file=sys.stderr)
-    s.close()
+    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
+        if s.profiler is None:
+            raise StreamerError(f"{model} is a dense model: it has no experts to profile")
+        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)
+        for _ in gen.generate(s.tokenizer.encode(prompt), n_predict):
+            pass
+        report = s.profiler.report()
+        report["speed"] = gen.stats.line()
+        print(s.profiler.table())
+        print(s.profiler.summary())
+        print(gen.stats.line(), file=sys.stderr)
     if json_out is not None:
         atomic_write(json_out, lambda f: f.write(json.dumps(report, indent=1).encode()))
         print(f"wrote {json_out}", file=sys.stderr)

@@ -50,11 +50,8 @@ def demo(
           f"({100 * cache_bytes / layout.total_bytes:.0f}% of the {human(layout.total_bytes)} of experts) = "
           f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
           "the other experts are read from disk as tokens need them", file=sys.stderr)
-    s = open_model(path, threads=threads, expert_cache_bytes=cache_bytes, prefetch=True)
-    try:
+    with open_model(path, threads=threads, expert_cache_bytes=cache_bytes, prefetch=True) as s:
         _generate(s, prompt, n_predict)
-    finally:
-        s.close()
 
 
 def _generate(s, prompt: str, n_predict: int) -> None:

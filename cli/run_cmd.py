@@ -85,13 +85,10 @@ def run(
         raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
     if logits_out is not None and tokens is None:
         raise StreamerError("--logits-out needs --tokens")
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
-    try:
+    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
         _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos,
                   SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
                                 presence_penalty, None if seed < 0 else seed))
-    finally:
-        s.close()  # reader threads stopped and joined, on every way out
 
 
 def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos, params) -> None:
@@ -170,18 +167,15 @@ def chat(
     from streamer.generate import Generator
     from streamer.sampler import Sampler
 
-    s = _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
     params = sampler_params(not no_think, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                             seed=None if seed < 0 else seed)
-    sampler = Sampler(params)
-    gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
-    conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
-    try:
+    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
+        gen = Generator(s.model, s.model.new_cache(), Sampler(params), s.tokenizer.eog_ids,
+                        on_prefill=prefill_progress())
+        conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
         _repl(s, gen, conv)
-    finally:
-        s.close()
 
 
 def _repl(s, gen, conv) -> None:

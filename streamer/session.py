@@ -63,7 +63,14 @@ class Session:
         """The expert traffic profiler (MoE only), else None."""
         return getattr(self.model.ffn, "prof", None)
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop and join the expert reader threads (streaming) and release the file watch."""
         close = getattr(self.model.ffn, "close", None)
         if close is not None:
             close()
