@@ -11,6 +11,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    """Every test (and every stream-run it starts) keeps the learned-usage sidecars and the demo model in its
+    own directory, never in ~/.cache."""
+    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """synth_model(preset, qtype, **spec) -> path of a model written once per session per arguments."""

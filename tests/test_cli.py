@@ -5,7 +5,6 @@ import json
 import re
 
 import numpy as np
-import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -13,10 +12,6 @@ from streamer.session import open_model
 
 runner = CliRunner()
 
-
-@pytest.fixture(autouse=True)
-def private_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
 
 
 def invoke(*args, input=None):

@@ -25,9 +25,9 @@ def drop_file_permission_override():
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
-def stream_run(*args, preexec=None, cwd=None, env=None):
+def stream_run(*args, preexec=None):
     return subprocess.run([str(STREAM_RUN), *map(str, args)], capture_output=True, text=True, timeout=300,
-                          preexec_fn=preexec, cwd=cwd, env=env)
+                          preexec_fn=preexec)
 
 
 def one_error_line(r, pattern):
@@ -88,10 +88,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_user_error_is_one_line_and_exit_code_2(files, case, tmp_path):
+def test_user_error_is_one_line_and_exit_code_2(files, case):
     args, pattern = CASES[case]
     args = [a.format(**files) for a in args]
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path))
     preexec = None
     if case == "unreadable" and os.geteuid() == 0:
         preexec = drop_file_permission_override
@@ -100,18 +99,17 @@ def test_user_error_is_one_line_and_exit_code_2(files, case, tmp_path):
                                capture_output=True, text=True)
         assert "PermissionError" in probe.stderr, probe.stderr
     before = files["good"].read_bytes() if case == "output exists" else None
-    one_error_line(stream_run(*args, preexec=preexec, env=env), pattern)
+    one_error_line(stream_run(*args, preexec=preexec), pattern)
     if before is not None:
         assert files["good"].read_bytes() == before  # never written in place
 
 
 
-def test_a_reader_that_goes_away_is_not_an_error(files, tmp_path):
+def test_a_reader_that_goes_away_is_not_an_error(files):
     """`stream-run run ... | head -c 5`: the pipe closes; the run stops quietly (exit 141, as a tool killed by
     SIGPIPE), with no error line and no 'Exception ignored' noise from the interpreter's exit."""
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path))
     p = subprocess.Popen([str(STREAM_RUN), "run", str(files["good"]), "-p", "hello", "-n", "-1", "--ignore-eos"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p.stdout.read(5)
     p.stdout.close()
     err = p.stderr.read()

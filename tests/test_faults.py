@@ -23,10 +23,6 @@ TOKENS = np.array([3, 77, 120, 9, 201], dtype=np.int64)
 STREAM_RUN = Path(sys.executable).parent / "stream-run"
 
 
-@pytest.fixture(autouse=True)
-def private_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
-
 
 def copy_of(path, tmp_path) -> Path:
     dst = tmp_path / "model.gguf"
@@ -135,9 +131,8 @@ print(int(mm.sum()), flush=True)
 
 def test_chat_stops_with_one_line_when_the_model_is_truncated_between_turns(synth_model, tmp_path):
     path = copy_of(synth_model("tiny-moe", "Q8_0"), tmp_path)
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
     p = subprocess.Popen([str(STREAM_RUN), "chat", str(path), "-n", "3", "--temp", "0", "--ram-budget", "4G"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         p.stdin.write("hello\n")
         p.stdin.flush()
@@ -185,9 +180,8 @@ def test_run_stops_with_one_line_when_the_model_is_truncated_mid_run(synth_model
     """Whatever the run is doing when the file is cut (a step in progress: bus error on the mapping, or a short
     expert read; between steps: the size check), it stops with exit code 2 and one error line."""
     path = copy_of(synth_model("demo", "Q4_K"), tmp_path)
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
     p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", "-c", "512",
-                          "--ram-budget", "300M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                          "--ram-budget", "300M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         p.stdout.read(40)  # generating
         os.truncate(path, int(path.stat().st_size * cut))

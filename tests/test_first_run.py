@@ -3,7 +3,6 @@
 that never imports numba."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,10 +21,6 @@ runner = CliRunner()
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
 
-
-@pytest.fixture(autouse=True)
-def private_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
@@ -181,8 +176,7 @@ def test_warmup_compiles_every_kernel_a_run_uses(synth_model, tmp_path):
     moe = synth_model("tiny-moe", "Q4_K")
     runs += [(str(moe), {"expert_cache_bytes": 1 << 20}), (str(moe), {"stream": False}),
              (str(synth_model("tiny-moe", "Q8_0")), {"expert_cache_bytes": 1 << 20})]
-    env = {**os.environ, "STREAM_RUN_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     # the command's own report: one line per group (formats sharing kernels share a line), then the total;

@@ -539,7 +539,6 @@ def test_cli_prints_one_error_line(files, tmp_path):
     src, lay = files["tiny"]
     orig = src.read_bytes()
     exe = Path(sys.executable).parent / "stream-run"
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
     runs = [
         ("inspect", orig[:lay.of("count", f"{TOK}.tokens")[0].off + 3], r"truncated"),
         ("inspect", patch("value", "qwen3.attention.head_count", 0)(lay, orig), r"bad model geometry"),
@@ -554,7 +553,7 @@ def test_cli_prints_one_error_line(files, tmp_path):
         bad.write_bytes(data)
         sub, *flags = cmd.split()
         args = [str(exe), sub, str(bad), *flags] + (["-p", "x", "-n", "1"] if sub == "run" else [])
-        r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120)
         lines = r.stderr.splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (cmd, pattern, r.stderr)
         assert re.search(pattern, lines[0]) and "Traceback" not in r.stdout + r.stderr, lines[0]

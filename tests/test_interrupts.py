@@ -2,12 +2,10 @@
 `chat` returns to the prompt with the conversation intact (an interrupted prefill leaves no trace, an
 interrupted reply keeps what was said). Plus determinism: same seed and flags, same tokens, streamed or not."""
 
-import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +31,6 @@ def streaming_budget():
 
     return ("--ram-budget", str(psutil.Process().memory_info().rss + 170 * 2**20), "-c", "512")
 
-
-@pytest.fixture(autouse=True)
-def private_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
 
 
 def interrupt_forward(monkeypatch, when):
@@ -72,13 +66,12 @@ def test_run_exits_130_and_stops_its_readers(synth_model, monkeypatch, phase):
     assert reader_threads() == before
 
 
-def test_run_real_sigint_during_decode(synth_model, tmp_path):
+def test_run_real_sigint_during_decode(synth_model):
     path = synth_model("demo", "Q4_K")
-    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path / "cache"))
     # a shell runs background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: restore
     # the default in the child, as an interactive terminal would have it
     p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", *SUBPROCESS_BUDGET],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         p.stdout.read(20)  # generating

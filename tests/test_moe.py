@@ -17,10 +17,6 @@ PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int
 N_PREFILL = 5  # then one token at a time (decode path, with lookahead prefetch)
 
 
-@pytest.fixture(autouse=True)
-def private_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))  # sidecars never touch ~/.cache
-
 
 def cosines(a, b):
     return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
