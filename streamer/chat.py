@@ -36,11 +36,6 @@ class Conversation:
         self.im_end = tokenizer.token_id("<|im_end|>")
         self.user_marker = tokenizer.encode_raw("<|im_start|>user\n")
 
-    def turn_text(self, user: str) -> str:
-        """The ChatML text of one user turn, including the close of the previous assistant reply."""
-        closing, body = self._turn_parts(user)
-        return closing + body
-
     def _turn_parts(self, user: str) -> tuple[str, str]:
         """(what closes the previous reply, or the system block on the first turn; the user turn itself)."""
         closing = ""
