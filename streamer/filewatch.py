@@ -37,7 +37,7 @@ class FileWatch:
             raise ModelFileChanged(f"{self.path} was rewritten while in use; stopping (restart on the new file)")
 
 
-_engines: list = []  # keeps the compiled handlers alive: the kernel calls into their code
+_handlers: dict = {}  # path -> (engine, address): keeps each compiled handler alive, compiled once per path
 
 
 def install_bus_error_exit(path: str) -> None:
@@ -45,6 +45,16 @@ def install_bus_error_exit(path: str) -> None:
     import ctypes
     import signal
 
+    if path not in _handlers:
+        _handlers[path] = _compile_handler(path)
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(signal.SIGBUS, _handlers[path][1])
+
+
+def _compile_handler(path: str):
+    """(engine, address) of a native `void on_sigbus(int)` that writes the error line and calls _exit(2)."""
     import llvmlite.binding as llvm
     from llvmlite import ir
 
@@ -68,8 +78,4 @@ def install_bus_error_exit(path: str) -> None:
     parsed = llvm.parse_assembly(str(mod))
     engine = llvm.create_mcjit_compiler(parsed, llvm.Target.from_default_triple().create_target_machine())
     engine.finalize_object()
-    _engines.append(engine)
-    libc = ctypes.CDLL(None)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.signal(signal.SIGBUS, engine.get_function_address("on_sigbus"))
+    return engine, engine.get_function_address("on_sigbus")
