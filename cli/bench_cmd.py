@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import (CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
+from streamer.cli.options import (CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
                          Threads)
-from cli.run_cmd import _open
+from streamer.cli.run_cmd import _open
 
 
 def bench(

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import Threads
+from streamer.cli.options import Threads
 
 
 def demo(
@@ -22,7 +22,7 @@ def demo(
     threads: Threads = None,
 ) -> None:
     """Write (once) a small synthetic Qwen3-MoE and generate from it with expert streaming and profiling."""
-    from cli.synth_cmd import progress_printer
+    from streamer.cli.synth_cmd import progress_printer
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
     from streamer.experts.usage import cache_dir

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.options import CtxSize, ModelArg
+from streamer.cli.options import CtxSize, ModelArg
 
 
 def inspect(

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from cli.app import app
-from cli.bench_cmd import bench, profile
-from cli.demo_cmd import demo
-from cli.info_cmd import inspect
-from cli.profiles_cmd import profiles
-from cli.run_cmd import chat, run
-from cli.synth_cmd import synth
-from cli.tokenize_cmd import tokenize
-from cli.warmup_cmd import warmup
+from streamer.cli.app import app
+from streamer.cli.bench_cmd import bench, profile
+from streamer.cli.demo_cmd import demo
+from streamer.cli.info_cmd import inspect
+from streamer.cli.profiles_cmd import profiles
+from streamer.cli.run_cmd import chat, run
+from streamer.cli.synth_cmd import synth
+from streamer.cli.tokenize_cmd import tokenize
+from streamer.cli.warmup_cmd import warmup
 
 for command in (run, chat, bench, profile, inspect, tokenize, synth, demo, warmup, profiles):
     app.command()(command)

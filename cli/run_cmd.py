@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import (CtxSize, ExpertTopP, IoMode, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
+from streamer.cli.options import (CtxSize, ExpertTopP, IoMode, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
                          PresencePenalty, Profile, RamBudget, RepeatLastN, RepeatPenalty, Seed, Temp, Threads, TopK, TopP)
 
 
@@ -32,7 +32,7 @@ def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetc
 
 def prefill_progress():
     """Progress of a prompt longer than one prefill chunk (512 tokens), on stderr."""
-    from cli.synth_cmd import progress_printer
+    from streamer.cli.synth_cmd import progress_printer
 
     return progress_printer("prefill", lambda done, total: f"{done} / {total} tokens")
 

@@ -19,14 +19,14 @@ INFO_KEYS = ("description",)  # shown by `stream-run profiles`, not options
 
 
 def available() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("profiles").iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[:-5] for p in resources.files("streamer.presets").iterdir() if p.name.endswith(".toml"))
 
 
 def load_profile(name: str) -> dict:
     """A built-in profile by name (e.g. '8g') or a TOML file path -> validated options."""
     path = Path(name)
     if not path.suffix:
-        res = resources.files("profiles") / f"{name}.toml"
+        res = resources.files("streamer.presets") / f"{name}.toml"
         if not res.is_file():
             raise StreamerError(f"unknown profile '{name}' (built-in: {', '.join(available())}; or give a .toml file)")
         text, where = res.read_text(), f"profile '{name}'"

@@ -60,7 +60,7 @@ def test_generation_under_a_cgroup_cap_equal_to_the_budget(streaming_moe, tmp_pa
 
     open_model(streaming_moe, n_ctx=64, learn=False, ram_budget="2G").close()  # numba kernels compiled + cached here
     evict(streaming_moe)  # start cold: pages cached by the writer were charged to us, not to the capped run
-    cmd = [sys.executable, "-m", "cli.main", "run", str(streaming_moe), "-p", "hello there", "-n", "12",
+    cmd = [sys.executable, "-m", "streamer.cli.main", "run", str(streaming_moe), "-p", "hello there", "-n", "12",
            "--ram-budget", CAP, "-c", "64"]
     env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     res = run_capped(cmd, CAP, timeout=300, env=env)
@@ -123,7 +123,7 @@ def test_chat_fills_its_context_under_a_cap_with_a_two_layer_budget(streaming_mo
     from streamer.io import parse_size
 
     env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    base = [sys.executable, "-m", "cli.main", "chat", str(streaming_moe), "-c", "160", "-n", "16", "--temp", "0"]
+    base = [sys.executable, "-m", "streamer.cli.main", "chat", str(streaming_moe), "-c", "160", "-n", "16", "--temp", "0"]
     probe = subprocess.run(base + ["--ram-budget", "1M"], input="", capture_output=True, text=True, env=env)
     need = parse_size(re.search(r"needs at least ([\d.]+ [KMG]iB)", probe.stderr).group(1).replace(" ", ""))
     from streamer.experts.store import ExpertLayout

@@ -7,7 +7,7 @@ import re
 import numpy as np
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer.session import open_model
 
 runner = CliRunner()

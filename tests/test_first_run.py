@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer import budget
 from streamer.errors import StreamerError
 from streamer.profiles import available, describe, load_profile, resolve
@@ -137,7 +137,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
     import importlib, inspect, json, pkgutil, re, sys
     import numpy as np
     from numba.core.registry import CPUDispatcher
-    from cli.main import app
+    from streamer.cli.main import app
 
     try:
         app(["warmup"])  # the App exits with the command's code

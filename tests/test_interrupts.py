@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer.chat import Conversation
 from streamer.generate import Generator
 from streamer.model import Model

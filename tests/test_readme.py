@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from cli.main import app
+from streamer.cli.main import app
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -246,11 +246,11 @@ def test_real_vocab_requested_without_package(monkeypatch):
 
 def _app():
     try:
-        from cli.main import app
+        from streamer.cli.main import app
         return app, True
     except ImportError:  # the CLI skeleton is not there yet: drive the function through a bare app
         import typer
-        from cli.tokenize_cmd import tokenize
+        from streamer.cli.tokenize_cmd import tokenize
         app = typer.Typer()
         app.command()(tokenize)
         app.command("other")(lambda: None)
