@@ -142,9 +142,10 @@ def stream_run_logits(path, tokens, threads, forced=None):
     """stream-run's all-position logits and each layer's expert sets (recorded by wrapping streamer.moe.route;
     with forced, the sets are replaced and the weights recomputed from stream-run's own router logits)."""
     import streamer.moe as moe
+    from streamer.options import StreamOptions
     from streamer.session import open_model
-    s = open_model(path, n_ctx=len(tokens) + 16, threads=threads, stream=False, learn=False, prefetch=False,
-                   verbose=False)
+    s = open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=len(tokens) + 16,
+                   threads=threads)
     L, orig, calls, rec = s.cfg.n_layer, moe.route, [0], []
 
     def route(logits, k, top_p=1.0):

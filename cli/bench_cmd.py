@@ -10,25 +10,19 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.options import (CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, NPredict, Prefetch, Profile, RamBudget,
-                         Threads)
-from streamer.cli.run_cmd import _open
+from streamer.cli.common import check_output_path, check_prompt, open_session, probe
+from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, with_stream_options
+from streamer.options import StreamOptions
 
 
+@with_stream_options(learn_by_default=False)
 def bench(
     model: ModelArg,
     pp: Annotated[int, typer.Option("--pp", help="Prompt tokens to prefill.")] = 128,
     tg: Annotated[int, typer.Option("--tg", help="Tokens to decode greedily.")] = 64,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    ram_budget: RamBudget = None,
-    no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = None,
-    prefetch: Prefetch = None,
-    learn: Annotated[bool, typer.Option("--learn", help="Load and save the learned expert-usage profile (off: "
-                                        "benchmarks stay reproducible and leave your profile alone).")] = False,
-    profile: Profile = None,
-    io: IoMode = "auto",
+    options: Optional[StreamOptions] = None,  # the memory/streaming flags, --learn and --preset (with_stream_options)
     random_decode: Annotated[bool, typer.Option("--random-decode", help="Feed each decode step a random token "
                                                 "instead of the greedy one: routing never repeats (worst case for "
                                                 "the expert cache).")] = False,
@@ -38,29 +32,27 @@ def bench(
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
     from streamer.bench import format_bench, run_bench
     from streamer.errors import StreamerError
+    from streamer.kv_cache import check_room
 
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
     ctx = pp + tg + 1 if ctx_size is None else ctx_size
-    with _open(model, ctx, threads, ram_budget, no_stream, expert_top_p, prefetch, not learn, profile, io) as s:
+    gf, cfg = probe(model)
+    check_room(0, pp + tg - 1, cfg.context(ctx))  # the prefill, then tg - 1 decode steps
+    with open_session(gf, options, ctx, threads) as s:
         r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     print(json.dumps(r) if as_json else format_bench(r))
 
 
+@with_stream_options
 def profile(
     model: ModelArg,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "The quick brown fox",
     n_predict: NPredict = 32,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    ram_budget: RamBudget = None,
-    no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = None,
-    prefetch: Prefetch = None,
-    no_learn: NoLearn = False,
-    profile: Profile = None,
-    io: IoMode = "auto",
+    options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
@@ -68,12 +60,18 @@ def profile(
     from streamer.generate import Generator
     from streamer.io import atomic_write
     from streamer.sampler import Sampler, SamplerParams
+    from streamer.tokenizer import Tokenizer
 
-    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
-        if s.profiler is None:
-            raise StreamerError(f"{model} is a dense model: it has no experts to profile")
-        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), s.tokenizer.eog_ids)
-        for _ in gen.generate(s.tokenizer.encode(prompt), n_predict):
+    check_output_path(json_out, "--json-out")
+    gf, cfg = probe(model)
+    if not cfg.is_moe:
+        raise StreamerError(f"{model} is a dense model: it has no experts to profile")
+    tok = Tokenizer.from_gguf(gf)
+    ids = tok.encode(prompt)
+    check_prompt(ids, cfg, ctx_size)
+    with open_session(gf, options, ctx_size, threads, tok) as s:
+        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
+        for _ in gen.generate(ids, n_predict):
             pass
         report = s.profiler.report()
         report["speed"] = gen.stats.line()

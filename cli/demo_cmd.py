@@ -22,11 +22,12 @@ def demo(
     threads: Threads = None,
 ) -> None:
     """Write (once) a small synthetic Qwen3-MoE and generate from it with expert streaming and profiling."""
-    from streamer.cli.synth_cmd import progress_printer
+    from streamer.cli.common import progress_printer
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
     from streamer.experts.usage import cache_dir
     from streamer.io import human
+    from streamer.options import StreamOptions
     from streamer.session import open_model
     from streamer.synth.writer import spec_for, write_model
 
@@ -50,7 +51,7 @@ def demo(
           f"({100 * cache_bytes / layout.total_bytes:.0f}% of the {human(layout.total_bytes)} of experts) = "
           f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
           "the other experts are read from disk as tokens need them", file=sys.stderr)
-    with open_model(path, threads=threads, expert_cache_bytes=cache_bytes, prefetch=True) as s:
+    with open_model(path, StreamOptions(expert_cache_bytes=cache_bytes), threads=threads) as s:
         _generate(s, prompt, n_predict)
 
 

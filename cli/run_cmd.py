@@ -8,43 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.options import (CtxSize, ExpertTopP, IoMode, FreqPenalty, MinP, ModelArg, NoLearn, NoStream, NPredict, Prefetch,
-                         PresencePenalty, Profile, RamBudget, RepeatLastN, RepeatPenalty, Seed, Temp, Threads, TopK, TopP)
+from streamer.cli.common import (check_output_path, check_prompt, open_session, parse_tokens, prefill_progress,
+                                 probe)
+from streamer.cli.options import (CtxSize, FreqPenalty, MinP, ModelArg, NPredict, PresencePenalty, RepeatLastN,
+                                  RepeatPenalty, Seed, Temp, Threads, TopK, TopP, with_stream_options)
+from streamer.options import StreamOptions
 
 
-def _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io):
-    from streamer.errors import StreamerError
-    from streamer.filewatch import install_bus_error_exit
-    from streamer.profiles import resolve
-    from streamer.session import open_model
-
-    if io not in ("auto", "direct", "buffered"):
-        raise StreamerError(f"--io must be auto, direct or buffered, got {io!r}")
-
-    opts = resolve(profile, ram_budget=ram_budget, expert_top_p=expert_top_p, prefetch=prefetch)
-    if "readers" in opts:
-        opts["n_readers"] = opts.pop("readers")
-    if model.is_file():
-        install_bus_error_exit(str(model))  # the file truncated under us: one line and exit 2, not "Bus error"
-    return open_model(model, n_ctx=ctx_size, threads=threads, stream=not no_stream, learn=not no_learn,
-                      direct={"auto": None, "direct": True, "buffered": False}[io], **opts)
-
-
-def prefill_progress():
-    """Progress of a prompt longer than one prefill chunk (512 tokens), on stderr."""
-    from streamer.cli.synth_cmd import progress_printer
-
-    return progress_printer("prefill", lambda done, total: f"{done} / {total} tokens")
-
-
-def _parse_tokens(text: str) -> list[int]:
-    from streamer.errors import StreamerError
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise StreamerError(f"--tokens must be comma-separated integers, got {text!r}") from None
-
-
+@with_stream_options
 def run(
     model: ModelArg,
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text.")] = None,
@@ -64,13 +35,7 @@ def run(
     seed: Seed = -1,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    ram_budget: RamBudget = None,
-    no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = None,
-    prefetch: Prefetch = None,
-    no_learn: NoLearn = False,
-    profile: Profile = None,
-    io: IoMode = "auto",
+    options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
                                                  help="Echo the prompt before the completion.")] = True,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-generation tokens "
@@ -79,39 +44,43 @@ def run(
     """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
     Ctrl-C stops the run (exit code 130) after printing what was generated."""
     from streamer.errors import StreamerError
-    from streamer.sampler import SamplerParams
+    from streamer.io import read_text
+    from streamer.sampler import Sampler, SamplerParams
+    from streamer.tokenizer import Tokenizer
 
     if sum(x is not None for x in (prompt, file, tokens)) != 1:
         raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
     if logits_out is not None and tokens is None:
         raise StreamerError("--logits-out needs --tokens")
-    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
-        _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos,
-                  SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
-                                presence_penalty, None if seed < 0 else seed))
+    check_output_path(logits_out, "--logits-out")
+    sampler = Sampler(SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
+                                    presence_penalty, None if seed < 0 else seed))
+    gf, cfg = probe(model)
+    tok = None if tokens is not None else Tokenizer.from_gguf(gf)
+    ids = parse_tokens(tokens) if tok is None else tok.encode(read_text(file) if file is not None else prompt)
+    check_prompt(ids, cfg, ctx_size)
+    with open_session(gf, options, ctx_size, threads, tok) as s:
+        if logits_out is not None:
+            _write_logits(s, ids, logits_out)
+        else:
+            _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos)
 
 
-def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ignore_eos, params) -> None:
+def _write_logits(s, ids: list[int], path: Path) -> None:
     import numpy as np
 
-    from streamer.errors import StreamerError
-    from streamer.generate import Generator
-    from streamer.io import atomic_save_npy, read_text
-    from streamer.sampler import Sampler
+    from streamer.io import atomic_save_npy
 
-    if logits_out is not None:
-        ids = _parse_tokens(tokens)
-        logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
-        atomic_save_npy(logits_out, logits.astype(np.float32))
-        print(f"wrote logits {logits.shape} to {logits_out}", file=sys.stderr)
-        return
+    logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
+    atomic_save_npy(path, logits.astype(np.float32))
+    print(f"wrote logits {logits.shape} to {path}", file=sys.stderr)
+
+
+def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
+    from streamer.generate import Generator
+
     tok = s.tokenizer
-    text = read_text(file) if file is not None else prompt
-    ids = _parse_tokens(tokens) if tokens is not None else tok.encode(text)
-    if not ids:
-        raise StreamerError("the prompt is empty")
-    sampler = Sampler(params)
-    if params.temperature > 0:
+    if sampler.params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
     gen = Generator(s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids,
                     on_prefill=prefill_progress())
@@ -136,6 +105,7 @@ def _complete(s, prompt, file, tokens, logits_out, n_predict, display_prompt, ig
         raise typer.Exit(130)  # the shell's convention for a run stopped by SIGINT
 
 
+@with_stream_options
 def chat(
     model: ModelArg,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt.")] = None,
@@ -152,13 +122,7 @@ def chat(
     seed: Seed = -1,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    ram_budget: RamBudget = None,
-    no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = None,
-    prefetch: Prefetch = None,
-    no_learn: NoLearn = False,
-    profile: Profile = None,
-    io: IoMode = "auto",
+    options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
 ) -> None:
     """Multi-turn chat. Reads one user turn per line (from a terminal or a pipe); Ctrl-C stops a reply,
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
@@ -171,8 +135,10 @@ def chat(
                             repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                             seed=None if seed < 0 else seed)
-    with _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io) as s:
-        gen = Generator(s.model, s.model.new_cache(), Sampler(params), s.tokenizer.eog_ids,
+    sampler = Sampler(params)
+    gf, _ = probe(model)
+    with open_session(gf, options, ctx_size, threads) as s:
+        gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids,
                         on_prefill=prefill_progress())
         conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
         _repl(s, gen, conv)

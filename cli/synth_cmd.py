@@ -9,30 +9,6 @@ from typing import Annotated, Optional
 import typer
 
 
-def progress_printer(label: str, fmt=None):
-    """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
-    total)` words the counts (default: byte sizes)."""
-    from streamer.io import human
-
-    fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
-
-    tty = sys.stderr.isatty()
-    last = [-1]
-
-    def show(done: int, total: int) -> None:
-        pct = int(100 * done / max(total, 1))
-        step = pct if tty else pct // 10 * 10
-        if step == last[0]:
-            return
-        last[0] = step
-        line = f"{label}: {fmt(done, total)} ({pct}%)"
-        if tty:
-            print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
-    return show
-
-
 def synth(
     out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
     preset: Annotated[str, typer.Option("--preset", help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b.")] = "tiny",
@@ -47,6 +23,7 @@ def synth(
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
     from gguf.constants import GGMLQuantizationType as T
 
+    from streamer.cli.common import progress_printer
     from streamer.errors import StreamerError
     from streamer.synth.writer import spec_for, write_model
 

@@ -1,2 +1,3 @@
-"""Runtime presets (TOML) for `stream-run --profile NAME`: RAM budget, expert cache tiers, prefetch and
-expert top-p per machine size. Values given on the command line win over a profile's."""
+"""Runtime presets (TOML) for `stream-run --preset NAME`: RAM budget, expert cache tiers, prefetch and
+expert top-p per machine size. Installed as streamer.presets; streamer/options.py reads them. Values given on
+the command line win over a preset's."""

@@ -38,6 +38,12 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_expert > 0
 
+    def check_tokens(self, ids) -> None:
+        """Every id in the vocabulary (a sequence or an integer array)."""
+        bad = [int(t) for t in ids if not 0 <= t < self.n_vocab][:1]
+        if bad:
+            raise StreamerError(f"token id {bad[0]} is out of range (vocabulary has {self.n_vocab} tokens)")
+
     def context(self, n_ctx: int | None) -> int:
         """The context to allocate for -c: None -> 4096 or the model's limit if smaller; 0 -> the model's limit."""
         if n_ctx is not None and n_ctx < 0:

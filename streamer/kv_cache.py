@@ -10,6 +10,13 @@ from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 
 
+def check_room(n: int, m: int, n_ctx: int) -> None:
+    """m more tokens after n must fit a context of n_ctx."""
+    if n + m > n_ctx:
+        raise StreamerError(f"context overflow: {n} + {m} tokens exceed the context size {n_ctx} "
+                            f"(raise it with -c/--ctx-size)")
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, n_ctx: int):
         if n_ctx <= 0:
@@ -28,9 +35,7 @@ class KVCache:
         return self.n_ctx - self.n
 
     def check_room(self, m: int) -> None:
-        if self.n + m > self.n_ctx:
-            raise StreamerError(f"context overflow: {self.n} + {m} tokens exceed the context size {self.n_ctx} "
-                                f"(raise it with -c/--ctx-size)")
+        check_room(self.n, m, self.n_ctx)
 
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""

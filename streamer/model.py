@@ -14,6 +14,7 @@ import numpy as np
 from streamer.kernels import ops
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
+from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
 from streamer.kernels import QMatrix
 from streamer.kv_cache import KVCache
@@ -45,6 +46,9 @@ def linear(w: QMatrix, h: np.ndarray) -> np.ndarray:
 class FFN(Protocol):
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray: ...
 
+    def matrices(self) -> list[QMatrix]:
+        """Every weight matrix it computes with (kernel warm-up compiles one kernel per format)."""
+
 
 class DenseFFN:
     """SwiGLU: down(silu(gate h) * up h), weights used in place from the mmap."""
@@ -72,10 +76,10 @@ class Layer:
 
 
 class Model:
-    watch = None  # a streamer.filewatch.FileWatch: checked before each forward (the file must not change)
-
-    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ffn: FFN | None = None, n_ctx: int | None = None):
-        self.gf, self.cfg = gf, cfg
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ffn: FFN | None = None, n_ctx: int | None = None,
+                 watch: FileWatch | None = None):
+        """watch: checked before each forward (the file must not change under the mapping)."""
+        self.gf, self.cfg, self.watch = gf, cfg, watch
         self.layers = [Layer(gf, i) for i in range(cfg.n_layer)]
         self.ffn = ffn if ffn is not None else DenseFFN(gf, cfg.n_layer)
         self.embd = qmatrix(gf, "token_embd.weight")
@@ -116,17 +120,13 @@ class Model:
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
 
-    def check_tokens(self, ids: np.ndarray) -> None:
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.cfg.n_vocab):
-            bad = int(ids[(ids < 0) | (ids >= self.cfg.n_vocab)][0])
-            raise StreamerError(f"token id {bad} is out of range (vocabulary has {self.cfg.n_vocab} tokens)")
-
     def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise StreamerError("no tokens to run (the prompt is empty)")
-        self.check_tokens(ids)
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            self.cfg.check_tokens(ids)
         if self.watch is not None:
             self.watch.check()
         cache.check_room(len(ids))

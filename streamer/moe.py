@@ -13,6 +13,7 @@ from collections import deque
 
 import numpy as np
 
+from streamer.budget import Plan
 from streamer.errors import StreamerError
 from streamer.kernels import ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
@@ -41,9 +42,11 @@ def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, n
 
 
 class MoEFFN:
-    def __init__(self, gf, cfg, source, profiler, usage=None, expert_top_p: float = 1.0, prefetch: bool = True):
+    def __init__(self, gf, cfg, source, profiler, usage=None, expert_top_p: float = 1.0, prefetch: bool = True,
+                 plan: Plan | None = None):
+        """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming)."""
         self.gf, self.cfg, self.source, self.prof, self.usage = gf, cfg, source, profiler, usage
-        self.top_p, self.prefetch = expert_top_p, prefetch
+        self.expert_top_p, self.prefetch, self.plan = expert_top_p, prefetch, plan
         self.router = [qmatrix(gf, f"blk.{i}.ffn_gate_inp.weight") for i in range(cfg.n_layer)]
         self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
         self.predicted: dict[int, np.ndarray] = {}
@@ -69,13 +72,13 @@ class MoEFFN:
         if not self.prefetch or x.shape[0] != 1 or nxt >= self.cfg.n_layer or not self.source.wants_lookahead:
             return
         h = ops.rmsnorm(x, self.ffn_norm[nxt], self.cfg.rms_eps, np.empty_like(x))
-        ids, _ = route(self.router[nxt].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.top_p)
+        ids, _ = route(self.router[nxt].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.expert_top_p)
         self.predicted[nxt] = ids[0][ids[0] >= 0]
 
     # ---- the FFN ----
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m, st = h.shape[0], self.prof.layers[layer]
-        ids, w = route(linear(self.router[layer], h), self.cfg.n_expert_used, self.top_p)
+        ids, w = route(linear(self.router[layer], h), self.cfg.n_expert_used, self.expert_top_p)
         used = ids >= 0
         st.routed += int(used.sum())
         st.dropped += int((~used).sum())
@@ -189,9 +192,6 @@ class MoEFFN:
         """Routers, and one expert of each layer straight from the mmap (for kernel warm-up only)."""
         return self.router + [qmatrix(self.gf, f"blk.{i}.ffn_{p}_exps.weight", 0)
                               for i in range(self.cfg.n_layer) for p in ("gate", "up", "down")]
-
-    def summary(self) -> str:
-        return self.prof.summary()
 
     def close(self) -> None:
         self.source.close()

@@ -8,10 +8,18 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from streamer.config import ModelConfig
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
+from streamer.options import StreamOptions
+
+if TYPE_CHECKING:  # the heavy modules (numba kernels) load when a model is opened, not on import
+    from streamer.model import Model
+    from streamer.moe import MoEFFN
+    from streamer.profiler import Profiler
+    from streamer.tokenizer import Tokenizer
 
 
 @contextmanager
@@ -40,18 +48,18 @@ def notice_if_slow(message: str, after_s: float = 0.5, stream=None):
 class Session:
     gf: GGUFFile
     cfg: ModelConfig
-    model: object
-    _tokenizer: object = None
+    model: Model
+    moe: MoEFFN | None = None  # the model's FFN when it is a MoE (its expert source, traffic profiler, plan)
+    _tokenizer: Tokenizer | None = None
 
     def report(self, stream) -> None:
-        """Print the FFN's one-line traffic summary (MoE streaming), if it has one."""
-        summary = getattr(self.model.ffn, "summary", None)
-        if summary is not None:
-            print(summary(), file=stream)
+        """Print the expert traffic summary (MoE only)."""
+        if self.moe is not None:
+            print(self.moe.prof.summary(), file=stream)
 
     @property
     def streaming(self) -> bool:
-        return getattr(getattr(self.model.ffn, "source", None), "cache", None) is not None
+        return self.moe is not None and self.moe.source.streams
 
     def populate(self) -> None:
         """Bring every weight used in place into memory now (benchmarks do this, as llama.cpp's load does)."""
@@ -59,9 +67,9 @@ class Session:
         advise_pages(self.gf)  # expert ranges back to MADV_RANDOM
 
     @property
-    def profiler(self):
+    def profiler(self) -> Profiler | None:
         """The expert traffic profiler (MoE only), else None."""
-        return getattr(self.model.ffn, "prof", None)
+        return self.moe.prof if self.moe is not None else None
 
     def __enter__(self) -> "Session":
         return self
@@ -71,14 +79,13 @@ class Session:
 
     def close(self) -> None:
         """Stop and join the expert reader threads (streaming) and release the file watch."""
-        close = getattr(self.model.ffn, "close", None)
-        if close is not None:
-            close()
+        if self.moe is not None:
+            self.moe.close()
         if self.model.watch is not None:
             self.model.watch.close()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             from streamer.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_gguf(self.gf)
@@ -114,33 +121,34 @@ def physical_cores() -> int:
     return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
 
 
-def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget) -> None:
+def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> None:
     """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
-    from streamer.io import human, parse_size
+    from streamer.io import human
 
-    b = parse_size(budget) if isinstance(budget, str) else int(budget)
     need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
-    if need > b:
+    if need > budget:
         print(f"warning: this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
-              f"{human(b)}; it has no experts to stream, so the OS will page its weights", file=sys.stderr)
+              f"{human(budget)}; it has no experts to stream, so the OS will page its weights", file=sys.stderr)
 
 
-def open_model(path, n_ctx: int | None = None, threads: int | None = None, **ffn_options) -> Session:
+def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = StreamOptions(), n_ctx: int | None = None,
+               threads: int | None = None, tokenizer: Tokenizer | None = None) -> Session:
+    """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
+    the options ask for, kernels compiled or loaded from numba's cache."""
     from streamer import kernels
     from streamer.model import Model
 
     kernels.set_threads(threads or physical_cores())
-    gf = GGUFFile(path)
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    ffn = None
+    moe = None
     if cfg.is_moe:
         from streamer.experts.build import build_moe_ffn
-        ffn = build_moe_ffn(gf, cfg, n_ctx=n_ctx, **ffn_options)
-    elif ffn_options.get("ram_budget") is not None:
-        warn_dense_budget(gf, cfg, n_ctx, ffn_options["ram_budget"])
-    model = Model(gf, cfg, ffn=ffn, n_ctx=n_ctx)
-    model.watch = FileWatch(gf.path)
-    session = Session(gf, cfg, model)
+        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx)
+    elif options.ram_budget is not None:
+        warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
+    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch(gf.path))
+    session = Session(gf, cfg, model, moe, tokenizer)
     advise_pages(gf)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()

@@ -12,6 +12,7 @@ import pytest
 
 from invariants import assert_cache_consistent
 from streamer.synth.writer import Geometry, SynthSpec, write_model
+from streamer.options import StreamOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -36,7 +37,7 @@ def test_cache_never_holds_more_than_given(streaming_moe, tmp_path, monkeypatch)
     monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path))
     # the plan charges what this (long-lived) pytest process already holds, so give it that much more
     budget = psutil.Process().memory_info().rss + 300 * 2**20
-    s = open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=budget)
+    s = open_model(streaming_moe, StreamOptions(learn=False, ram_budget=budget), n_ctx=64)
     cache = s.model.ffn.source.cache
     plan = s.model.ffn.plan
     assert not plan.fits_resident and cache.capacity_bytes <= plan.expert_cache
@@ -58,7 +59,7 @@ def test_generation_under_a_cgroup_cap_equal_to_the_budget(streaming_moe, tmp_pa
 
     from streamer.session import open_model
 
-    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget="2G").close()  # numba kernels compiled + cached here
+    open_model(streaming_moe, StreamOptions(learn=False, ram_budget="2G"), n_ctx=64).close()  # numba kernels compiled + cached here
     evict(streaming_moe)  # start cold: pages cached by the writer were charged to us, not to the capped run
     cmd = [sys.executable, "-m", "streamer.cli.main", "run", str(streaming_moe), "-p", "hello there", "-n", "12",
            "--ram-budget", CAP, "-c", "64"]
@@ -102,8 +103,8 @@ def test_kv_cache_is_paid_for_out_of_the_budget(streaming_moe, monkeypatch):
     from streamer.session import open_model
 
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: type("m", (), {"rss": 150 * 2**20})())
-    plans = {n: open_model(streaming_moe, n_ctx=n, learn=False, ram_budget="600M").model.ffn.plan for n in (64, 512)}
-    s = open_model(streaming_moe, n_ctx=512, learn=False, stream=False)
+    plans = {n: open_model(streaming_moe, StreamOptions(learn=False, ram_budget="600M"), n_ctx=n).model.ffn.plan for n in (64, 512)}
+    s = open_model(streaming_moe, StreamOptions(learn=False, stream=False), n_ctx=512)
     kv = {n: s.cfg.kv_bytes_per_token * n for n in (64, 512)}
     cache = s.model.new_cache()
     assert cache.nbytes == kv[512]  # the plan charges what the KV cache really allocates
@@ -128,7 +129,7 @@ def test_chat_fills_its_context_under_a_cap_with_a_two_layer_budget(streaming_mo
     need = parse_size(re.search(r"needs at least ([\d.]+ [KMG]iB)", probe.stderr).group(1).replace(" ", ""))
     from streamer.experts.store import ExpertLayout
     from streamer.session import open_model
-    s = open_model(streaming_moe, learn=False, stream=False)
+    s = open_model(streaming_moe, StreamOptions(learn=False, stream=False))
     slot = ExpertLayout(s.gf, s.cfg).slot_bytes
     budget = need + 8 * slot * 33 // 31 + 2**20  # one more layer's 8 experts, with the margin's 1/32 on top
     evict(streaming_moe)
@@ -150,8 +151,8 @@ def test_a_budget_beyond_available_memory_is_warned_about(streaming_moe, monkeyp
     from streamer.session import open_model
 
     rss = psutil.Process().memory_info().rss
-    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=rss + 300 * 2**20).close()
+    open_model(streaming_moe, StreamOptions(learn=False, ram_budget=rss + 300 * 2**20), n_ctx=64).close()
     assert "warning" not in capsys.readouterr().err
     monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**20)  # as if in a 100 MiB-free machine
-    open_model(streaming_moe, n_ctx=64, learn=False, ram_budget=rss + 300 * 2**20).close()
+    open_model(streaming_moe, StreamOptions(learn=False, ram_budget=rss + 300 * 2**20), n_ctx=64).close()
     assert re.search(r"warning: --ram-budget .* is more than this process can have", capsys.readouterr().err)

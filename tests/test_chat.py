@@ -8,13 +8,14 @@ import pytest
 from streamer.chat import Conversation
 from streamer.errors import StreamerError
 from streamer.generate import Generator
+from streamer.options import StreamOptions
 from streamer.sampler import Sampler, SamplerParams
 from streamer.session import open_model
 
 
 @pytest.fixture(scope="module")
 def session(synth_model):
-    return open_model(synth_model("tiny", "Q8_0"), n_ctx=512, learn=False)
+    return open_model(synth_model("tiny", "Q8_0"), StreamOptions(learn=False), n_ctx=512)
 
 
 def conversation(session, n_predict=24, system="be brief"):

@@ -32,7 +32,7 @@ def user_error(result, pattern):
 def test_help_lists_commands():
     r = invoke("--help")
     assert r.exit_code == 0
-    for cmd in ("run", "chat", "bench", "profile", "inspect", "tokenize", "synth", "demo", "warmup", "profiles"):
+    for cmd in ("run", "chat", "bench", "profile", "inspect", "tokenize", "synth", "demo", "warmup", "presets"):
         assert cmd in r.stdout
 
 
@@ -167,16 +167,16 @@ def test_outputs_are_never_written_in_place(synth_model, tmp_path):
 
 
 def test_profiles(synth_model, tmp_path):
-    from streamer.profiles import available, load_profile, resolve
+    from streamer.options import StreamOptions, available_presets, load_preset
 
-    assert {"8g", "16g", "32g"} <= set(available())
-    assert load_profile("8g")["ram_budget"] == "7G"
-    assert resolve("8g-fast", expert_top_p=None)["expert_top_p"] == 0.9
-    assert resolve("8g-fast", expert_top_p=1.0)["expert_top_p"] == 1.0  # an explicit flag wins
+    assert {"8g", "16g", "32g"} <= set(available_presets())
+    assert load_preset("8g")["ram_budget"] == "7G"
+    assert StreamOptions.build("8g-fast", expert_top_p=None).expert_top_p == 0.9
+    assert StreamOptions.build("8g-fast", expert_top_p=1.0).expert_top_p == 1.0  # an explicit flag wins
     path = synth_model("tiny-moe", "Q8_0")
     r = invoke("run", path, "-p", "x", "-n", "2", "--profile", "8g-fast")
     assert r.exit_code == 0, r.output
-    user_error(invoke("run", path, "-p", "x", "--profile", "9000g"), "unknown profile '9000g'")
+    user_error(invoke("run", path, "-p", "x", "--profile", "9000g"), "unknown preset '9000g'")
     bad = tmp_path / "bad.toml"
     bad.write_text("ram_budget = '4G'\nturbo = true\n")
     user_error(invoke("run", path, "-p", "x", "--profile", bad), "unknown key 'turbo'")
@@ -214,3 +214,58 @@ def test_outputs_get_normal_permissions(synth_model, tmp_path):
         assert stat.S_IMODE(out.stat().st_mode) == 0o644
     finally:
         os.umask(old)
+
+
+# Runs in a fresh interpreter with an empty numba cache: every command must refuse its bad input before
+# streamer.kernels (numba) is imported, so nothing compiles and no weight is read first.
+FAIL_FAST_SCRIPT = """
+import json, sys, time
+from streamer.cli.main import app
+out = []
+for args in json.loads(sys.argv[1]):
+    t0 = time.perf_counter()
+    try:
+        app(args)
+    except SystemExit as e:
+        out.append([e.code, time.perf_counter() - t0])
+heavy = [m for m in ("numba", "streamer.kernels", "streamer.model") if m in sys.modules]
+print(json.dumps({"results": out, "heavy": heavy}))
+"""
+
+
+def test_bad_input_fails_before_any_kernel_is_imported(synth_model, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dense, moe = synth_model("tiny", "Q8_0"), synth_model("tiny-moe", "Q8_0")
+    (tmp_path / "a-dir.npy").mkdir()
+    cases = [
+        (["run", dense, "-p", "x", "--expert-top-p", "7"], r"--expert-top-p must be in \(0, 1\]"),  # dense too
+        (["run", dense, "-p", "x", "--io", "fast"], "--io must be"),
+        (["run", dense, "--tokens", "1,2,999999"], "token id 999999 is out of range"),
+        (["run", moe, "--tokens", "5,-1"], "token id -1 is out of range"),
+        (["run", dense, "--tokens", ",", "--logits-out", tmp_path / "x.npy"], "no tokens"),
+        (["run", dense, "-p", "a long prompt that will not fit", "-c", "4"], "context overflow"),
+        (["run", dense, "--tokens", "1,2", "--logits-out", tmp_path / "a-dir.npy"], "is a directory"),
+        (["run", dense, "--tokens", "1,2", "--logits-out", tmp_path / "no" / "x.npy"], "no such directory"),
+        (["run", dense, "-p", "x", "--top-p", "2"], "top-p"),
+        (["profile", dense, "-p", "x"], "dense model"),
+        (["profile", moe, "-p", "x", "--json-out", tmp_path / "no" / "p.json"], "no such directory"),
+        (["profile", moe, "-p", "x" * 40, "-c", "8"], "context overflow"),
+        (["bench", moe, "--pp", "64", "--tg", "8", "-c", "32"], "context overflow"),
+        (["chat", moe, "--ram-budget", "lots"], "cannot read size 'lots'"),
+        (["run", moe, "-p", "x", "--preset", "9000g"], "unknown preset '9000g'"),
+    ]
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cold"))
+    p = subprocess.run([sys.executable, "-c", FAIL_FAST_SCRIPT, json.dumps([[str(a) for a in c] for c, _ in cases])],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    done = json.loads(p.stdout)
+    assert not done["heavy"], done  # nothing compiled: the kernels were never even imported
+    assert [code for code, _ in done["results"]] == [2] * len(cases), (done, p.stderr)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(cases) and "Traceback" not in p.stderr, p.stderr
+    for (_, pattern), line in zip(cases, errors):
+        assert re.search(pattern, line), (pattern, line)
+    assert "compiling kernels" not in p.stderr

@@ -17,6 +17,7 @@ import pytest
 from invariants import assert_cache_consistent
 from streamer.errors import ModelFileChanged, StreamerError
 from streamer.experts.store import ExpertLayout
+from streamer.options import StreamOptions
 from streamer.session import open_model
 
 TOKENS = np.array([3, 77, 120, 9, 201], dtype=np.int64)
@@ -31,15 +32,15 @@ def copy_of(path, tmp_path) -> Path:
 
 
 def streaming(path, slots=8):
-    layout_session = open_model(path, stream=False, learn=False)
+    layout_session = open_model(path, StreamOptions(stream=False, learn=False))
     slot = ExpertLayout(layout_session.gf, layout_session.cfg).slot_bytes
-    return open_model(path, learn=False, expert_cache_bytes=slots * slot)
+    return open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset):
     path = copy_of(synth_model(preset, "Q8_0"), tmp_path)
-    s = open_model(path, learn=False)
+    s = open_model(path, StreamOptions(learn=False))
     cache = s.model.new_cache()
     s.model.forward(TOKENS, cache)
     os.truncate(path, path.stat().st_size // 2)
@@ -51,7 +52,7 @@ def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset)
 
 def test_rewritten_in_place_with_the_same_size_is_a_clear_error(synth_model, tmp_path):
     path = copy_of(synth_model("tiny", "Q8_0"), tmp_path)
-    s = open_model(path, learn=False)
+    s = open_model(path, StreamOptions(learn=False))
     s.model.forward(TOKENS, s.model.new_cache())
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # as `cp other.gguf model.gguf` would
@@ -93,8 +94,7 @@ def test_failed_expert_reads_stop_the_step_and_no_partial_expert_is_used(synth_m
     import streamer.experts.store as store
 
     path = synth_model("tiny-moe", "Q8_0")
-    want = open_model(path, stream=False, learn=False).model.forward(TOKENS, open_model(
-        path, stream=False, learn=False).model.new_cache())
+    want = open_model(path, StreamOptions(stream=False, learn=False)).model.forward(TOKENS, open_model(path, StreamOptions(stream=False, learn=False)).model.new_cache())
     s = streaming(path)
     cache = s.model.ffn.source.cache
     monkeypatch.setattr(store.os, "preadv", faulty_preadv(os.preadv, mode, fail_after=6))

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from streamer.cli.main import app
 from streamer import budget
 from streamer.errors import StreamerError
-from streamer.profiles import available, describe, load_profile, resolve
+from streamer.options import StreamOptions, available_presets, describe_preset, load_preset
 
 runner = CliRunner()
 GiB = 2**30
@@ -36,63 +36,59 @@ def invoke(*args):
 # ---- profiles ----
 
 def test_new_presets_exist_with_descriptions():
-    names = set(available())
+    names = set(available_presets())
     assert {"low-ram", "balanced", "max-speed", "8g", "8g-fast", "16g", "32g"} <= names
     for name in names:
-        description, opts = describe(name)
+        description, opts = describe_preset(name)
         assert description and "\n" not in description, name
         assert ("ram_budget" in opts) != ("budget_fraction" in opts), name  # exactly one kind of budget
-    assert load_profile("balanced")["budget_fraction"] == budget.DEFAULT_FRACTION  # "the defaults written out"
+    assert load_preset("balanced")["budget_fraction"] == budget.DEFAULT_FRACTION  # "the defaults written out"
     # a lossy preset says so in the line `stream-run profiles` prints
     for name in names:
-        description, opts = describe(name)
+        description, opts = describe_preset(name)
         if opts.get("expert_top_p", 1.0) < 1.0:
             assert "APPROXIMATE" in description, name
 
 
-def test_resolve_precedence_flag_over_profile_over_default(ten_gib):
-    assert resolve(None, ram_budget=None, expert_top_p=None, prefetch=None) == {}  # built-in defaults apply
-    assert resolve("8g", ram_budget=None)["ram_budget"] == "7G"  # profile over default
-    assert resolve("8g", ram_budget="3G")["ram_budget"] == "3G"  # flag over profile
-    assert resolve("max-speed", expert_top_p=None)["expert_top_p"] == 0.9
-    assert resolve("max-speed", expert_top_p=1.0)["expert_top_p"] == 1.0
-    assert resolve("low-ram", prefetch=False)["prefetch"] is False
+def test_precedence_flag_over_preset_over_default(ten_gib):
+    build = StreamOptions.build
+    assert build(None, ram_budget=None, expert_top_p=None, prefetch=None) == StreamOptions()  # the defaults
+    assert StreamOptions() == StreamOptions(None, True, 1.0, True, True, "auto", 4, 0.5, None)
+    assert build("8g", ram_budget=None).ram_budget == 7 * GiB  # preset over default
+    assert build("8g", ram_budget="3G").ram_budget == 3 * GiB  # flag over preset
+    assert build("max-speed", expert_top_p=None).expert_top_p == 0.9
+    assert build("max-speed", expert_top_p=1.0).expert_top_p == 1.0
+    assert build("low-ram", prefetch=False).prefetch is False
 
 
 def test_budget_fraction_becomes_bytes_of_available_memory(ten_gib):
-    opts = resolve("low-ram", ram_budget=None)
-    assert opts["ram_budget"] == 5 * GiB
-    assert "budget_fraction" not in opts and "description" not in opts  # open_model gets options only
-    assert resolve("max-speed")["ram_budget"] == int(0.9 * 10 * GiB)
-    assert resolve("low-ram", ram_budget="2G")["ram_budget"] == "2G"  # an explicit --ram-budget wins
+    assert StreamOptions.build("low-ram", ram_budget=None).ram_budget == 5 * GiB
+    assert StreamOptions.build("max-speed").ram_budget == int(0.9 * 10 * GiB)
+    assert StreamOptions.build("low-ram", ram_budget="2G").ram_budget == 2 * GiB  # an explicit --ram-budget wins
 
 
 def test_budget_fraction_and_ram_budget_are_exclusive(tmp_path, ten_gib):
     both = tmp_path / "both.toml"
     both.write_text('ram_budget = "4G"\nbudget_fraction = 0.5\n')
     with pytest.raises(StreamerError, match="ram_budget or budget_fraction, not both"):
-        resolve(str(both))
+        StreamOptions.build(str(both))
     r = invoke("run", tmp_path / "any.gguf", "-p", "x", "--profile", both)  # checked before the model is opened
     assert r.exit_code == 2 and "not both" in r.stderr and "Traceback" not in r.output
     for bad in ("0", "1.5", "-0.2", '"half"'):
         (tmp_path / "f.toml").write_text(f"budget_fraction = {bad}\n")
         with pytest.raises(StreamerError, match="budget_fraction"):
-            resolve(str(tmp_path / "f.toml"))
+            StreamOptions.build(str(tmp_path / "f.toml"))
     (tmp_path / "d.toml").write_text("description = 3\n")
     with pytest.raises(StreamerError, match="'description' has a bad value"):
-        load_profile(str(tmp_path / "d.toml"))
+        load_preset(str(tmp_path / "d.toml"))
 
 
-def test_every_builtin_profile_gives_options_open_model_takes(ten_gib):
-    import inspect
-
-    from streamer.experts.build import build_moe_ffn
-
-    params = set(inspect.signature(build_moe_ffn).parameters)
-    for name in available():
-        opts = resolve(name)
-        opts["n_readers"] = opts.pop("readers")  # as cli/run_cmd.py passes it
-        assert set(opts) <= params, (name, set(opts) - params)
+def test_every_builtin_preset_gives_valid_options(ten_gib):
+    for name in available_presets():
+        opts = StreamOptions.build(name)
+        for key, value in load_preset(name).items():
+            if key in ("readers", "pin_share", "expert_top_p", "prefetch"):
+                assert getattr(opts, key) == value, (name, key)
 
 
 def test_profile_budget_on_the_command_line(synth_model, monkeypatch):
@@ -109,15 +105,16 @@ def test_profile_budget_on_the_command_line(synth_model, monkeypatch):
 
 
 def test_profiles_command_lists_every_builtin():
-    r = invoke("profiles")
+    r = invoke("presets")
     assert r.exit_code == 0, r.output
+    assert invoke("profiles").stdout == r.stdout  # the command's old name still works
     lines = r.stdout.splitlines()
-    for name in available():
-        description, opts = describe(name)
+    for name in available_presets():
+        description, opts = describe_preset(name)
         assert any(re.match(rf"\s+{re.escape(name)}\s+{re.escape(description)}$", ln) for ln in lines), name
         for k, v in opts.items():
             assert f"{k}=" in r.stdout
-    assert "--profile PATH.toml" in r.stdout and "budget_fraction" in r.stdout
+    assert "--preset PATH.toml" in r.stdout and "budget_fraction" in r.stdout
 
 
 def test_profile_help_names_the_builtins():
@@ -157,9 +154,10 @@ WARMUP_SCRIPT = textwrap.dedent("""
     helpers = [k for k in disp if any(re.search(r"\\b" + k.rsplit(".", 1)[1] + r"\\(", src)
                                       for j, src in sources.items() if j != k)]
 
+    from streamer.options import StreamOptions
     from streamer.session import open_model
     for path, kw in json.loads(sys.argv[1]):
-        s = open_model(path, learn=False, **kw)
+        s = open_model(path, StreamOptions(learn=False, **kw))
         cache = s.model.new_cache()
         s.model.forward(np.arange(1, 7), cache)  # prefill: 6 tokens (matrix-matrix kernels)
         s.model.forward(np.array([7]), cache)    # decode: one token (matvec, multi-expert kernels)
@@ -226,7 +224,7 @@ def test_help_of_every_command_through_the_real_script_imports_no_numba():
     if not script.exists():
         pytest.skip(f"no console script at {script} (package not installed)")
     names = [c.name for c in typer.main.get_command(app).commands.values()]
-    assert {"warmup", "profiles", "demo", "run"} <= set(names)
+    assert {"warmup", "presets", "profiles", "demo", "run"} <= set(names)
     # the real entry point, each subcommand's --help in turn, in one process
     p = subprocess.run([sys.executable, "-c", HELP_SCRIPT, str(script), "", *names], capture_output=True,
                        text=True, timeout=120)
@@ -234,4 +232,4 @@ def test_help_of_every_command_through_the_real_script_imports_no_numba():
     assert p.stdout.count("Usage:") == len(names) + 1
     # and one whole process, as a user types it
     p = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "warmup" in p.stdout and "profiles" in p.stdout
+    assert p.returncode == 0 and "warmup" in p.stdout and "presets" in p.stdout

@@ -32,6 +32,7 @@ from gguf.constants import GGMLQuantizationType
 
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
+from streamer.options import StreamOptions
 from streamer.session import open_model
 
 # garbage weights overflow float16 KV entries and NaN the router softmax: expected, and not the point here
@@ -156,8 +157,7 @@ def load_and_run(path, moe: bool, n_ctx=None) -> None:
     """Everything the CLI does before generating: open (file, config, model, kernels), the tokenizer with its
     merges (decoded on the first encode), and one forward of two tokens. One kernel thread: the two shared
     cores are busy enough, and threading is not what is being fuzzed."""
-    opts = {"learn": False, "verbose": False} if moe else {}
-    s = open_model(path, n_ctx=n_ctx, threads=1, **opts)
+    s = open_model(path, StreamOptions(learn=False), n_ctx=n_ctx, threads=1)
     try:
         s.tokenizer.encode("Hello world")
         logits = s.model.forward([1, 2], s.model.new_cache())

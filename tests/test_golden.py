@@ -163,11 +163,12 @@ def _run_and_compare(name, tmp_path_factory, streamed: bool):
     args = rec["writer_args"]
     if args["preset"].endswith("moe"):
         pytest.importorskip("streamer.moe", reason="MoE (streamer.moe) is not built yet")
+    from streamer.options import StreamOptions
     from streamer.session import open_model
 
     path = _write(tmp_path_factory.mktemp("golden") / f"{name}.gguf", args)
     _check_same_file(path, name, rec)
-    s = open_model(path, expert_cache_bytes=_small_expert_cache(path), learn=False) if streamed else open_model(path)
+    s = open_model(path, StreamOptions(expert_cache_bytes=_small_expert_cache(path), learn=False)) if streamed else open_model(path)
     tokens = np.asarray(_META["tokens"], np.int64)
     ours = np.asarray(s.model.forward(tokens, s.model.new_cache(), all_logits=True), np.float32)
     theirs = _Z[f"{name}.logits"]

@@ -16,6 +16,7 @@ from streamer.cli.main import app
 from streamer.chat import Conversation
 from streamer.generate import Generator
 from streamer.model import Model
+from streamer.options import StreamOptions
 from streamer.sampler import Sampler, SamplerParams
 from streamer.session import open_model
 
@@ -107,7 +108,7 @@ def converse(session, turns, monkeypatch=None, interrupt=None):
 
 
 def test_chat_interrupted_prefill_leaves_no_trace(synth_model, monkeypatch):
-    s = open_model(synth_model("tiny-moe", "Q8_0"), learn=False, stream=False)
+    s = open_model(synth_model("tiny-moe", "Q8_0"), StreamOptions(learn=False, stream=False))
     got, hist, pending = converse(s, ["first", "second", "third"], monkeypatch, interrupt=(1, "prefill"))
     want, want_hist, want_pending = converse(s, ["first", "third"])
     assert got[1] == "" and [got[0], got[2]] == want
@@ -115,7 +116,7 @@ def test_chat_interrupted_prefill_leaves_no_trace(synth_model, monkeypatch):
 
 
 def test_chat_interrupted_reply_is_kept_and_closed(synth_model, monkeypatch):
-    s = open_model(synth_model("tiny-moe", "Q8_0"), learn=False, stream=False)
+    s = open_model(synth_model("tiny-moe", "Q8_0"), StreamOptions(learn=False, stream=False))
     tok = s.tokenizer
     got, hist, _ = converse(s, ["first", "second", "third"], monkeypatch, interrupt=(1, "decode"))
     assert len(got[1]) > 0  # one token was shown before Ctrl-C

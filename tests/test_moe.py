@@ -11,6 +11,7 @@ from reference import Reference
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
 from streamer.moe import route
+from streamer.options import StreamOptions
 from streamer.session import open_model
 
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
@@ -31,7 +32,7 @@ def run(session, tokens=PROMPT, n_prefill=N_PREFILL):
 
 
 def slot_bytes(path):
-    s = open_model(path, stream=False, learn=False)
+    s = open_model(path, StreamOptions(stream=False, learn=False))
     return ExpertLayout(s.gf, s.cfg).slot_bytes
 
 
@@ -40,7 +41,7 @@ def slot_bytes(path):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_moe_logits_match_float64_reference(synth_model, qtype):
     path = synth_model("tiny-moe", qtype)
-    got = run(open_model(path, stream=False, learn=False))
+    got = run(open_model(path, StreamOptions(stream=False, learn=False)))
     want = Reference(str(path)).logits(PROMPT)
     assert cosines(got, want).min() >= 0.999
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
@@ -49,12 +50,12 @@ def test_moe_logits_match_float64_reference(synth_model, qtype):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_streamed_is_bit_identical_to_resident(synth_model, qtype):
     path = synth_model("tiny-moe", qtype)
-    resident = run(open_model(path, stream=False, learn=False))
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     sb = slot_bytes(path)
     n_used, everything = 4, 4 * 16
     for slots in (n_used, n_used + 3, 24, everything):
         for prefetch in (False, True):
-            s = open_model(path, learn=False, prefetch=prefetch, expert_cache_bytes=slots * sb)
+            s = open_model(path, StreamOptions(learn=False, prefetch=prefetch, expert_cache_bytes=slots * sb))
             got = run(s)
             cache = s.model.ffn.source.cache
             assert np.array_equal(got, resident), (slots, prefetch)
@@ -70,9 +71,9 @@ def test_streamed_is_bit_identical_to_resident(synth_model, qtype):
 
 def test_pinning_keeps_hot_experts_and_stays_identical(synth_model, tmp_path):
     path = synth_model("tiny-moe", "Q8_0")
-    resident = run(open_model(path, stream=False, learn=False))
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     sb = slot_bytes(path)
-    first = open_model(path, learn=True, expert_cache_bytes=12 * sb)
+    first = open_model(path, StreamOptions(learn=True, expert_cache_bytes=12 * sb))
     run(first)
     first.model.ffn.close()  # saves the usage sidecar
     usage = first.model.ffn.usage
@@ -80,7 +81,7 @@ def test_pinning_keeps_hot_experts_and_stays_identical(synth_model, tmp_path):
     doc = json.loads(usage.path.read_text())
     doc["counts"][2][5] = 1000.0
     usage.path.write_text(json.dumps(doc))
-    second = open_model(path, learn=True, expert_cache_bytes=12 * sb)
+    second = open_model(path, StreamOptions(learn=True, expert_cache_bytes=12 * sb))
     cache = second.model.ffn.source.cache
     assert (2, 5) in cache.pin_set
     assert np.array_equal(run(second), resident)
@@ -118,7 +119,7 @@ def test_usage_sidecar_round_trip_and_corrupt_or_foreign_is_ignored(synth_model,
 
     u.path.write_text("{not json")
     assert Usage(gf, 4, 16).saved is None
-    assert "ignoring unreadable expert-usage profile" in capsys.readouterr().err
+    assert "ignoring unreadable expert-usage file" in capsys.readouterr().err
     u.path.write_text(json.dumps({"format": "stream-run-usage/1", "model": "someone-else", "counts": [[0] * 16] * 4}))
     assert Usage(gf, 4, 16).saved is None
     assert "another model" in capsys.readouterr().err
@@ -141,8 +142,8 @@ def test_route_top_p_rule_by_hand():
 
 def test_expert_top_p_one_is_no_pruning(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
-    base = open_model(path, stream=False, learn=False)
-    p1 = open_model(path, stream=False, learn=False, expert_top_p=1.0)
+    base = open_model(path, StreamOptions(stream=False, learn=False))
+    p1 = open_model(path, StreamOptions(stream=False, learn=False, expert_top_p=1.0))
     assert np.array_equal(run(base), run(p1))
     assert p1.model.ffn.prof.totals().dropped == 0
 
@@ -151,7 +152,7 @@ def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model
     path = synth_model("tiny-moe", "Q8_0")
     trace = {}
     want = Reference(str(path)).logits(PROMPT, top_p=0.5, trace=trace)
-    s = open_model(path, learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path))
+    s = open_model(path, StreamOptions(learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path)))
     got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)  # one prefill: no prefetch at all
     assert cosines(got, want).min() >= 0.999
     tot = s.model.ffn.prof.totals()
@@ -165,9 +166,9 @@ def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model
 def test_budget_too_small_is_one_clear_error(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
     with pytest.raises(StreamerError, match=r"too small for this model: it needs at least"):
-        open_model(path, learn=False, ram_budget="64M")
+        open_model(path, StreamOptions(learn=False, ram_budget="64M"))
     with pytest.raises(StreamerError, match="cannot hold one layer's 4 experts"):
-        open_model(path, learn=False, expert_cache_bytes=3 * slot_bytes(path))
+        open_model(path, StreamOptions(learn=False, expert_cache_bytes=3 * slot_bytes(path)))
 
 
 @pytest.mark.parametrize("method,n_tokens", [("_expert", 5), ("_fused", 1)])  # prefill and decode paths
@@ -176,8 +177,8 @@ def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatc
     from streamer.moe import MoEFFN
 
     path = synth_model("tiny-moe", "Q8_0")
-    resident = run(open_model(path, stream=False, learn=False))
-    s = open_model(path, learn=False, expert_cache_bytes=8 * slot_bytes(path))
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
+    s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=8 * slot_bytes(path)))
     real, calls = getattr(MoEFFN, method), []
 
     def flaky(*args):
@@ -207,9 +208,9 @@ def test_prefetches_never_starve_demand_reads(synth_model, monkeypatch):
 
     path = synth_model("tiny-moe", "Q8_0")
     tokens = PROMPT[:1]
-    resident = open_model(path, stream=False, learn=False)
+    resident = open_model(path, StreamOptions(stream=False, learn=False))
     want = resident.model.forward(tokens, resident.model.new_cache())
-    s = open_model(path, learn=False, prefetch=True, expert_cache_bytes=12 * slot_bytes(path))
+    s = open_model(path, StreamOptions(learn=False, prefetch=True, expert_cache_bytes=12 * slot_bytes(path)))
     cache = s.model.ffn.source.cache
     s.model.forward(tokens, s.model.new_cache())
     cache.pin_set = {key for key in cache.entries if key[0] == 1}  # layer 1's experts learned hot
@@ -240,8 +241,8 @@ def test_failed_prefetch_reads_give_their_slot_back(synth_model, monkeypatch):
     from streamer.experts.store import ExpertReader
 
     path = synth_model("tiny-moe", "Q8_0")
-    resident = run(open_model(path, stream=False, learn=False))
-    s = open_model(path, learn=False, prefetch=True, expert_cache_bytes=10 * slot_bytes(path))
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
+    s = open_model(path, StreamOptions(learn=False, prefetch=True, expert_cache_bytes=10 * slot_bytes(path)))
     prefetched, failed = set(), []
     real_prefetch, real_read = StreamingSource.prefetch, ExpertReader.read
 

@@ -57,8 +57,8 @@ def test_installed_wheel_runs_from_its_own_site_packages(wheel, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = [sys.executable, str(site / "bin" / "stream-run")]
     p = subprocess.run(run + ["--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
-    assert p.returncode == 0 and "profiles" in p.stdout, p.stderr[-3000:]
-    p = subprocess.run(run + ["profiles"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert p.returncode == 0 and "presets" in p.stdout, p.stderr[-3000:]
+    p = subprocess.run(run + ["presets"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert p.returncode == 0 and "low-ram" in p.stdout and "8g" in p.stdout, p.stderr[-3000:]
     code = "import streamer, streamer.cli.main, streamer.presets; print(streamer.__file__, streamer.presets.__file__)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,

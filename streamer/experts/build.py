@@ -12,32 +12,21 @@ from streamer.experts.source import ResidentSource, StreamingSource
 from streamer.experts.store import ExpertLayout
 from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
+from streamer.options import StreamOptions
 from streamer.profiler import Profiler
 
 
-def check_options(expert_top_p: float, n_readers: int, pin_share: float) -> None:
-    if not 0.0 < expert_top_p <= 1.0:  # also refuses NaN
-        raise StreamerError(f"--expert-top-p must be in (0, 1], got {expert_top_p}")
-    if n_readers < 1:
-        raise StreamerError(f"readers must be at least 1, got {n_readers}")
-    if not 0.0 <= pin_share <= 1.0:
-        raise StreamerError(f"pin_share must be in [0, 1], got {pin_share}")
-
-
-def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bool = True,
-                  expert_top_p: float = 1.0, prefetch: bool = True, learn: bool = True,
-                  expert_cache_bytes: int | None = None, direct: bool | None = None, n_readers: int = 4,
-                  pin_share: float = 0.5, verbose: bool = True) -> MoEFFN:
-    """expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most pin_share of the
-    expert cache is pinned; the rest stays LRU."""
-    check_options(expert_top_p, n_readers, pin_share)
+def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, verbose: bool = True) -> MoEFFN:
+    """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
+    options.pin_share of the expert cache is pinned; the rest stays LRU."""
+    stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
     prof = Profiler(cfg.n_layer)
-    usage = Usage(gf, cfg.n_layer, cfg.n_expert, learn)
+    usage = Usage(gf, cfg.n_layer, cfg.n_expert, options.learn)
     layout = ExpertLayout(gf, cfg)
     plan = None
     if expert_cache_bytes is None and stream:
         kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
-        plan = make_plan(ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
+        plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
         if verbose:
             print(plan.line(), file=sys.stderr)
         if plan.fits_resident:
@@ -52,10 +41,9 @@ def build_moe_ffn(gf, cfg, n_ctx: int | None = None, ram_budget=None, stream: bo
         if n_slots < cfg.n_expert_used:
             raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
                                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
-        pin_cap = min(int(pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
+        pin_cap = min(int(options.pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0),
                             reserve=cfg.n_expert_used)
-        source = StreamingSource(gf.path, layout, cache, prof, n_readers=n_readers, direct=direct)
-    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=expert_top_p, prefetch=prefetch)
-    ffn.plan = plan
-    return ffn
+        source = StreamingSource(gf.path, layout, cache, prof, n_readers=options.readers, direct=options.io.direct)
+    return MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch,
+                  plan=plan)

@@ -28,6 +28,8 @@ class ResidentSource:
     the kernel reads exactly those in the background, instead of the whole file up front or a fault at a
     time (expert ranges are MADV_RANDOM, so faults do not read neighbouring experts ahead)."""
 
+    streams = False
+
     def __init__(self, gf, cfg, profiler: Profiler):
         self.prof = profiler
         self.gf = gf
@@ -80,6 +82,7 @@ class ResidentSource:
 
 class StreamingSource:
     wants_lookahead = True
+    streams = True
 
     def __init__(self, path: str, layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
                  n_readers: int = 4, direct: bool | None = None):

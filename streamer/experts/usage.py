@@ -1,4 +1,4 @@
-"""Learned pinning: per-(layer, expert) routing counts, kept in a small sidecar profile in the user's cache
+"""Learned pinning: per-(layer, expert) routing counts, kept in a small sidecar usage file in the user's cache
 directory (never in the GGUF), and the choice of which experts to pin from them.
 
 A flat histogram pins nothing: an expert is pinned only if its count stands clearly above what uniform
@@ -51,11 +51,11 @@ def load_counts(path: Path, key: str, n_layer: int, n_expert: int) -> np.ndarray
         counts = np.asarray(d["counts"], dtype=np.float64)
         ok = d.get("format") == FORMAT and d.get("model") == key and counts.shape == (n_layer, n_expert)
         if not ok or not np.all(np.isfinite(counts)) or (counts < 0).any():
-            _warn(f"ignoring expert-usage profile {path}: it is for another model or format")
+            _warn(f"ignoring expert-usage file {path}: it is for another model or format")
             return None
         return counts
     except (OSError, ValueError, KeyError, TypeError) as e:
-        _warn(f"ignoring unreadable expert-usage profile {path}: {e}")
+        _warn(f"ignoring unreadable expert-usage file {path}: {e}")
         return None
 
 
@@ -78,7 +78,7 @@ def choose_pins(counts: np.ndarray | None, capacity: int) -> list[tuple[int, int
 
 
 class Usage:
-    """Counts for this run, merged with the saved profile on save()."""
+    """Counts for this run, merged with the saved file on save()."""
 
     def __init__(self, gf, n_layer: int, n_expert: int, learn: bool = True):
         self.learn = learn
@@ -100,4 +100,4 @@ class Usage:
         try:
             save_counts(self.path, self.key, total)
         except OSError as e:
-            _warn(f"could not save the expert-usage profile {self.path}: {e}")
+            _warn(f"could not save the expert-usage file {self.path}: {e}")

@@ -1,4 +1,5 @@
-"""`stream-run profiles`: the built-in runtime presets, one line each, with the settings they give."""
+"""`stream-run presets` (alias `profiles`): the built-in runtime presets, one line each, with the settings they
+give."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ def _value(v) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
 
 
-def profiles() -> None:
-    """List the built-in profiles for --profile (name, description, settings) and how to write your own."""
+def presets() -> None:
+    """List the built-in runtime presets for --preset/--profile (name, description, settings) and how to write
+    your own."""
     from streamer.budget import DEFAULT_FRACTION, available_memory
     from streamer.io import human, parse_size
-    from streamer.profiles import KEYS, available, describe
+    from streamer.options import PRESET_KEYS, available_presets, describe_preset
 
-    entries = [(name, *describe(name)) for name in available()]
+    entries = [(name, *describe_preset(name)) for name in available_presets()]
     # share-of-memory presets first (by share), then the fixed budgets (by size)
     entries.sort(key=lambda e: (0, e[2]["budget_fraction"]) if "budget_fraction" in e[2]
                  else (1, parse_size(e[2]["ram_budget"]) if "ram_budget" in e[2] else 0))
     avail = available_memory()
     width = max(len(e[0]) for e in entries)
-    print("Built-in profiles (--profile NAME; flags given explicitly win over a profile's settings):\n")
+    print("Built-in presets (--preset NAME, or --profile NAME; flags given explicitly win over a preset's "
+          "settings):\n")
     for name, description, opts in entries:
         settings = " ".join(f"{k}={_value(v)}" + (f" (= {human(int(v * avail))} now)" if k == "budget_fraction"
                                                    else "") for k, v in opts.items())
@@ -29,8 +32,8 @@ def profiles() -> None:
         print(f"  {'':<{width}}  {settings}")
     print()
     print(textwrap.fill(
-        f"Memory available now: {human(avail)} (the cgroup limit included). Your own profile: --profile "
-        f"PATH.toml, a TOML file anywhere, with any of: {', '.join(KEYS)}. ram_budget is a size (\"7G\"); "
+        f"Memory available now: {human(avail)} (the cgroup limit included). Your own preset: --preset "
+        f"PATH.toml, a TOML file anywhere, with any of: {', '.join(PRESET_KEYS)}. ram_budget is a size (\"7G\"); "
         "budget_fraction (0 < f <= 1) is a share of the memory available when the model opens; give one or "
         f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch true, "
         "expert_top_p 1.0, pin_share 0.5, readers 4).", 100))

@@ -1,0 +1,92 @@
+"""Helpers several commands share: progress lines, and the cheap checks of what the user typed (token ids,
+prompt length, output paths) that run before a model is opened, so bad input fails before any kernel
+compiles or any large read."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def progress_printer(label: str, fmt=None):
+    """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
+    total)` words the counts (default: byte sizes)."""
+    from streamer.io import human
+
+    fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
+
+    tty = sys.stderr.isatty()
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        pct = int(100 * done / max(total, 1))
+        step = pct if tty else pct // 10 * 10
+        if step == last[0]:
+            return
+        last[0] = step
+        line = f"{label}: {fmt(done, total)} ({pct}%)"
+        if tty:
+            print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+    return show
+
+
+def prefill_progress():
+    """Progress of a prompt longer than one prefill chunk (512 tokens), on stderr."""
+    return progress_printer("prefill", lambda done, total: f"{done} / {total} tokens")
+
+
+def parse_tokens(text: str) -> list[int]:
+    from streamer.errors import StreamerError
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise StreamerError(f"--tokens must be comma-separated integers, got {text!r}") from None
+
+
+def check_output_path(path: Path | None, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written: a directory, or a missing or
+    read-only parent directory."""
+    from streamer.errors import StreamerError
+
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise StreamerError(f"{flag} {path} is a directory")
+    if not parent.is_dir():
+        raise StreamerError(f"{flag} {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise StreamerError(f"{flag} {path}: permission denied")
+
+
+def probe(model: Path):
+    """The model file's header and config: cheap (no weights read, no kernels), to check input against."""
+    from streamer.config import ModelConfig
+    from streamer.gguf_file import GGUFFile
+
+    gf = GGUFFile(model)
+    return gf, ModelConfig.from_gguf(gf)
+
+
+def open_session(gf, options, ctx_size: int | None, threads: int | None, tokenizer=None):
+    """streamer.session.open_model (weights mapped, kernels compiled or loaded), once the input is checked;
+    with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error")."""
+    from streamer.filewatch import install_bus_error_exit
+    from streamer.session import open_model
+
+    install_bus_error_exit(str(gf.path))
+    return open_model(gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer)
+
+
+def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:
+    """Token ids in the vocabulary, and a prompt that fits the context (checked again at every forward)."""
+    from streamer.errors import StreamerError
+    from streamer.kv_cache import check_room
+
+    if not ids:
+        raise StreamerError("no tokens to run (the prompt is empty)")
+    cfg.check_tokens(ids)
+    check_room(0, len(ids), cfg.context(ctx_size))
