@@ -62,6 +62,18 @@ class ExpertCache:
     def held_bytes(self) -> int:
         return (self.n_slots - len(self.free)) * self.slot_bytes
 
+    def census(self) -> dict:
+        """Slots by state: in_use (referenced by a layer call), reading (a read in flight), pinned, idle (LRU,
+        evictable), free. Between generations in_use and reading must be 0."""
+        with self.lock:
+            es = list(self.entries.values())
+            n_free = len(self.free)
+        reading = sum(1 for e in es if e.refs == 0 and (e.future is None or not e.future.done()))
+        in_use = sum(1 for e in es if e.refs > 0)
+        pinned = sum(1 for e in es if e.refs == 0 and e.pinned and e.future is not None and e.future.done())
+        return dict(in_use=in_use, reading=reading, pinned=pinned, idle=len(es) - in_use - reading - pinned,
+                    free=n_free)
+
     def _evicted(self, entry: Entry) -> None:
         del self.entries[entry.key]
         self.free.append(entry.slot)

@@ -1,0 +1,128 @@
+"""`stream-run serve`: an OpenAI-compatible HTTP server (streamer/server) that keeps the model, its expert
+cache and its KV cache warm between requests. Needs the `[serve]` extra (starlette, uvicorn)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from cli.options import CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, Prefetch, Profile, RamBudget, Threads
+
+INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
+
+
+def _open_session(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io):
+    """Open the model as `run` does (the one place serve turns its memory and streaming flags into a Session)."""
+    from cli.run_cmd import _open
+
+    return _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
+
+
+def _preflight(model, ram_budget, profile, io) -> None:
+    """The cheap checks, before the socket is bound: the file is a model we can run, the flags make sense."""
+    from streamer.config import ModelConfig
+    from streamer.errors import StreamerError
+    from streamer.gguf_file import GGUFFile
+    from streamer.io import parse_size
+    from streamer.profiles import resolve
+
+    if io not in ("auto", "direct", "buffered"):
+        raise StreamerError(f"--io must be auto, direct or buffered, got {io!r}")
+    if ram_budget is not None:
+        parse_size(ram_budget)
+    resolve(profile)
+    gf = GGUFFile(model)
+    try:
+        ModelConfig.from_gguf(gf)
+    finally:
+        gf.close()
+
+
+def serve(
+    model: ModelArg,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
+    alias: Annotated[Optional[str], typer.Option("--alias", help="Model name in /v1/models and responses "
+                                                 "[default: the file name without .gguf].", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
+                                                   "(401 otherwise; /health stays open).")] = None,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates; more get "
+                                       "503.")] = 8,
+    max_body: Annotated[str, typer.Option("--max-body", help="Largest request body (413 beyond).")] = "4M",
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Largest max_tokens a request may ask "
+                                                      "for, and the default [default: the context size].",
+                                                      show_default=False)] = None,
+    max_messages: Annotated[int, typer.Option("--max-messages", help="Most messages in one chat request.")] = 256,
+    ctx_size: CtxSize = None,
+    threads: Threads = None,
+    ram_budget: RamBudget = None,
+    no_stream: NoStream = False,
+    expert_top_p: ExpertTopP = None,
+    prefetch: Prefetch = None,
+    no_learn: NoLearn = False,
+    profile: Profile = None,
+    io: IoMode = "auto",
+) -> None:
+    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
+    /detokenize, /metrics. One generation at a time from a FIFO queue; the KV cache is reused across requests
+    that share a prompt prefix. Loads the model after the socket is bound (/health: 503, then 200)."""
+    from streamer.errors import StreamerError
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise StreamerError(INSTALL_HINT) from None
+    import socket
+
+    from streamer.io import parse_size
+    from streamer.server.app import ServerOptions, create_app
+    from streamer.server.engine import Engine
+    from streamer.server.schemas import Limits
+
+    if queue < 0:
+        raise StreamerError(f"--queue must be >= 0, got {queue}")
+    if max_tokens is not None and max_tokens < 1:
+        raise StreamerError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if max_messages < 1:
+        raise StreamerError(f"--max-messages must be >= 1, got {max_messages}")
+    if not 0 < port < 65536:
+        raise StreamerError(f"--port must be in 1..65535, got {port}")
+    body = parse_size(max_body)
+    if body < 1:
+        raise StreamerError(f"--max-body must be positive, got {max_body}")
+    _preflight(model, ram_budget, profile, io)
+    opts = ServerOptions(alias or model.name.removesuffix(".gguf"), api_key,
+                         Limits(max_body_bytes=body, max_tokens=max_tokens, max_messages=max_messages))
+
+    def load() -> Engine:
+        s = _open_session(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn,
+                          profile, io)
+        print(f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens", file=sys.stderr, flush=True)
+        return Engine(s, queue_size=queue)
+
+    fatal: list[BaseException] = []
+    server = None
+
+    def on_fatal(e: BaseException) -> None:
+        fatal.append(e)
+        server.should_exit = True
+
+    app = create_app(load, opts, on_fatal)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StreamerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"listening on http://{shown}:{port}/v1 (model '{opts.alias}' loading; /health says when ready)",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    if fatal:
+        raise fatal[0]
