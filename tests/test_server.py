@@ -282,13 +282,18 @@ def test_bodies_over_the_limit_without_a_length_and_unknown_routes(http, oai):
     assert oai.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
 
 
-def test_a_disconnect_cancels_the_generation_and_releases_every_expert_slot(http, srv):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_disconnect_cancels_the_generation_and_releases_every_expert_slot(http, srv, stream):
     before = metrics(http, srv.url)
-    body = {"prompt": [5, 6, 7], "max_tokens": 400, "stream": True, **NO_CACHE}
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(4)]  # two events (data line + blank line each)
-        assert got[0].startswith("data: ")
+    body = {"prompt": [5, 6, 7], "max_tokens": 400, "stream": stream, **NO_CACHE}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]  # two events (data line + blank line each)
+            assert got[0].startswith("data: ")
+    else:  # the client gives up waiting for the whole body and hangs up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     m = wait_idle(http, srv.url)
     assert m['streamrun_requests_total{outcome="cancelled"}'] == before['streamrun_requests_total{outcome="cancelled"}'] + 1
     assert m["streamrun_kv_cache_tokens"] < 3 + 400  # stopped early
@@ -483,3 +488,74 @@ def test_serve_without_the_extra_says_how_to_install_it(path):
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert r.returncode == 2
     assert r.stderr == "error: stream-run serve needs the server extra: pip install 'stream-run[serve]'\n"
+
+
+class Scripted:
+    """A model whose logits spell a fixed reply, one token per step (it still fills the KV cache's count)."""
+
+    def __init__(self, model, script):
+        self.model, self.script, self.step, self.end = model, script, 0, -1
+
+    def forward(self, ids, cache, all_logits=False):
+        cache.check_room(len(ids))
+        if len(ids) > 1 or cache.n != self.end:  # a prompt, not the next step of a reply: start over
+            self.step = 0
+        cache.n = self.end = cache.n + len(ids)
+        logits = np.zeros(self.model.cfg.n_vocab, np.float32)
+        logits[self.script[min(self.step, len(self.script) - 1)]] = 1.0
+        self.step += 1
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_think_block_comes_back_as_reasoning_content(resident):
+    from types import SimpleNamespace
+
+    from streamer.server.engine import Engine
+
+    tok = resident.tokenizer
+    script = tok.encode_raw("<think>\nI think so.\n</think>\n\nYes, café.<|im_end|>")
+    fake = SimpleNamespace(model=Scripted(resident.model, script), cfg=resident.cfg, tokenizer=tok, profiler=None,
+                           close=lambda: None)
+    srv = Running(fake, load=lambda: Engine(fake))
+    try:
+        srv.wait_loaded()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        msgs = [{"role": "user", "content": "is it?"}]
+        r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0)
+        m = r.choices[0].message
+        assert (m.content, m.model_extra["reasoning_content"]) == ("Yes, café.", "I think so.")
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(script) - 1
+        chunks = list(client.chat.completions.create(model="tiny", messages=msgs, temperature=0, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "I think so."
+        assert "".join(d.content or "" for d in deltas) == "Yes, café."
+        # a stop string inside the answer: held back, never sent, and the reply ends there
+        r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0, stop=["caf"])
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Yes, ", "stop")
+        # the next turn finds the reply, think block included, in the cache: only the new turn is prefilled
+        msgs += [{"role": "assistant", "content": "Yes, café."}, {"role": "user", "content": "sure?"}]
+        client.chat.completions.create(model="tiny", messages=msgs[:1], temperature=0)  # the reply to extend
+        r = client.chat.completions.create(model="tiny", messages=msgs, temperature=0)
+        tail = tok.encode_raw("<|im_end|>\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n")
+        assert r.model_extra["timings"]["prompt_n"] == len(tail)
+    finally:
+        srv.stop()
+
+
+def test_a_dense_model_serves_the_same_tokens_as_generator(synth_model):
+    path = synth_model("tiny", "Q8_0")
+    with open_model(path, n_ctx=N_CTX, learn=False) as ref:
+        want = greedy(ref, [5, 40, 41], 8)
+        text = ref.tokenizer.decode(want)
+    srv = Running(open_model(path, n_ctx=N_CTX, learn=False))
+    try:
+        srv.wait_loaded()
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": [5, 40, 41], "max_tokens": 8, "ignore_eos": True})
+            assert r.json()["choices"][0]["text"] == text
+            assert "streamrun_expert_hits_total" not in c.get("/metrics").text  # nothing to stream
+    finally:
+        srv.stop()

@@ -212,14 +212,19 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
             eng.cancel(job)  # no-op once finished; stops it if this handler was cancelled
 
     async def collect(request, events, eng, job, shape):
+        """Wait for the job's result, checking every 0.25 s that the client is still there."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
             try:
                 kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                kind = payload = None
+            if loop.time() - checked >= 0.25:
+                checked = loop.time()
                 if await request.is_disconnected():
                     eng.cancel(job)
                     return JSONResponse({}, status_code=499)  # nobody reads it
-                continue
             if kind == "error":
                 return error_response(payload)
             if kind == "done":

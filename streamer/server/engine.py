@@ -89,6 +89,7 @@ class Engine:
         self.n_ctx, self.n_vocab = model.n_ctx, session.cfg.n_vocab
         self.gen = Generator(model, model.new_cache(), Sampler(SamplerParams()), self.tok.eog_ids)
         self.gen.on_prefill = self._prefill_progress
+        self.tok.encode_raw("warm up")  # builds the merge table now, not in two request threads at once
         self.queue_size = queue_size
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
