@@ -117,8 +117,9 @@ def main(argv=None) -> int:
               f"{r.get('prefill_tok_s', 0):>11.2f} {r.get('decode_tok_s', 0):>10.2f} {r['wall_s']:>7.2f}",
               file=sys.stderr)
     peak = max([r["peak_bytes"] for r in run_rows] or [0])
-    print(f"server: load {srv_info['load_s']:.1f} s, peak {srv_info.get('max_usage_bytes') or srv_info['peak_rss_bytes']}"
-          f" bytes{' (cgroup)' if a.cap else ' (RSS)'}; runs: peak {peak} bytes", file=sys.stderr)
+    srv_peak = srv_info.get("max_usage_bytes") or srv_info["peak_rss_bytes"]
+    print(f"server: load {srv_info['load_s']:.1f} s, peak {srv_peak} bytes{' (cgroup)' if a.cap else ' (RSS)'}; "
+          f"runs: peak {peak} bytes", file=sys.stderr)
     return 0
 
 

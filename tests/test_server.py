@@ -17,12 +17,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from typer.testing import CliRunner
-
-from cli.main import app
 from invariants import assert_cache_consistent
 from reference import Reference
 from serving import Running, metrics, wait_idle
+from typer.testing import CliRunner
+
+from cli.main import app
 from streamer.chat import EMPTY_THINK
 from streamer.experts.store import ExpertLayout
 from streamer.generate import Generator
@@ -295,7 +295,8 @@ def test_a_disconnect_cancels_the_generation_and_releases_every_expert_slot(http
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
     m = wait_idle(http, srv.url)
-    assert m['streamrun_requests_total{outcome="cancelled"}'] == before['streamrun_requests_total{outcome="cancelled"}'] + 1
+    cancelled = 'streamrun_requests_total{outcome="cancelled"}'
+    assert m[cancelled] == before[cancelled] + 1
     assert m["streamrun_kv_cache_tokens"] < 3 + 400  # stopped early
     s = slots(m)
     assert s["in_use"] == 0 and s["reading"] == 0 and sum(s.values()) == SLOTS

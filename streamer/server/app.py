@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from streamer.chat import EMPTY_THINK
 from streamer.server import metrics, schemas
 from streamer.server.engine import Engine, Job, QueueFull, Result
 from streamer.server.schemas import APIError, GenRequest, Limits
-from streamer.chat import EMPTY_THINK
 from streamer.server.text import render_chat, thinking
 
 log = logging.getLogger(__name__)

@@ -160,6 +160,8 @@ class Engine:
                 job = self._current = self._queue.popleft()
             try:
                 self._serve(job)
+            except Exception:  # never let the worker die: the server would hang with a full queue
+                log.error("the worker failed:\n%s", traceback.format_exc())
             finally:
                 with self._cv:
                     self._current = None

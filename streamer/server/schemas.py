@@ -8,11 +8,9 @@ import json
 import math
 from dataclasses import dataclass
 
+from streamer.chat import chat_defaults
 from streamer.sampler import SamplerParams
 from streamer.server.text import ROLES
-
-# Qwen3's recommended chat sampling (as `chat`), and `run`'s llama.cpp defaults for raw completions.
-from streamer.chat import chat_defaults
 
 
 @dataclass(frozen=True)
