@@ -8,38 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.options import CtxSize, ExpertTopP, IoMode, ModelArg, NoLearn, NoStream, Prefetch, Profile, RamBudget, Threads
+from streamer.cli.options import CtxSize, ModelArg, Threads, with_stream_options
+from streamer.options import StreamOptions
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
 
 
-def _open_session(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io):
-    """Open the model as `run` does (the one place serve turns its memory and streaming flags into a Session)."""
-    from cli.run_cmd import _open
-
-    return _open(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn, profile, io)
-
-
-def _preflight(model, ram_budget, profile, io) -> None:
-    """The cheap checks, before the socket is bound: the file is a model we can run, the flags make sense."""
-    from streamer.config import ModelConfig
-    from streamer.errors import StreamerError
-    from streamer.gguf_file import GGUFFile
-    from streamer.io import parse_size
-    from streamer.profiles import resolve
-
-    if io not in ("auto", "direct", "buffered"):
-        raise StreamerError(f"--io must be auto, direct or buffered, got {io!r}")
-    if ram_budget is not None:
-        parse_size(ram_budget)
-    resolve(profile)
-    gf = GGUFFile(model)
-    try:
-        ModelConfig.from_gguf(gf)
-    finally:
-        gf.close()
-
-
+@with_stream_options
 def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
@@ -57,13 +32,7 @@ def serve(
     max_messages: Annotated[int, typer.Option("--max-messages", help="Most messages in one chat request.")] = 256,
     ctx_size: CtxSize = None,
     threads: Threads = None,
-    ram_budget: RamBudget = None,
-    no_stream: NoStream = False,
-    expert_top_p: ExpertTopP = None,
-    prefetch: Prefetch = None,
-    no_learn: NoLearn = False,
-    profile: Profile = None,
-    io: IoMode = "auto",
+    options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
     /detokenize, /metrics. One generation at a time from a FIFO queue; the KV cache is reused across requests
@@ -77,6 +46,7 @@ def serve(
         raise StreamerError(INSTALL_HINT) from None
     import socket
 
+    from streamer.cli.common import open_session, probe
     from streamer.io import parse_size
     from streamer.server.app import ServerOptions, create_app
     from streamer.server.engine import Engine
@@ -93,13 +63,13 @@ def serve(
     body = parse_size(max_body)
     if body < 1:
         raise StreamerError(f"--max-body must be positive, got {max_body}")
-    _preflight(model, ram_budget, profile, io)
+    gf, cfg = probe(model)  # a file we can run, checked before the socket is bound
+    cfg.context(ctx_size)
     opts = ServerOptions(alias or model.name.removesuffix(".gguf"), api_key,
                          Limits(max_body_bytes=body, max_tokens=max_tokens, max_messages=max_messages))
 
     def load() -> Engine:
-        s = _open_session(model, ctx_size, threads, ram_budget, no_stream, expert_top_p, prefetch, no_learn,
-                          profile, io)
+        s = open_session(gf, options, ctx_size, threads)
         print(f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens", file=sys.stderr, flush=True)
         return Engine(s, queue_size=queue)
 

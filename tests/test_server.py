@@ -22,10 +22,11 @@ from reference import Reference
 from serving import Running, metrics, wait_idle
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer.chat import EMPTY_THINK
 from streamer.experts.store import ExpertLayout
 from streamer.generate import Generator
+from streamer.options import StreamOptions
 from streamer.sampler import Sampler, SamplerParams
 from streamer.server.schemas import Limits
 from streamer.session import open_model
@@ -42,13 +43,13 @@ def path(synth_model):
 
 @pytest.fixture(scope="module")
 def resident(path):
-    with open_model(path, n_ctx=N_CTX, stream=False, learn=False) as s:
+    with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=N_CTX) as s:
         yield s
 
 
 def streamed(path, resident):
     slot = ExpertLayout(resident.gf, resident.cfg).slot_bytes
-    return open_model(path, n_ctx=N_CTX, learn=False, expert_cache_bytes=SLOTS * slot)
+    return open_model(path, StreamOptions(learn=False, expert_cache_bytes=SLOTS * slot), n_ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +301,7 @@ def test_a_disconnect_cancels_the_generation_and_releases_every_expert_slot(http
     assert m["streamrun_kv_cache_tokens"] < 3 + 400  # stopped early
     s = slots(m)
     assert s["in_use"] == 0 and s["reading"] == 0 and sum(s.values()) == SLOTS
-    assert_cache_consistent(srv.session.model.ffn.source.cache)
+    assert_cache_consistent(srv.session.moe.source.cache)
     assert http.get("/health").status_code == 200
 
 
@@ -481,9 +482,17 @@ def test_serve_refuses_bad_flags_before_binding(path, args, message):
     assert r.exit_code == 2 and r.stderr.startswith(message) and len(r.stderr.splitlines()) == 1, r.stderr
 
 
+def test_a_model_that_fails_to_load_stops_the_server_with_one_error_line(path):
+    """The budget is checked when the model opens, in the background: the server then stops, exit 2."""
+    r = subprocess.run([str(STREAM_RUN), "serve", str(path), "--port", str(free_port()), "--ram-budget", "1M"],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stderr.splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
 def test_serve_without_the_extra_says_how_to_install_it(path):
     code = ("import sys; sys.modules['uvicorn'] = None\n"  # as if the [serve] extra were not installed
-            "from cli.main import app\n"
+            "from streamer.cli.main import app\n"
             f"app(['serve', {str(path)!r}])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
@@ -518,8 +527,8 @@ def test_think_block_comes_back_as_reasoning_content(resident):
 
     tok = resident.tokenizer
     script = tok.encode_raw("<think>\nI think so.\n</think>\n\nYes, café.<|im_end|>")
-    fake = SimpleNamespace(model=Scripted(resident.model, script), cfg=resident.cfg, tokenizer=tok, profiler=None,
-                           close=lambda: None)
+    fake = SimpleNamespace(model=Scripted(resident.model, script), cfg=resident.cfg, tokenizer=tok, moe=None,
+                           profiler=None, close=lambda: None)
     srv = Running(fake, load=lambda: Engine(fake))
     try:
         srv.wait_loaded()
@@ -548,10 +557,10 @@ def test_think_block_comes_back_as_reasoning_content(resident):
 
 def test_a_dense_model_serves_the_same_tokens_as_generator(synth_model):
     path = synth_model("tiny", "Q8_0")
-    with open_model(path, n_ctx=N_CTX, learn=False) as ref:
+    with open_model(path, StreamOptions(learn=False), n_ctx=N_CTX) as ref:
         want = greedy(ref, [5, 40, 41], 8)
         text = ref.tokenizer.decode(want)
-    srv = Running(open_model(path, n_ctx=N_CTX, learn=False))
+    srv = Running(open_model(path, StreamOptions(learn=False), n_ctx=N_CTX))
     try:
         srv.wait_loaded()
         with httpx.Client(base_url=srv.url, timeout=60) as c:

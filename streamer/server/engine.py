@@ -210,9 +210,8 @@ class Engine:
 
     def _release_experts(self) -> None:
         """Let prefetches in flight land, so no expert slot is busy between requests."""
-        source = getattr(self.session.model.ffn, "source", None)
-        if source is not None:
-            source.drain()
+        if self.session.moe is not None:
+            self.session.moe.source.drain()
 
     def plan(self, req: GenRequest) -> tuple[int, list[int]]:
         """(tokens of the cache to keep, tokens to prefill after them). Chat prompts are matched as text

@@ -75,7 +75,7 @@ def _experts(o: _Out, session) -> None:
     per_layer("expert_routed_total", "(token, expert) uses after top-k and expert top-p.", lambda s: s.routed)
     per_layer("expert_dropped_total", "Experts removed by expert top-p.", lambda s: s.dropped)
     per_layer("expert_stall_seconds_total", "Time the compute thread waited for expert reads.", lambda s: s.stall_s)
-    cache = getattr(getattr(session.model.ffn, "source", None), "cache", None)
+    cache = getattr(session.moe.source, "cache", None)  # streaming only
     if cache is not None:
         o.metric("expert_slots", "gauge", "Expert cache slots by state (in_use and reading are 0 between "
                  "generations).", [({"state": k}, v) for k, v in cache.census().items()])
