@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from streamer.kv_cache import KVCache
 from streamer.sampler import Sampler
+
+if TYPE_CHECKING:
+    from streamer.model import Model
 
 
 @dataclass
@@ -31,7 +34,7 @@ class Generator:
     """Owns one KV cache and the token history in it. `pending` is the last sampled token, which is not yet
     in the cache (it is decoded at the start of the next step, or prepended to the next prompt)."""
 
-    model: object
+    model: Model
     cache: KVCache
     sampler: Sampler
     stop_ids: frozenset = frozenset()
@@ -49,18 +52,10 @@ class Generator:
     def _step(self, ids: list) -> np.ndarray:
         """Run `ids` through the model at the end of the cache. All or nothing: if the forward is interrupted
         (Ctrl-C) or fails, the cache is rolled back and the history and pending token are as they were.
-        A prompt longer than one prefill chunk goes chunk by chunk (the chunks Model.forward would use, so
-        the results are the same) and reports (done, total) to `on_prefill` after each."""
-        n0, arr = self.cache.n, np.asarray(ids, dtype=np.int64)
-        chunk = getattr(self.model, "ubatch", len(arr))
+        A prompt longer than one prefill chunk reports (done, total) to `on_prefill` after each chunk."""
+        n0 = self.cache.n
         try:
-            if self.on_prefill is None or len(arr) <= chunk:
-                logits = self.model.forward(arr, self.cache)
-            else:
-                self.cache.check_room(len(arr))
-                for s in range(0, len(arr), chunk):
-                    logits = self.model.forward(arr[s:s + chunk], self.cache)
-                    self.on_prefill(min(s + chunk, len(arr)), len(arr))
+            logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache, progress=self.on_prefill)
         except BaseException:
             self.cache.truncate(min(n0, self.cache.n))
             raise

@@ -7,7 +7,7 @@ ahead. Prefill (many tokens, matrix-matrix kernels) and decode (one token, matri
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -120,8 +120,10 @@ class Model:
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
 
-    def forward(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all."""
+    def forward(self, ids, cache: KVCache, all_logits: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all.
+        Tokens go in chunks of `ubatch` (prefill); progress(done, total) follows each one when there are several."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise StreamerError("no tokens to run (the prompt is empty)")
@@ -139,13 +141,9 @@ class Model:
                 outs.append(self._head(x))
             elif last:
                 outs.append(self._head(x[-1:])[0])
+            if progress is not None and len(ids) > self.ubatch:
+                progress(s + len(chunk), len(ids))
         return np.concatenate(outs) if all_logits else outs[0]
-
-    def prefill(self, ids, cache: KVCache) -> np.ndarray:
-        return self.forward(ids, cache)
-
-    def decode(self, token: int, cache: KVCache) -> np.ndarray:
-        return self.forward(np.array([token], dtype=np.int64), cache)
 
     def _head(self, x: np.ndarray) -> np.ndarray:
         h = ops.rmsnorm(x, self.out_norm, self.cfg.rms_eps, np.empty_like(x))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
 import psutil
 
 
@@ -54,6 +55,18 @@ class Profiler:
         self.t0 = time.perf_counter()
         self.disk0 = disk_read_bytes()
         self.tokens = 0  # tokens run through the model (prefill + decode)
+
+    def routed(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None = None) -> None:
+        """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p;
+        for one token, how many of its experts the router lookahead had predicted."""
+        st, used = self.layers[layer], ids >= 0
+        st.routed += int(used.sum())
+        st.dropped += int((~used).sum())
+        if predicted is not None and ids.shape[0] == 1:
+            st.recall_hit += len(np.intersect1d(predicted, ids[0][used[0]]))
+            st.recall_total += int(used[0].sum())
+        if layer == 0:
+            self.tokens += ids.shape[0]
 
     def totals(self) -> LayerStats:
         t = LayerStats()

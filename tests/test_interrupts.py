@@ -38,12 +38,12 @@ def interrupt_forward(monkeypatch, when):
     """Make Model.forward raise KeyboardInterrupt on the first call `when(ids)` accepts, as SIGINT would."""
     real, fired = Model.forward, []
 
-    def forward(self, ids, cache, all_logits=False):
+    def forward(self, ids, cache, all_logits=False, progress=None):
         if not fired and when(np.asarray(ids)):
             fired.append(cache.n)
             real(self, ids[:1], cache)  # some work done, part of the step in the cache
             raise KeyboardInterrupt
-        return real(self, ids, cache, all_logits)
+        return real(self, ids, cache, all_logits, progress)
 
     monkeypatch.setattr(Model, "forward", forward)
     return fired

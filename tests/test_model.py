@@ -50,7 +50,10 @@ def test_prefill_returns_last_position_and_chunks(synth_model):
     s = open_model(synth_model("tiny", "Q8_0"))
     full = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
     s.model.ubatch = 3  # force several prefill chunks
-    last = s.model.prefill(PROMPT, s.model.new_cache())
+    seen = []
+    last = s.model.forward(PROMPT, s.model.new_cache(), progress=lambda done, total: seen.append((done, total)))
+    n = len(PROMPT)
+    assert seen == [(min(i + 3, n), n) for i in range(0, n, 3)]
     assert np.abs(last - full[-1]).max() <= 1e-3 * np.abs(full).max()
 
 

@@ -1,7 +1,8 @@
 """Expert sources: where the MoE layer gets an expert's (gate, up, down) matrices.
 
 Both have the same four calls: request (start making an expert available; False if there is no room),
-wait (block until it is, return the matrices), release (done computing with it) and prefetch.
+wait (block until it is, return the matrices), release (done computing with it) and prefetch; serve() is the
+one loop that drives them for a layer's experts.
 - ResidentSource: experts used in place from the mmap (everything fits, or --no-stream).
 - StreamingSource: experts read with explicit preads into the budgeted ExpertCache.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import mmap
 import time
 import weakref
+from collections import deque
 
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
@@ -194,3 +196,46 @@ class StreamingSource:
 def _shutdown(pool: ReaderPool, reader: ExpertReader) -> None:
     pool.close()
     reader.close()
+
+
+def serve(source, layer: int, experts, compute, window: int | None = None, prefetch_next=None) -> None:
+    """The one request/prefetch/release loop over a layer's experts (ascending ids), for both ways of computing
+    them. window None: request all of them (as many as the cache gives at once), then call compute on the
+    whole group. window N: request up to N ahead, and call compute on each in turn as it is ready. Either
+    way compute(start, group, mats) gets the experts' index in `experts`, their ids and (gate, up, down); the
+    next layer's predicted experts are prefetched once this layer's own misses are queued; and every request
+    is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever."""
+    together = window is None
+    window = len(experts) if together else window
+    pending, i, stuck = deque(), 0, False
+    try:
+        while i < len(experts) or pending:
+            while i < len(experts) and len(pending) < window and source.request(layer, int(experts[i])):
+                pending.append(int(experts[i]))
+                i += 1
+            if prefetch_next is not None and (together or i == len(experts)):
+                source.prefetch(layer + 1, prefetch_next)
+                prefetch_next = None
+            if not pending:
+                stuck = _no_room(source, layer, stuck)
+                continue
+            stuck = False
+            group = list(pending) if together else [pending[0]]
+            compute(i - len(pending), group, [source.wait(layer, e) for e in group])
+            for e in group:
+                pending.popleft()
+                source.release(layer, e)
+    finally:
+        for e in pending:
+            source.release(layer, e)
+
+
+def _no_room(source, layer: int, stuck: bool) -> bool:
+    """Nothing could be requested. First time: wait for in-flight prefetches to land (their slots become
+    evictable) and let the caller retry. The cache reserves room for a layer's demand reads, so a second
+    time means the cache really is full of pinned and in-use experts."""
+    if stuck:
+        raise StreamerError(f"the expert cache has no room for layer {layer}'s experts: every slot is pinned "
+                            f"or in use (raise --ram-budget)")
+    source.drain()
+    return True

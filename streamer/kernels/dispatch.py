@@ -52,7 +52,7 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "extra_bytes", "_w", "_k", "_fmt", "_mv", "_xq",
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq",
                  "_aux")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
@@ -76,7 +76,6 @@ class QMatrix:
         self.name, self.qtype, self.n_in, self._w, self._k = name, qtype, n_in, w, k
         self.n_out = data.shape[0]
         self.nbytes = data.nbytes
-        self.extra_bytes = 0
         self._fmt, self._mv = k.fmt, k.matvec
         self._xq, self._aux = _act_scratch(n_in)
 
