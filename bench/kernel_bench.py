@@ -74,7 +74,7 @@ def main() -> None:
         for name in args.formats.split(","):
             qtype = T[name]
             q = QMatrix(random_weight(qtype, n_out, n_in, rng), qtype, n_in, name=name)
-            gb = (q.nbytes + q.extra_bytes) / 1e9
+            gb = q.nbytes / 1e9
             best, med = timeit(lambda: q.matvec(x, out), args.time)
             line = f"{name:6} {shape:>12} {q.nbytes / 1e6:7.1f} | {gb / best:16.2f} {gb / med:6.2f} {best * 1e6:8.0f} |"
             if not args.no_matmul:

@@ -4,6 +4,7 @@ Ctrl-C is exit 130 without a traceback."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 
@@ -17,9 +18,27 @@ def fail(message: str) -> "typer.Exit":
     return typer.Exit(2)
 
 
+class StderrLog(logging.Handler):
+    """The library's log lines on stderr as stream-run prints them: warnings as 'warning: ...', the rest as
+    they are; a record with extra={"end": ""} leaves its line open (a ' done in X s' follows)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        print(prefix + record.getMessage(), end=getattr(record, "end", "\n"), file=sys.stderr, flush=True)
+
+
+def log_to_stderr() -> None:
+    """Show the library's INFO and WARNING lines on stderr (once per process)."""
+    log = logging.getLogger("streamer")
+    if not any(isinstance(h, StderrLog) for h in log.handlers):
+        log.addHandler(StderrLog())
+        log.setLevel(logging.INFO)
+
+
 def _guard(f):
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        log_to_stderr()
         try:
             return f(*args, **kwargs)
         except StreamerError as e:

@@ -8,10 +8,14 @@ import time
 
 def warmup() -> None:
     """Compile every kernel (all weight formats, the ops, the MoE expert kernels) now; numba caches them on
-    disk, so later runs and a second warmup only load them."""
+    disk, so later runs and a second warmup only load them. After an in-place edit of the kernel sources, it
+    drops their stale cached machine code first."""
     t0 = time.perf_counter()
     print("loading numba...", file=sys.stderr, flush=True)
     from streamer import warmup as kw
+    from streamer.kernels._cache import drop_stale_numba_cache
+
+    drop_stale_numba_cache()  # kernel sources edited in place: their old machine code goes, before any loads
 
     def before(g) -> None:
         print(f"{g.name:>8}: {len(g.kernels)} kernels ...", end="", file=sys.stderr, flush=True)

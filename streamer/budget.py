@@ -4,14 +4,16 @@ why expert reads bypass it (see experts/store.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import psutil
 
 from streamer.errors import StreamerError
 from streamer.io import human, parse_size
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.8  # of available memory, when no --ram-budget is given
 
@@ -110,7 +112,7 @@ def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: 
                             f"lower -c/--ctx-size or raise the budget")
     can_have = plan.baseline + available_memory()
     if b > can_have and not plan.fits_resident:
-        print(f"warning: --ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
-              f"holds plus the memory available, cgroup limit included); the expert cache would outgrow RAM "
-              f"and the run may be OOM-killed", file=sys.stderr)
+        logger.warning(f"--ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
+                       f"holds plus the memory available, cgroup limit included); the expert cache would outgrow "
+                       f"RAM and the run may be OOM-killed")
     return plan

@@ -5,12 +5,14 @@ drop it when re-rendering the history; keeping it is what makes "prefill only th
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Iterator
 
 from streamer.errors import StreamerError
 from streamer.generate import Generator, Stats
 from streamer.sampler import SamplerParams
+
+logger = logging.getLogger(__name__)
 
 # Qwen3's recommended sampling for chat (model card): thinking / non-thinking.
 THINK_DEFAULTS = dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.0)
@@ -30,7 +32,7 @@ class Conversation:
     def __init__(self, gen: Generator, tokenizer, system: str | None = None, think: bool = True,
                  n_predict: int = -1):
         if not is_chatml(tokenizer.chat_template):
-            print("warning: the model's chat template is not ChatML; using ChatML anyway", file=sys.stderr)
+            logger.warning("the model's chat template is not ChatML; using ChatML anyway")
         self.gen, self.tok = gen, tokenizer
         self.system, self.think, self.n_predict = system, think, n_predict
         self.im_end = tokenizer.token_id("<|im_end|>")
@@ -81,8 +83,7 @@ class Conversation:
         if len(kept) + len(body) > n_ctx:  # refuse before touching the cache: the conversation survives
             raise StreamerError(f"context overflow: this turn ({len(body)} tokens) does not fit in the context "
                                 f"size {n_ctx} (raise it with -c/--ctx-size)")
-        print(f"(context full: dropped the oldest {n_drop} turn(s); re-reading the {len(kept)} tokens kept)",
-              file=sys.stderr)
+        logger.info(f"(context full: dropped the oldest {n_drop} turn(s); re-reading the {len(kept)} tokens kept)")
         gen.reset()
         return kept + body
 

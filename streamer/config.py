@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from gguf.constants import GGMLQuantizationType as T, Keys
 
 from streamer.errors import StreamerError
+from streamer.formats import FORMATS, NAMES
 from streamer.gguf_file import GGUFFile
 
 ARCHS = ("qwen3", "qwen3moe")
-# Formats the kernels implement (streamer.kernels.SUPPORTED); kept here so opening a file does not import numba.
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @dataclass(frozen=True)
@@ -176,10 +175,9 @@ class ModelConfig:
             t = gf.tensors.get(name)
             if t is None:
                 raise StreamerError(f"{gf.path}: missing tensor '{name}'")
-            if t.qtype not in SUPPORTED_TYPES:
-                names = ", ".join(q.name for q in SUPPORTED_TYPES)
+            if t.qtype not in FORMATS:
                 raise StreamerError(f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support "
-                                    f"(supported: {names})")
+                                    f"(supported: {NAMES})")
             if len(shape) == 1 and t.qtype != T.F32:  # norm weights are used as float32 arrays in place
                 raise StreamerError(f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32")
             if t.shape != shape:

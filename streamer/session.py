@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -22,16 +22,18 @@ if TYPE_CHECKING:  # the heavy modules (numba kernels) load when a model is open
     from streamer.tokenizer import Tokenizer
 
 
+logger = logging.getLogger(__name__)
+
+
 @contextmanager
-def notice_if_slow(message: str, after_s: float = 0.5, stream=None):
-    """Print `message` to stderr if the block is still running after `after_s` (e.g. numba compiling on a
-    first run), then how long it took. Silent when fast (kernels loaded from numba's cache)."""
-    stream = stream or sys.stderr
+def notice_if_slow(message: str, after_s: float = 0.5):
+    """Log `message` if the block is still running after `after_s` (e.g. numba compiling on a first run),
+    then, on the same line, how long it took. Silent when fast (kernels loaded from numba's cache)."""
     shown = threading.Event()
 
     def show():
         shown.set()
-        print(message, end="", file=stream, flush=True)
+        logger.info(message, extra={"end": ""})
 
     timer = threading.Timer(after_s, show)
     t0 = time.perf_counter()
@@ -41,7 +43,7 @@ def notice_if_slow(message: str, after_s: float = 0.5, stream=None):
     finally:
         timer.cancel()
         if shown.is_set():
-            print(f" done in {time.perf_counter() - t0:.1f} s", file=stream, flush=True)
+            logger.info(f" done in {time.perf_counter() - t0:.1f} s")
 
 
 @dataclass
@@ -127,8 +129,8 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 
     need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if need > budget:
-        print(f"warning: this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
-              f"{human(budget)}; it has no experts to stream, so the OS will page its weights", file=sys.stderr)
+        logger.warning(f"this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
+                       f"{human(budget)}; it has no experts to stream, so the OS will page its weights")
 
 
 def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = StreamOptions(), n_ctx: int | None = None,

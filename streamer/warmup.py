@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import blocks, experts, ops
+from streamer.kernels import experts, ops
 from streamer.kernels.dispatch import SUPPORTED, QMatrix
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
@@ -77,7 +77,7 @@ def _run_experts() -> None:
     """Both multi-expert kernels for every format they handle (one compiled version serves all: the format
     is a runtime argument), over a read-only flat byte array as MoEFFN passes them."""
     k = 2
-    for qtype, fmt in blocks.FORMATS.items():
+    for qtype, fmt in experts.FORMATS.items():
         block, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = N_IN // block * type_size
         w = _readonly(np.zeros(k * N_OUT * row_bytes, np.uint8))

@@ -11,6 +11,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 
+def pytest_sessionstart(session):
+    """Kernel sources edited in place: drop their stale numba cache before any test loads a kernel."""
+    from streamer.kernels._cache import drop_stale_numba_cache
+
+    drop_stale_numba_cache()
+
+
+@pytest.fixture(autouse=True)
+def stream_run_log():
+    """The library logs; the CLI shows its lines on stderr. So do the tests: they check what a user sees."""
+    from streamer.cli.app import log_to_stderr
+
+    log_to_stderr()
+
+
 @pytest.fixture(autouse=True)
 def private_cache_dir(tmp_path, monkeypatch):
     """Every test (and every stream-run it starts) keeps the learned-usage sidecars and the demo model in its

@@ -17,12 +17,13 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+import streamer.formats
 from streamer.errors import StreamerError
 from streamer.kernels import SUPPORTED, QMatrix, set_threads
 from streamer.kernels.activations import XQ_MAX
 
 U = 2.0 ** -24
-FORMATS = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_K, T.Q5_K, T.Q6_K]
+FORMATS = list(streamer.formats.FORMATS)  # every format stream-run reads: the one table
 # Byte offsets of the f16 scale fields inside one block, per format.
 SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
@@ -206,8 +207,24 @@ def test_wrong_row_bytes_names_tensor():
         QMatrix(np.zeros((4, 100), np.uint8), T.Q8_0, 96, name="blk.3.ffn_down.weight")
 
 
-def test_dispatch_table_covers_the_formats():
-    assert set(SUPPORTED) == set(FORMATS)
+def test_every_list_of_formats_is_the_one_table():
+    """The kernels, the file check, the multi-expert kernels and the synth command's help all follow
+    streamer.formats; the block-format codes are distinct within their kernel family."""
+    import re
+
+    import typer.main
+
+    from streamer.cli.main import app
+    from streamer.config import NAMES
+    from streamer.kernels.experts import FORMATS as EXPERT_FORMATS
+
+    assert set(SUPPORTED) == set(FORMATS) and NAMES.split(", ") == [t.name for t in FORMATS]
+    assert set(EXPERT_FORMATS) == {t for t in FORMATS if t.name.startswith("Q")}
+    for family in ("half", "block"):
+        codes = [f.code for f in streamer.formats.FORMATS.values() if f.family == family]
+        assert len(set(codes)) == len(codes), family
+    qtype = next(p for p in typer.main.get_command(app).commands["synth"].params if p.name == "qtype")
+    assert set(re.findall(r"\b(?:Q\w+|F16|BF16|F32)\b", qtype.help)) == {t.name for t in FORMATS}
 
 
 def test_rows_out_of_range_and_threads():

@@ -3,7 +3,7 @@ streaming source over a budgeted cache with learned pins."""
 
 from __future__ import annotations
 
-import sys
+import logging
 
 from streamer.budget import make_plan
 from streamer.errors import StreamerError
@@ -15,8 +15,10 @@ from streamer.moe import MoEFFN
 from streamer.options import StreamOptions
 from streamer.profiler import Profiler
 
+logger = logging.getLogger(__name__)
 
-def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, verbose: bool = True) -> MoEFFN:
+
+def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None) -> MoEFFN:
     """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
     options.pin_share of the expert cache is pinned; the rest stays LRU."""
     stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
@@ -27,12 +29,10 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, ver
     if expert_cache_bytes is None and stream:
         kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
         plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
-        if verbose:
-            print(plan.line(), file=sys.stderr)
+        logger.info(plan.line())
         if plan.fits_resident:
             stream = False
-            if verbose:
-                print("all experts fit in the budget: using them in place (no streaming)", file=sys.stderr)
+            logger.info("all experts fit in the budget: using them in place (no streaming)")
         expert_cache_bytes = plan.expert_cache
     if not stream:
         source = ResidentSource(gf, cfg, prof)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,8 @@ import numpy as np
 from streamer.io import atomic_write
 
 FORMAT = "stream-run-usage/1"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -38,10 +40,6 @@ def sidecar_path(gf) -> Path:
     return cache_dir() / "usage" / f"{Path(gf.path).stem}-{model_key(gf)}.json"
 
 
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
-
-
 def load_counts(path: Path, key: str, n_layer: int, n_expert: int) -> np.ndarray | None:
     """The saved (n_layer, n_expert) counts, or None (with a warning) if missing, corrupt or foreign."""
     if not path.exists():
@@ -51,11 +49,11 @@ def load_counts(path: Path, key: str, n_layer: int, n_expert: int) -> np.ndarray
         counts = np.asarray(d["counts"], dtype=np.float64)
         ok = d.get("format") == FORMAT and d.get("model") == key and counts.shape == (n_layer, n_expert)
         if not ok or not np.all(np.isfinite(counts)) or (counts < 0).any():
-            _warn(f"ignoring expert-usage file {path}: it is for another model or format")
+            logger.warning(f"ignoring expert-usage file {path}: it is for another model or format")
             return None
         return counts
     except (OSError, ValueError, KeyError, TypeError) as e:
-        _warn(f"ignoring unreadable expert-usage file {path}: {e}")
+        logger.warning(f"ignoring unreadable expert-usage file {path}: {e}")
         return None
 
 
@@ -100,4 +98,4 @@ class Usage:
         try:
             save_counts(self.path, self.key, total)
         except OSError as e:
-            _warn(f"could not save the expert-usage file {self.path}: {e}")
+            logger.warning(f"could not save the expert-usage file {self.path}: {e}")

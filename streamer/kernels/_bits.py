@@ -3,13 +3,21 @@
 numba has no float16 type on the CPU, so the conversions are LLVM intrinsics: `fpext half`
 lowers to vcvtph2ps (F16C) and vectorises; bf16 is the top half of an f32.
 """
+from functools import partial
+
 from llvmlite import ir
+from numba import njit
 from numba import types
 from numba.extending import intrinsic
 
-# Fast-math flags for every kernel: reassociation and contraction let LLVM vectorise the
-# reductions and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises.
+# Fast-math flags for the matrix kernels: reassociation and contraction let LLVM vectorise the reductions
+# and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises. The forward's
+# small ops (ops.py) keep numba's fastmath=True, all flags: their results are what the tests and the llama.cpp
+# golden data were checked against, and a change of flags could change their last bits.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+# Every kernel: cached on disk, numpy's error model (no zero-division checks), runs without the GIL.
+kernel = partial(njit, cache=True, error_model="numpy", nogil=True)
 
 
 @intrinsic

@@ -2,7 +2,9 @@
 
 numba keys a cached function on its own file's timestamp only, so an edit to simd.py, _bits.py,
 gemm.py or activations.py would otherwise keep serving stale machine code for the kernels in
-other files that inline them. Best effort: an unwritable cache directory is left alone.
+other files that inline them (an install or upgrade rewrites every file, so only in-place edits can
+do that). `stream-run warmup` and the test session call this before any kernel is loaded; importing
+the kernels deletes nothing. Best effort: an unwritable cache directory is left alone.
 """
 import hashlib
 from pathlib import Path

@@ -6,14 +6,13 @@ int32 lane sum of a 256-element super-block in range: 16 products/lane x 4096 (Q
 x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
 """
 import numpy as np
-from numba import njit
 
-from ._bits import FASTMATH
+from ._bits import FASTMATH, kernel
 
 XQ_MAX = 16383
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def quantize_groups(x, xq, dx, group):
     """xq[k] = rint(x[k] / dx[g]), dx[g] = max|x in group g| / XQ_MAX."""
     for g in range(x.size // group):
@@ -27,7 +26,7 @@ def quantize_groups(x, xq, dx, group):
             xq[k] = np.int16(np.rint(x[k] * inv))
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def group_sums(x, xs):
     """xs[g] = sum of x over 32-element group g: the K-quant min terms need only these."""
     for g in range(xs.size):

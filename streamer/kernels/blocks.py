@@ -8,29 +8,28 @@ dequantize_row_*. Rows are read straight from the GGUF bytes: matvec runs simd's
 quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32);
 matmul and rows dequantize exactly (simd's *_deq) into f32.
 
-One kernel serves every format: it takes the format's small code (FORMATS) and branches on it once per row,
+One kernel serves every format: it takes the format's code (streamer.formats) and branches on it once per row,
 a predictable branch; the per-format work is simd's. The multi-expert kernels (experts.py) share prepare and
 dot.
 """
 import numba
-from gguf import GGMLQuantizationType as T
-from numba import njit, prange
+from numba import prange
 
-from ._bits import FASTMATH
+from ..formats import Q4_K, Q5_K, Q6_K, Q8_0, SUPER_BLOCKS
+from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
 
 PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
-FORMATS = {T.Q8_0: 0, T.Q4_0: 1, T.Q4_K: 2, T.Q5_K: 3, T.Q6_K: 4}  # codes >= 2: 256-element super-blocks
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+@kernel(fastmath=FASTMATH, inline="always")
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
     used for K-quants) and, for K-quants, f32 sums per 32 in aux[n/32:]. Returns (dx, xs) views of aux."""
     ng = x.size >> 5
-    if fmt >= 2:
+    if fmt >= SUPER_BLOCKS:
         quantize_groups(x, xq, aux[:ng], 256)
         group_sums(x, aux[ng:2 * ng])
     else:
@@ -38,37 +37,37 @@ def prepare(fmt, x, xq, aux):
     return aux[:ng], aux[ng:2 * ng]
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+@kernel(fastmath=FASTMATH, inline="always")
 def dot(fmt, w, off, xq, dx, xs, n_in):
     """The row starting at byte `off` of w, dot the prepared x of n_in elements."""
-    if fmt == 2:
+    if fmt == Q4_K:
         return q4_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
-    if fmt == 4:
+    if fmt == Q6_K:
         return q6_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
-    if fmt == 3:
+    if fmt == Q5_K:
         return q5_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
-    if fmt == 0:
+    if fmt == Q8_0:
         return q8_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
     return q4_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH, inline="always")
+@kernel(fastmath=FASTMATH, inline="always")
 def deq(fmt, w, off, dst, at, n_in):
     """Dequantize the row starting at byte `off` of w into n_in f32 elements of dst (C-contiguous), from flat
     index `at`."""
-    if fmt == 2:
+    if fmt == Q4_K:
         q4_k_deq(w, off, dst, at, n_in >> 8)
-    elif fmt == 4:
+    elif fmt == Q6_K:
         q6_k_deq(w, off, dst, at, n_in >> 8)
-    elif fmt == 3:
+    elif fmt == Q5_K:
         q5_k_deq(w, off, dst, at, n_in >> 8)
-    elif fmt == 0:
+    elif fmt == Q8_0:
         q8_0_deq(w, off, dst, at, n_in >> 5)
     else:
         q4_0_deq(w, off, dst, at, n_in >> 5)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def block_matvec(fmt, w, x, out, xq, aux):
     dx, xs = prepare(fmt, x, xq, aux)
     rb = w.shape[1]
@@ -76,7 +75,7 @@ def block_matvec(fmt, w, x, out, xq, aux):
         out[r] = dot(fmt, w, r * rb, xq, dx, xs, x.size)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def block_matmul(fmt, w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -89,7 +88,7 @@ def block_matmul(fmt, w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
+@kernel()
 def block_rows(fmt, w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):

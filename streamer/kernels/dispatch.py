@@ -6,6 +6,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import StreamerError
+from ..formats import FORMATS, NAMES
 from . import blocks, floats
 from .gemm import TILE
 
@@ -19,15 +20,12 @@ class Kernels(NamedTuple):
     fmt: int          # the format code the kernels are called with (they serve several formats)
 
 
-_F32 = (floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32, 0, 0)
-_HALF = (floats.half_matvec, floats.half_matmul, floats.half_rows, np.uint16, 0)
-_BLOCK = (blocks.block_matvec, blocks.block_matmul, blocks.block_rows, np.uint8)
-SUPPORTED: dict[T, Kernels] = {
-    T.F32: Kernels(*_F32),
-    **{t: Kernels(*_HALF, code) for t, code in floats.HALF.items()},
-    **{t: Kernels(*_BLOCK, 256 if code >= 2 else 32, code) for t, code in blocks.FORMATS.items()},
+_FAMILIES = {  # streamer.formats' kernel families: (matvec, matmul, rows, view)
+    "f32": (floats.f32_matvec, floats.f32_matmul, floats.f32_rows, np.float32),
+    "half": (floats.half_matvec, floats.half_matmul, floats.half_rows, np.uint16),
+    "block": (blocks.block_matvec, blocks.block_matmul, blocks.block_rows, np.uint8),
 }
-SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
+SUPPORTED: dict[T, Kernels] = {t: Kernels(*_FAMILIES[f.family], f.act_group, f.code) for t, f in FORMATS.items()}
 
 # Scratch shared by all matrices (only the main thread runs kernels), keyed by n_in.
 _act: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -64,7 +62,7 @@ class QMatrix:
         if k is None:
             tname = qtype.name
             raise StreamerError(f"tensor {name!r} has type {tname}, which stream-run does not support "
-                                f"(supported: {SUPPORTED_NAMES})")
+                                f"(supported: {NAMES})")
         block, type_size = GGML_QUANT_SIZES[qtype]
         if data.ndim != 2 or n_in % block or data.nbytes != data.shape[0] * (n_in // block) * type_size:
             raise StreamerError(f"tensor {name!r}: {qtype.name} data of shape {data.shape} and dtype {data.dtype} "

@@ -10,15 +10,16 @@ int16 per 32 or 256 elements), so results match the per-matrix path up to float3
 current value: the additions happen in the same sequence however the experts are grouped.
 """
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ._bits import FASTMATH
-from .blocks import FORMATS, dot, prepare
+from ._bits import FASTMATH, kernel
+from ..formats import BLOCK_CODES as FORMATS
+from .blocks import dot, prepare
 
 __all__ = ["FORMATS", "ExpertScratch", "experts_down", "experts_matvec"]
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
     """out[i, r] = row r of the matrix starting at byte offs[i] of w, dot x. out is (n_mats, n_rows)."""
     dx, xs = prepare(fmt, x, xq, aux)
@@ -29,7 +30,7 @@ def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
         out[i, r] = dot(fmt, w, offs[i] + r * row_bytes, xq, dx, xs, x.size)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     """out[r] += sum over i, in order, of weights[i] * (row r of matrix i) . a[i]; a is (n_mats, n_in)."""
     k, n_in = a.shape

@@ -7,16 +7,15 @@ ignore it), the calling convention dispatch.py uses for all formats.
 """
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType as T
-from numba import njit, prange
+from numba import prange
 
-from ._bits import FASTMATH, bf16_to_f32, f16_to_f32
+from ._bits import FASTMATH, bf16_to_f32, f16_to_f32, kernel
 from .gemm import TILE, gemm_tile
 
 
 # ---- F32 -------------------------------------------------------------------------------
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def f32_matvec(fmt, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -41,7 +40,7 @@ def f32_matvec(fmt, w, x, out, xq, aux):
                 out[rr] = s
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def f32_matmul(fmt, w, X, out, scratch):
     # No dequantization needed: the tile product reads W's rows in place.
     n_out = w.shape[0]
@@ -50,23 +49,21 @@ def f32_matmul(fmt, w, X, out, scratch):
         gemm_tile(X, w, r0, min(TILE, n_out - r0), out, r0)
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
+@kernel()
 def f32_rows(fmt, w, ids, out):
     for i in range(ids.size):
         out[i, :] = w[ids[i], :]
 
 
-# ---- F16 and BF16: one set of kernels, `bf` (0: F16, 1: BF16) picks the widening ----------
-
-HALF = {T.F16: 0, T.BF16: 1}
+# ---- F16 and BF16: one set of kernels, `bf` (formats.F16 or BF16) picks the widening ----------
 
 
-@njit(cache=True, error_model="numpy", nogil=True, inline="always")
+@kernel(inline="always")
 def _widen(bf, v):
     return bf16_to_f32(v) if bf else f16_to_f32(v)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def half_matvec(bf, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -91,13 +88,13 @@ def half_matvec(bf, w, x, out, xq, aux):
                 out[rr] = s
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
+@kernel()
 def half_row(bf, w, r, dst, j):
     for k in range(w.shape[1]):
         dst[j, k] = _widen(bf, w[r, k])
 
 
-@njit(cache=True, error_model="numpy", nogil=True, parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def half_matmul(bf, w, X, out, scratch):
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
@@ -109,7 +106,7 @@ def half_matmul(bf, w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
+@kernel()
 def half_rows(bf, w, ids, out):
     for i in range(ids.size):
         half_row(bf, w, ids[i], out, i)

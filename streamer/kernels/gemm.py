@@ -5,12 +5,11 @@ scratch and then calls `gemm_tile`, so the dequantization cost is amortised over
 activation rows. The 4x4 register block loads 8 vectors per 16 FMAs.
 """
 import numpy as np
-from numba import njit
 
-from ._bits import FASTMATH
+from ._bits import FASTMATH, kernel
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=FASTMATH)
+@kernel(fastmath=FASTMATH)
 def gemm_tile(X, T, t0, nr, out, c0):
     """out[i, c0 + j] = X[i] . T[t0 + j] for i < m, j < nr (T: f32 rows, X: f32 [m, K])."""
     m, K = X.shape

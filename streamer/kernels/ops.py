@@ -5,12 +5,12 @@ sums of squares in float64 as ggml does."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ._bits import f16_to_f32
+from ._bits import f16_to_f32, kernel
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=True)
+@kernel(fastmath=True)
 def rmsnorm(x, w, eps, out):
     """out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, row by row; x and out are (m, n)."""
     m, n = x.shape
@@ -24,7 +24,7 @@ def rmsnorm(x, w, eps, out):
     return out
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=True)
+@kernel(fastmath=True)
 def head_norm_rope(x, w, eps, cos, sin, pos0):
     """In place on x (m, n_head, head_dim): RMSNorm each head with w, then NEOX RoPE at position pos0 + i:
     channel j pairs with j + head_dim/2 (the "half" layout of Qwen3; ggml's GGML_ROPE_TYPE_NEOX)."""
@@ -54,7 +54,7 @@ def rope_tables(n_ctx: int, head_dim: int, theta: float) -> tuple[np.ndarray, np
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=True, parallel=True)
+@kernel(fastmath=True, parallel=True)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal GQA: q (m, n_head, hd) at positions pos0.., kc/vc (n_kv, n_ctx, hd) already holding those
     positions as float16 bit patterns (uint16, like ggml's default f16 KV cache); query head h reads kv head
@@ -90,7 +90,7 @@ def attention(q, kc, vc, pos0, scale, out):
     return out
 
 
-@njit(cache=True, error_model="numpy", nogil=True, fastmath=True)
+@kernel(fastmath=True)
 def swiglu(gate, up, out):
     """out = silu(gate) * up, elementwise over (m, n)."""
     m, n = gate.shape
