@@ -138,7 +138,7 @@ class MemoryCgroup:
         with open(os.path.join(self.path, key)) as f:
             return f.read()
 
-    def __enter__(self) -> "MemoryCgroup":
+    def __enter__(self) -> MemoryCgroup:
         os.mkdir(self.path)
         try:
             self._w("memory.limit_in_bytes", self.limit)

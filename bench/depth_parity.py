@@ -100,7 +100,9 @@ class Oracle:
         mask = np.triu(np.full((n, n), -np.inf), 1)
         routes = []
         for i in range(self.n_layer):
-            W = lambda s: self.w(f"blk.{i}.{s}")
+            def W(s, i=i):
+                return self.w(f"blk.{i}.{s}")
+
             h = self._q(self.rmsnorm(x, W("attn_norm.weight")))
             q = (h @ W("attn_q.weight").T).reshape(n, self.n_head, self.hd)
             k = (h @ W("attn_k.weight").T).reshape(n, self.n_kv, self.hd)
@@ -209,6 +211,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import tempfile
+
     from streamer.bench import prompt_tokens
     from streamer.synth.writer import spec_for, write_model
 

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import platform
 import time
+from functools import partial
 
 import numba
 import numpy as np
@@ -64,7 +65,7 @@ def main() -> None:
     print(f"# kernel_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  "
           f"{platform.processor() or platform.machine()}  numba {numba.__version__}")
     print(f"{'format':6} {'shape':>12} {'MB':>7} | {'matvec GB/s best':>16} {'med':>6} {'us':>8} | "
-          f"{'matmul m=%d GB/s' % args.m:>16} {'GFLOP/s':>8} {'med':>6}")
+          f"{f'matmul m={args.m} GB/s':>16} {'GFLOP/s':>8} {'med':>6}")
     for shape in args.shapes.split(","):
         n_out, n_in = map(int, shape.split("x"))
         x = rng.standard_normal(n_in, dtype=np.float32)
@@ -75,11 +76,11 @@ def main() -> None:
             qtype = T[name]
             q = QMatrix(random_weight(qtype, n_out, n_in, rng), qtype, n_in, name=name)
             gb = q.nbytes / 1e9
-            best, med = timeit(lambda: q.matvec(x, out), args.time)
+            best, med = timeit(partial(q.matvec, x, out), args.time)
             line = f"{name:6} {shape:>12} {q.nbytes / 1e6:7.1f} | {gb / best:16.2f} {gb / med:6.2f} {best * 1e6:8.0f} |"
             if not args.no_matmul:
                 flop = 2.0 * args.m * n_out * n_in
-                best, med = timeit(lambda: q.matmul(X, OUT), args.time, min_reps=2)
+                best, med = timeit(partial(q.matmul, X, OUT), args.time, min_reps=2)
                 line += f" {gb / best:16.2f} {flop / best / 1e9:8.1f} {flop / med / 1e9:6.1f}"
             print(line, flush=True)
             del q

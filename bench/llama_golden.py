@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     arrays: dict[str, np.ndarray] = {"tokens": np.asarray(TOKENS, np.int32)}
-    meta: dict = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta: dict = {"created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "script": "bench/llama_golden.py", "tokens": TOKENS, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         d = args.keep or Path(tmp)

@@ -13,7 +13,7 @@ import typer
 from streamer.errors import StreamerError
 
 
-def fail(message: str) -> "typer.Exit":
+def fail(message: str) -> typer.Exit:
     print(f"error: {message}", file=sys.stderr)
     return typer.Exit(2)
 

@@ -8,10 +8,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.common import (check_output_path, check_prompt, open_session, parse_tokens, prefill_progress,
-                                 probe)
-from streamer.cli.options import (CtxSize, FreqPenalty, MinP, ModelArg, NPredict, PresencePenalty, RepeatLastN,
-                                  RepeatPenalty, Seed, Temp, Threads, TopK, TopP, with_stream_options)
+from streamer.cli.common import check_output_path, check_prompt, open_session, parse_tokens, prefill_progress, probe
+from streamer.cli.options import (
+    CtxSize,
+    FreqPenalty,
+    MinP,
+    ModelArg,
+    NPredict,
+    PresencePenalty,
+    RepeatLastN,
+    RepeatPenalty,
+    Seed,
+    Temp,
+    Threads,
+    TopK,
+    TopP,
+    with_stream_options,
+)
 from streamer.options import StreamOptions
 
 

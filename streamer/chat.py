@@ -6,7 +6,7 @@ drop it when re-rendering the history; keeping it is what makes "prefill only th
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 from streamer.errors import StreamerError
 from streamer.generate import Generator, Stats

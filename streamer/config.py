@@ -69,7 +69,7 @@ class ModelConfig:
         return 2 * self.n_layer * self.n_head_kv * self.head_dim * 2  # K and V, float16
 
     @classmethod
-    def from_gguf(cls, gf: GGUFFile) -> "ModelConfig":
+    def from_gguf(cls, gf: GGUFFile) -> ModelConfig:
         arch = gf.arch
         if arch not in ARCHS:
             raise StreamerError(f"{gf.path}: unsupported architecture {arch!r} (stream-run runs {' and '.join(ARCHS)})")

@@ -7,16 +7,16 @@ ahead. Prefill (many tokens, matrix-matrix kernels) and decode (one token, matri
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
-from streamer.kernels import ops
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
-from streamer.kernels import QMatrix
+from streamer.kernels import QMatrix, ops
 from streamer.kv_cache import KVCache
 
 

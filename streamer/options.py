@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
 from streamer.errors import StreamerError
 
 
-class IoMode(str, Enum):
+class IoMode(StrEnum):
     """How expert reads bypass the page cache: O_DIRECT, buffered + POSIX_FADV_DONTNEED, or direct where the
     filesystem allows it."""
 
@@ -65,7 +65,7 @@ class StreamOptions:
             raise StreamerError(f"the expert cache size must be positive, got {self.expert_cache_bytes}")
 
     @classmethod
-    def build(cls, preset: str | None = None, **given) -> "StreamOptions":
+    def build(cls, preset: str | None = None, **given) -> StreamOptions:
         """A preset's values (none: the defaults), then every given value that is not None. A preset's
         budget_fraction becomes ram_budget in bytes of the memory available now, unless a ram_budget is given."""
         values = load_preset(preset) if preset else {}
@@ -77,7 +77,7 @@ class StreamOptions:
             values["ram_budget"] = int(fraction * available_memory())
         return cls(**{**values, **given})
 
-    def replace(self, **changes) -> "StreamOptions":
+    def replace(self, **changes) -> StreamOptions:
         return dataclasses.replace(self, **changes)
 
 

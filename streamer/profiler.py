@@ -39,7 +39,7 @@ class LayerStats:
         """Uses served from the cache without a read started for them: pinned or LRU (prefetches not counted)."""
         return self.hit_pinned + self.hit_lru
 
-    def add(self, other: "LayerStats") -> None:
+    def add(self, other: LayerStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 

@@ -73,7 +73,7 @@ class Session:
         """The expert traffic profiler (MoE only), else None."""
         return self.moe.prof if self.moe is not None else None
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -126,7 +126,7 @@ class Tokenizer:
                        "parity with llama.cpp is not guaranteed")
 
     @classmethod
-    def from_gguf(cls, gf: GGUFFile) -> "Tokenizer":
+    def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
         """Vocabulary and policy from gf's tokenizer.* keys. The merges are decoded on the first encode.
         Every key must have its GGUF type (llama.cpp refuses a key of the wrong type too)."""
         if K.LIST not in gf.fields:
@@ -296,7 +296,7 @@ class Tokenizer:
         """Exact vocabulary lookup of a token's GGUF text, e.g. "<|im_end|>" (byte-level form for normal tokens)."""
         return self._tok2id.get(text)
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
 

@@ -13,7 +13,8 @@ tests/test_first_run.py checks that a model run afterwards compiles nothing new.
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T

@@ -60,7 +60,10 @@ class Reference:
 
     def ffn(self, i, h, top_p, trace):
         W = self.w
-        silu = lambda z: z / (1.0 + np.exp(-z))
+
+        def silu(z):
+            return z / (1.0 + np.exp(-z))
+
         if f"blk.{i}.ffn_gate_inp.weight" not in W:
             g, u, d = (W[f"blk.{i}.ffn_{p}.weight"] for p in ("gate", "up", "down"))
             return (silu(h @ g.T) * (h @ u.T)) @ d.T

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-
 from invariants import assert_cache_consistent
-from streamer.synth.writer import Geometry, SynthSpec, write_model
+
 from streamer.options import StreamOptions
+from streamer.synth.writer import Geometry, SynthSpec, write_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 

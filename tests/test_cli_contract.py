@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_gguf_file import broken_copy, tensor_info_at
 
 STREAM_RUN = Path(sys.executable).parent / "stream-run"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from invariants import assert_cache_consistent
+
 from streamer.errors import ModelFileChanged, StreamerError
 from streamer.experts.store import ExpertLayout
 from streamer.options import StreamOptions

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from streamer.cli.main import app
 from streamer import budget
+from streamer.cli.main import app
 from streamer.errors import StreamerError
 from streamer.options import StreamOptions, available_presets, describe_preset, load_preset
 
@@ -112,7 +112,7 @@ def test_profiles_command_lists_every_builtin():
     for name in available_presets():
         description, opts = describe_preset(name)
         assert any(re.match(rf"\s+{re.escape(name)}\s+{re.escape(description)}$", ln) for ln in lines), name
-        for k, v in opts.items():
+        for k in opts:
             assert f"{k}=" in r.stdout
     assert "--preset PATH.toml" in r.stdout and "budget_fraction" in r.stdout
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from streamer.cli.main import app
 from streamer.chat import Conversation
+from streamer.cli.main import app
 from streamer.generate import Generator
 from streamer.model import Model
 from streamer.options import StreamOptions

@@ -3,8 +3,8 @@ full recomputation."""
 
 import numpy as np
 import pytest
-
 from reference import Reference
+
 from streamer.session import open_model
 
 PROMPT = np.array([1, 5, 200, 17, 99, 3, 250, 8, 8, 42, 7], dtype=np.int64)

@@ -5,9 +5,9 @@ import json
 
 import numpy as np
 import pytest
-
 from invariants import assert_cache_consistent
 from reference import Reference
+
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
 from streamer.moe import route

@@ -10,6 +10,7 @@ import warnings
 
 import gguf
 import pytest
+from tok_fixtures import CORPUS, cached_gguf, hf_for_byte_vocab, random_mix, random_utf8_text, write_vocab_gguf
 from typer.testing import CliRunner
 
 from streamer.errors import StreamerError
@@ -17,7 +18,6 @@ from streamer.gguf_file import GGUFFile
 from streamer.pretokenize import partition_specials, split_words
 from streamer.synth.vocab import CHATML_TEMPLATE, SPECIALS, add_vocab, byte_vocab_tokens
 from streamer.tokenizer import Tokenizer, byte_to_unicode
-from tok_fixtures import CORPUS, cached_gguf, hf_for_byte_vocab, random_mix, random_utf8_text, write_vocab_gguf
 
 K = gguf.Keys.Tokenizer
 
@@ -250,6 +250,7 @@ def _app():
         return app, True
     except ImportError:  # the CLI skeleton is not there yet: drive the function through a bare app
         import typer
+
         from streamer.cli.tokenize_cmd import tokenize
         app = typer.Typer()
         app.command()(tokenize)

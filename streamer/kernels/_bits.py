@@ -6,8 +6,7 @@ lowers to vcvtph2ps (F16C) and vectorises; bf16 is the top half of an f32.
 from functools import partial
 
 from llvmlite import ir
-from numba import njit
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 # Fast-math flags for the matrix kernels: reassociation and contraction let LLVM vectorise the reductions

@@ -1,5 +1,6 @@
 """QMatrix: one 2-D GGUF weight over a zero-copy view, bound once to its format's kernels."""
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numba
 import numpy as np

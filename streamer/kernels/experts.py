@@ -12,8 +12,8 @@ current value: the additions happen in the same sequence however the experts are
 import numpy as np
 from numba import prange
 
-from ._bits import FASTMATH, kernel
 from ..formats import BLOCK_CODES as FORMATS
+from ._bits import FASTMATH, kernel
 from .blocks import dot, prepare
 
 __all__ = ["FORMATS", "ExpertScratch", "experts_down", "experts_matvec"]

@@ -12,7 +12,6 @@ from numba import prange
 from ._bits import FASTMATH, bf16_to_f32, f16_to_f32, kernel
 from .gemm import TILE, gemm_tile
 
-
 # ---- F32 -------------------------------------------------------------------------------
 
 @kernel(parallel=True, fastmath=FASTMATH)

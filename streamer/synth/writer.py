@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -205,7 +205,7 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
         w.write_ti_data_to_file()
         rng = np.random.default_rng(spec.seed)
         done = 0
-        for name, shape, qt, sigma in tensors:
+        for _name, shape, qt, sigma in tensors:
             if sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
                 data = (-sigma * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
             else:
