@@ -8,7 +8,6 @@ never both; StreamOptions only ever holds bytes."""
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 from dataclasses import dataclass
 from enum import StrEnum
@@ -49,20 +48,18 @@ class StreamOptions:
         if isinstance(self.ram_budget, str):
             from streamer.io import parse_size  # numpy: not on the --help path
             object.__setattr__(self, "ram_budget", parse_size(self.ram_budget))
-        if self.ram_budget is not None and self.ram_budget <= 0:
-            raise StreamerError(f"--ram-budget must be positive, got {self.ram_budget}")
-        try:
-            object.__setattr__(self, "io", IoMode(self.io))
-        except ValueError:
-            raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}") from None
-        if not 0.0 < self.expert_top_p <= 1.0:  # also refuses NaN
-            raise StreamerError(f"--expert-top-p must be in (0, 1], got {self.expert_top_p}")
-        if self.readers < 1:
-            raise StreamerError(f"readers must be at least 1, got {self.readers}")
-        if not 0.0 <= self.pin_share <= 1.0:
-            raise StreamerError(f"pin_share must be in [0, 1], got {self.pin_share}")
-        if self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0:
-            raise StreamerError(f"the expert cache size must be positive, got {self.expert_cache_bytes}")
+        if self.io not in set(IoMode):
+            raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
+        object.__setattr__(self, "io", IoMode(self.io))
+        checks = ((self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),
+                  (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too
+                  (self.readers < 1, "readers must be at least 1", self.readers),
+                  (not 0.0 <= self.pin_share <= 1.0, "pin_share must be in [0, 1]", self.pin_share),
+                  (self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0,
+                   "the expert cache size must be positive", self.expert_cache_bytes))
+        for bad, message, value in checks:
+            if bad:
+                raise StreamerError(f"{message}, got {value}")
 
     @classmethod
     def build(cls, preset: str | None = None, **given) -> StreamOptions:
@@ -76,9 +73,6 @@ class StreamOptions:
             from streamer.budget import available_memory
             values["ram_budget"] = int(fraction * available_memory())
         return cls(**{**values, **given})
-
-    def replace(self, **changes) -> StreamOptions:
-        return dataclasses.replace(self, **changes)
 
 
 # preset keys -> the TOML types they take (a preset sets these options only; description is for listings)
