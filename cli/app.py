@@ -23,7 +23,7 @@ class StderrLog(logging.Handler):
     they are; a record with extra={"end": ""} leaves its line open (a ' done in X s' follows)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        prefix = "warning: " if record.levelno == logging.WARNING else ""  # errors carry their own words
         print(prefix + record.getMessage(), end=getattr(record, "end", "\n"), file=sys.stderr, flush=True)
 
 

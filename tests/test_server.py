@@ -22,8 +22,8 @@ from reference import Reference
 from serving import Running, metrics, wait_idle
 from typer.testing import CliRunner
 
-from streamer.cli.main import app
 from streamer.chat import EMPTY_THINK
+from streamer.cli.main import app
 from streamer.experts.store import ExpertLayout
 from streamer.generate import Generator
 from streamer.options import StreamOptions

@@ -14,9 +14,9 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -218,7 +218,7 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         while True:
             try:
                 kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 kind = payload = None
             if loop.time() - checked >= 0.25:
                 checked = loop.time()

@@ -14,8 +14,8 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from streamer.errors import ModelFileChanged, StreamerError
 from streamer.generate import Generator
