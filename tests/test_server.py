@@ -165,8 +165,8 @@ class Recorder:
     def __init__(self, model):
         self.model, self.calls = model, []
 
-    def forward(self, ids, cache, all_logits=False):
-        out = self.model.forward(ids, cache, all_logits)
+    def forward(self, ids, cache, all_logits=False, progress=None):
+        out = self.model.forward(ids, cache, all_logits, progress)
         self.calls.append((list(np.asarray(ids).reshape(-1)), out.copy()))
         return out
 
@@ -506,7 +506,7 @@ class Scripted:
     def __init__(self, model, script):
         self.model, self.script, self.step, self.end = model, script, 0, -1
 
-    def forward(self, ids, cache, all_logits=False):
+    def forward(self, ids, cache, all_logits=False, progress=None):
         cache.check_room(len(ids))
         if len(ids) > 1 or cache.n != self.end:  # a prompt, not the next step of a reply: start over
             self.step = 0
