@@ -17,9 +17,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from streamer.kernels import QMatrix, set_threads
 
-FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1",
+           "Q5_0", "Q5_1", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+           "IQ1_S", "IQ1_M"]
 SHAPES = ["1024x3072", "3072x1024", "151936x1024"]  # n_out x n_in: ffn_down, ffn_up/gate, head
-SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82),
+                T.Q3_K: (108,), T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
+                **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)}}
 
 
 def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
@@ -30,10 +34,15 @@ def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
     if qtype == T.BF16:
         f = rng.standard_normal((n_out, n_in), dtype=np.float32)
         return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    if qtype == T.IQ1_M:  # its f16 scale is split into nibbles: the synthetic writer places it
+        from streamer.synth.writer import random_weight as synth_weight
+        return synth_weight((n_out, n_in), qtype, 0.05, rng)
     block, size = GGML_QUANT_SIZES[qtype]
     nb = n_in // block
     raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
+    if qtype == T.MXFP4:
+        raw[:, :, 0] = rng.integers(110, 126, (n_out, nb))  # E8M0 scales 2^-18..2^-2
+    for off in SCALE_FIELDS.get(qtype, ()):
         d = (rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb))).astype(np.float16)
         raw[:, :, off:off + 2] = d.view(np.uint8)[..., None].reshape(n_out, nb, 2)
     return raw.reshape(n_out, nb * size)

@@ -77,7 +77,8 @@ def open_session(gf, options, ctx_size: int | None, threads: int | None, tokeniz
     from streamer.filewatch import install_bus_error_exit
     from streamer.session import open_model
 
-    install_bus_error_exit(str(gf.path))
+    n = len(gf.shards)
+    install_bus_error_exit(str(gf.path) if n == 1 else f"{gf.path} (or one of its {n} shards)")
     return open_model(gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer)
 
 

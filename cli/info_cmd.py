@@ -15,7 +15,8 @@ def inspect(
     ctx_size: CtxSize = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
-    """Metadata, tensor counts and bytes by type, resident vs expert bytes, KV bytes per token."""
+    """Metadata, tensor counts and bytes by type, resident vs expert bytes, KV bytes per token, the shards of a
+    split model."""
     from streamer.config import ModelConfig
     from streamer.gguf_file import GGUFFile
     from streamer.io import human
@@ -41,12 +42,16 @@ def inspect(
         "tokenizer": {k: gf.scalar(f"tokenizer.ggml.{k}", kind) for k, kind in
                       (("model", str), ("pre", str), ("bos_token_id", int), ("eos_token_id", int))},
         "n_vocab_tokens": gf.array_len("tokenizer.ggml.tokens"),
+        "shards": [{"file": sh.path, "bytes": sh.size, "tensors": sh.n_tensors} for sh in gf.shards],
     }
     if as_json:
         print(json.dumps(info))
         return
     c = cfg
     print(f"file      {model} ({human(gf.size)})")
+    if len(gf.shards) > 1:
+        for i, sh in enumerate(gf.shards):
+            print(f"shard     {i + 1}/{len(gf.shards)} {sh.path} ({sh.n_tensors} tensors, {human(sh.size)})")
     print(f"arch      {c.arch}: {c.n_layer} layers, hidden {c.n_embd}, heads {c.n_head}/{c.n_head_kv} "
           f"(head_dim {c.head_dim}), vocab {c.n_vocab}, {'tied' if c.tied else 'untied'} head")
     if c.is_moe:

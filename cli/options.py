@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-ModelArg = Annotated[Path, typer.Argument(help="GGUF model file (qwen3 or qwen3moe).", show_default=False)]
+ModelArg = Annotated[Path, typer.Argument(help="GGUF model file (qwen3, qwen3moe or qwen2; a split model: its first shard).", show_default=False)]
 CtxSize = Annotated[Optional[int], typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = the model's "
                                                 "limit) [default: 4096, or the model's limit if smaller].",
                                                 show_default=False)]

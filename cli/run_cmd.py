@@ -139,21 +139,23 @@ def chat(
 ) -> None:
     """Multi-turn chat. Reads one user turn per line (from a terminal or a pipe); Ctrl-C stops a reply,
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
-    (thinking: temp 0.6, top-k 20, top-p 0.95; --no-think: 0.7, 20, 0.8)."""
-    from streamer.chat import Conversation, sampler_params
+    (thinking: temp 0.6, top-k 20, top-p 0.95; --no-think: 0.7, 20, 0.8); Qwen2 models never think, use the
+    latter and Qwen2.5's default system prompt."""
+    from streamer.chat import Conversation, sampler_params, thinks
     from streamer.generate import Generator
     from streamer.sampler import Sampler
 
-    params = sampler_params(not no_think, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                            seed=None if seed < 0 else seed)
-    sampler = Sampler(params)
+    overrides = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                     repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
+                     presence_penalty=presence_penalty, seed=None if seed < 0 else seed)
+    sampler_params(not no_think, **overrides).check()  # a bad value fails before the file is read
     gf, _ = probe(model)
+    sampler = Sampler(sampler_params(thinks(gf.arch, not no_think), **overrides))  # Qwen2 never thinks
     with open_session(gf, options, ctx_size, threads) as s:
         gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids,
                         on_prefill=prefill_progress())
-        conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict)
+        conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict,
+                            arch=s.cfg.arch)
         _repl(s, gen, conv)
 
 

@@ -26,8 +26,9 @@ def weight_bytes_per_token(session, routed_per_token: float) -> float:
         dense -= embd.nbytes - embd.nbytes // embd.shape[0]
     if not cfg.is_moe:
         return float(dense)
-    per_expert = sum(gf.tensors[f"blk.0.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down")) / cfg.n_expert
-    return dense + routed_per_token * per_expert
+    # the mean over layers: a mixed file (say Q4_K_M's Q6_K ffn_down on some layers) has experts of several sizes
+    experts = sum(t.nbytes for t in gf.tensors.values() if "_exps." in t.name)
+    return dense + routed_per_token * experts / (cfg.n_layer * cfg.n_expert)
 
 
 def run_bench(session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_decode: bool = False) -> dict:

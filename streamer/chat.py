@@ -18,6 +18,14 @@ logger = logging.getLogger(__name__)
 THINK_DEFAULTS = dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.0)
 NO_THINK_DEFAULTS = dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0)
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+# Qwen2.5's template: no thinking blocks, and this system prompt when none is given; its sampling defaults
+# (generation_config: temperature 0.7, top-k 20, top-p 0.8) are Qwen3's non-thinking ones.
+QWEN2_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def thinks(arch: str, think: bool) -> bool:
+    """Whether replies open with a thinking block: Qwen3 unless --no-think; never Qwen2."""
+    return think and arch != "qwen2"
 
 
 def chat_defaults(think: bool) -> dict:
@@ -30,11 +38,14 @@ def is_chatml(template: str | None) -> bool:
 
 class Conversation:
     def __init__(self, gen: Generator, tokenizer, system: str | None = None, think: bool = True,
-                 n_predict: int = -1):
+                 n_predict: int = -1, arch: str = "qwen3"):
         if not is_chatml(tokenizer.chat_template):
             logger.warning("the model's chat template is not ChatML; using ChatML anyway")
         self.gen, self.tok = gen, tokenizer
-        self.system, self.think, self.n_predict = system, think, n_predict
+        self.qwen2 = arch == "qwen2"
+        if self.qwen2 and system is None:
+            system = QWEN2_SYSTEM
+        self.system, self.think, self.n_predict = system, thinks(arch, think), n_predict
         self.im_end = tokenizer.token_id("<|im_end|>")
         self.user_marker = tokenizer.encode_raw("<|im_start|>user\n")
 
@@ -49,7 +60,7 @@ class Conversation:
         else:
             closing = "<|im_end|>\n"  # the reply was cut short (-n, Ctrl-C, full context): close it
         body = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        return closing, body if self.think else body + EMPTY_THINK
+        return closing, body if self.think or self.qwen2 else body + EMPTY_THINK
 
     def reset(self) -> None:
         self.gen.reset()

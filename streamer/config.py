@@ -1,4 +1,4 @@
-"""ModelConfig: the hyper-parameters of a Qwen3 / Qwen3-MoE GGUF, read from the file's own keys, and the
+"""ModelConfig: the hyper-parameters of a Qwen3 / Qwen3-MoE / Qwen2 GGUF, read from the file's own keys, and the
 tensor checks (presence, type, shape) that make a bad file fail with one line before any compute."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from streamer.errors import StreamerError
 from streamer.formats import FORMATS, NAMES
 from streamer.gguf_file import GGUFFile
 
-ARCHS = ("qwen3", "qwen3moe")
+ARCHS = ("qwen3", "qwen3moe", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ModelConfig:
     def from_gguf(cls, gf: GGUFFile) -> ModelConfig:
         arch = gf.arch
         if arch not in ARCHS:
-            raise StreamerError(f"{gf.path}: unsupported architecture {arch!r} (stream-run runs {' and '.join(ARCHS)})")
+            raise StreamerError(f"{gf.path}: unsupported architecture {arch!r} (stream-run runs {', '.join(ARCHS)})")
 
         def key(tmpl: str, default=None, kind=int):
             k = tmpl.format(arch=arch)
@@ -150,10 +150,13 @@ class ModelConfig:
                 b + "attn_k.weight": (self.n_head_kv * hd, E),
                 b + "attn_v.weight": (self.n_head_kv * hd, E),
                 b + "attn_output.weight": (E, self.n_head * hd),
-                b + "attn_q_norm.weight": (hd,),
-                b + "attn_k_norm.weight": (hd,),
                 b + "ffn_norm.weight": (E,),
             })
+            if self.arch == "qwen2":  # q/k/v biases, no per-head q/k norm
+                s.update({b + "attn_q.bias": (self.n_head * hd,), b + "attn_k.bias": (self.n_head_kv * hd,),
+                          b + "attn_v.bias": (self.n_head_kv * hd,)})
+            else:
+                s.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
             if self.is_moe:
                 X, F = self.n_expert, self.n_ff_exp
                 s.update({
@@ -178,8 +181,9 @@ class ModelConfig:
             if t.qtype not in FORMATS:
                 raise StreamerError(f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support "
                                     f"(supported: {NAMES})")
-            if len(shape) == 1 and t.qtype != T.F32:  # norm weights are used as float32 arrays in place
-                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32")
+            if len(shape) == 1 and t.qtype != T.F32:  # norm weights and biases are used as float32 arrays in place
+                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 "
+                                    f"(biases too)")
             if t.shape != shape:
                 raise StreamerError(f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
                                     f"expected {list(shape)} from the model's metadata")

@@ -21,27 +21,41 @@ from streamer.errors import ModelFileChanged
 
 
 class FileWatch:
-    def __init__(self, path: str):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        st = os.fstat(self.fd)
-        self.size, self.mtime = st.st_size, st.st_mtime_ns
-        self.close = weakref.finalize(self, os.close, self.fd)  # at close(), GC or exit
+    """Size and modification time of every file of the model (each shard of a split model), checked per step."""
+
+    def __init__(self, paths: str | list[str]):
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        self.path = self.paths[0]
+        self.fds: list[int] = []
+        self.close = weakref.finalize(self, _close_all, self.fds)  # at close(), GC or exit
+        self.seen = []
+        for p in self.paths:
+            self.fds.append(os.open(p, os.O_RDONLY))
+            st = os.fstat(self.fds[-1])
+            self.seen.append((st.st_size, st.st_mtime_ns))
 
     def check(self) -> None:
-        st = os.fstat(self.fd)
-        if st.st_size != self.size:
-            raise ModelFileChanged(f"{self.path} changed size while in use ({self.size} -> {st.st_size} bytes); "
-                                   f"stopping (restart on the new file)")
-        if st.st_mtime_ns != self.mtime:
-            raise ModelFileChanged(f"{self.path} was rewritten while in use; stopping (restart on the new file)")
+        for path, fd, (size, mtime) in zip(self.paths, self.fds, self.seen):
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise ModelFileChanged(f"{path} changed size while in use ({size} -> {st.st_size} bytes); "
+                                       f"stopping (restart on the new file)")
+            if st.st_mtime_ns != mtime:
+                raise ModelFileChanged(f"{path} was rewritten while in use; stopping (restart on the new file)")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
 
 
 _handlers: dict = {}  # path -> (engine, address): keeps each compiled handler alive, compiled once per path
 
 
 def install_bus_error_exit(path: str) -> None:
-    """On SIGBUS (a mapped page of `path` vanished: truncated under us), print one error line, exit 2."""
+    """On SIGBUS (a mapped page of `path` vanished: truncated under us), print one error line, exit 2. `path`
+    is only words in that line: a split model gives "<first shard> (or one of its N shards)"."""
     import ctypes
     import signal
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, Keys
 
 from streamer.errors import StreamerError
+from streamer.mapping import madvise, map_files
 
 # GGUFValueType -> (struct code, size) for scalars; 8 = STRING, 9 = ARRAY.
 _SCALAR = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
@@ -52,8 +54,9 @@ class TensorInfo:
     name: str
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical elements, numpy order (reverse of ggml ne)
-    offset: int  # absolute byte offset in the file
+    offset: int  # byte offset in GGUFFile.mm (in its shard's file: offset - that shard's base)
     nbytes: int
+    shard: int = 0  # which file of a split model holds it (0 for a single file)
 
     @property
     def type_name(self) -> str:
@@ -69,20 +72,15 @@ class _StringArray:
         self.start, self.count = start, count
 
 
-class GGUFFile:
-    """A GGUF file opened read-only. `fields` holds metadata; `view(name)` is a zero-copy tensor view."""
+class _Header:
+    """One GGUF file's header, parsed over its bytes at `base` of the shared mapping: metadata fields and tensor
+    infos (offsets absolute in the mapping). Errors name this file."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        try:
-            self.size = os.path.getsize(self.path)
-            self.mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else None
-        except OSError as e:
-            raise StreamerError(f"cannot open {self.path}: {e.strerror or e}") from None
-        if self.size < 24 or self.mm is None:
-            raise StreamerError(f"{self.path} is not a GGUF file (only {self.size} bytes)")
-        self._buf = memoryview(self.mm)
+    def __init__(self, path: str, mm: np.ndarray, base: int, size: int, shard: int = 0):
+        self.path, self.mm, self.base, self.size, self.shard = path, mm, base, size, shard
+        self._buf = memoryview(mm[base:base + size])
         self.fields: dict[str, object] = {}
+        self.types: dict[str, int] = {}  # GGUF value type of each key
         self.tensors: dict[str, TensorInfo] = {}
         self._where = "the header"  # what is being read, for the truncation message
         try:
@@ -90,8 +88,9 @@ class GGUFFile:
         except struct.error:
             raise StreamerError(f"{self.path} is truncated: the GGUF header runs past the end of the file "
                                 f"(reading {self._where})") from None
+        finally:
+            self._buf.release()
 
-    # ---- header ----
     def _parse(self) -> None:
         buf = self._buf
         magic, version = struct.unpack_from("<II", buf, 0)
@@ -112,6 +111,7 @@ class GGUFFile:
             if key in self.fields:
                 raise StreamerError(f"{self.path}: metadata key '{_show(key)}' appears twice")
             (vtype,), off = struct.unpack_from("<I", buf, off), off + 4
+            self.types[key] = vtype
             self.fields[key], off = self._value(vtype, off, key)
         infos, names = [], set()
         for i in range(n_tensors):
@@ -156,7 +156,7 @@ class GGUFFile:
         if offset + nbytes > self.size:
             raise StreamerError(f"{self.path} is truncated: tensor '{_show(name)}' ends at byte {offset + nbytes} "
                                 f"but the file has {self.size} bytes")
-        return TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), offset, nbytes)
+        return TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), self.base + offset, nbytes, self.shard)
 
     def _str(self, off: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._buf, off)
@@ -184,14 +184,14 @@ class GGUFFile:
                                 f"array elements, more than the rest of the file can hold")
         if etype in _NP:
             dt = np.dtype(_NP[etype])
-            return np.frombuffer(self.mm, dtype=dt, count=count, offset=off), off + count * dt.itemsize
+            return np.frombuffer(self.mm, dtype=dt, count=count, offset=self.base + off), off + count * dt.itemsize
         if etype == _STRING:
             start, unpack = off, struct.Struct("<Q").unpack_from
             for _ in range(count):  # locate only; decoding waits for get_strings()
                 off += 8 + unpack(self._buf, off)[0]
                 if off > self.size:
                     raise struct.error("string array past EOF")
-            return _StringArray(start, count), off
+            return _StringArray(self.base + start, count), off
         if etype == _ARRAY:  # each element is itself an array value: element type, count, elements
             vals = []
             for _ in range(count):
@@ -199,6 +199,157 @@ class GGUFFile:
                 vals.append(v)
             return vals, off
         raise StreamerError(f"{self.path}: metadata key '{_show(key)}' is an array of unknown GGUF value type {etype}")
+
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a model: where it sits in GGUFFile.mm (base), its size and tensor count."""
+    path: str
+    base: int
+    size: int
+    data_start: int  # start of its data section, in the file
+    n_tensors: int
+
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+_SPLIT_TYPES = {SPLIT_NO: (2, "u16"), SPLIT_COUNT: (2, "u16"), SPLIT_TENSORS: (5, "i32")}  # as llama.cpp reads them
+_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "string",
+               9: "array", 10: "u64", 11: "i64", 12: "f64"}
+
+
+def shard_name(prefix: str, no: int, count: int) -> str:
+    """The path of shard `no` (0-based) of `count`, as gguf-split and llama.cpp name them."""
+    return f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf"
+
+
+def split_prefix(path: str, no: int, count: int) -> str | None:
+    """The common prefix of a shard set from one shard's path, None if the name is not shard `no` of `count`."""
+    suffix = shard_name("", no, count)
+    return path[:-len(suffix)] if path.endswith(suffix) and len(path) > len(suffix) else None
+
+
+def _open_file(path: str) -> tuple[int, int]:
+    """(read-only descriptor, size) of a regular file; errors as one line naming it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise StreamerError(f"cannot open {path}: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StreamerError(f"cannot open {path}: {'Is a directory' if stat.S_ISDIR(st.st_mode) else 'not a file'}")
+    if st.st_size < 24:
+        os.close(fd)
+        raise StreamerError(f"{path} is not a GGUF file (only {st.st_size} bytes)")
+    return fd, st.st_size
+
+
+def _map(paths: list[str], fds: list[int], sizes: list[int]) -> tuple[np.ndarray, list[int]]:
+    try:
+        return map_files(fds, sizes)
+    except OSError as e:
+        raise StreamerError(f"cannot map {paths[0]}{' and its shards' if len(paths) > 1 else ''}: "
+                            f"{e.strerror or e}") from None
+
+
+class GGUFFile:
+    """A GGUF model opened read-only: one file, or every shard of a split model given its first shard.
+    `fields` holds the (first file's) metadata; `view(name)` is a zero-copy tensor view, whichever shard
+    holds it. Each file is its own read-only mapping; all sit side by side in `mm` (streamer/mapping.py)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        fd, size = _open_file(self.path)
+        fds = [fd]
+        try:
+            mm, _ = _map([self.path], fds, [size])
+            first = _Header(self.path, mm, 0, size)
+            count = self._split_count(first)
+            if count <= 1:
+                headers = [first]
+            else:
+                paths = self._shard_paths(count)
+                del mm, first  # mapped again below, all shards side by side
+                sizes = [size]
+                for p in paths[1:]:
+                    fd_i, size_i = self._open_shard(p, paths, count)
+                    fds.append(fd_i)
+                    sizes.append(size_i)
+                mm, bases = _map(paths, fds, sizes)
+                headers = [_Header(p, mm, b, n, i) for i, (p, b, n) in enumerate(zip(paths, bases, sizes))]
+        finally:
+            for f in fds:  # the mappings stay valid without the descriptors
+                os.close(f)
+        self.mm = mm
+        self._buf = memoryview(mm)
+        self.fields = headers[0].fields
+        self.tensors: dict[str, TensorInfo] = {}
+        for h in headers:
+            if len(headers) > 1:
+                self._check_shard(h, count)
+            for name, t in h.tensors.items():
+                if name in self.tensors:
+                    raise StreamerError(f"{h.path}: tensor '{_show(name)}' is also in "
+                                        f"{headers[self.tensors[name].shard].path} (a tensor in two shards)")
+                self.tensors[name] = t
+        if len(headers) > 1:
+            want = self.fields.get(SPLIT_TENSORS)
+            if want != len(self.tensors):
+                raise StreamerError(f"{self.path}: {SPLIT_TENSORS} is {want}, but its {count} shards hold "
+                                    f"{len(self.tensors)} tensors")
+        self.shards = [Shard(h.path, h.base, h.size, h.data_start, len(h.tensors)) for h in headers]
+        self.size = sum(h.size for h in headers)
+        self.data_start = headers[0].data_start
+
+    @property
+    def files(self) -> list[tuple[str, int]]:
+        """(path, base in mm) of every file of the model: one, or each shard of a split model."""
+        return [(s.path, s.base) for s in self.shards]
+
+    @staticmethod
+    def _split_key(h: _Header, key: str, required: bool = True):
+        """A split.* key of header h, checked for llama.cpp's type; None if absent and not required."""
+        if key not in h.fields:
+            if required:
+                raise StreamerError(f"{h.path}: missing metadata key '{key}' (a shard of a split model has it)")
+            return None
+        code, tname = _SPLIT_TYPES[key]
+        if h.types[key] != code:
+            raise StreamerError(f"{h.path}: metadata key '{key}' is a {_TYPE_NAMES.get(h.types[key], '?')}, "
+                                f"expected a {tname}")
+        return h.fields[key]
+
+    def _split_count(self, first: _Header) -> int:
+        count = self._split_key(first, SPLIT_COUNT, required=False)
+        if count is None or count <= 1:
+            return 1
+        no = self._split_key(first, SPLIT_NO)
+        if no != 0:
+            prefix = split_prefix(self.path, no, count)
+            hint = f": open the first shard, {shard_name(prefix, 0, count)}" if prefix else ": open the first shard"
+            raise StreamerError(f"{self.path} is shard {no + 1} of {count} of a split model{hint}")
+        self._split_key(first, SPLIT_TENSORS)
+        return count
+
+    def _shard_paths(self, count: int) -> list[str]:
+        prefix = split_prefix(self.path, 0, count)
+        if prefix is None:
+            raise StreamerError(f"{self.path} is the first of {count} shards, but its name does not end in "
+                                f"{shard_name('', 0, count)}, so the others cannot be found (keep gguf-split's names)")
+        return [shard_name(prefix, i, count) for i in range(count)]
+
+    @staticmethod
+    def _open_shard(path: str, paths: list[str], count: int) -> tuple[int, int]:
+        if not os.path.exists(path):
+            raise StreamerError(f"{path} is missing: shard {paths.index(path) + 1} of {count} of {paths[0]}")
+        return _open_file(path)
+
+    def _check_shard(self, h: _Header, count: int) -> None:
+        no, n = self._split_key(h, SPLIT_NO), self._split_key(h, SPLIT_COUNT)
+        if no != h.shard or n != count:
+            raise StreamerError(f"{h.path}: its split.no/split.count say shard {no + 1} of {n}, but by name it is "
+                                f"shard {h.shard + 1} of {count} of {self.path}")
 
     # ---- metadata ----
     @property
@@ -283,16 +434,10 @@ class GGUFFile:
 
     def advise(self, ranges, advice: int) -> None:
         """madvise byte ranges (offset, length) of the mapping, e.g. mmap.MADV_WILLNEED: a hint only."""
-        mm = getattr(self.mm, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise"):
+        if self.mm is None:
             return
-        page = mmap.PAGESIZE
         for start, n in ranges:
-            a0 = start // page * page
-            try:
-                mm.madvise(advice, a0, min(start + n, self.size) - a0)
-            except (OSError, ValueError):
-                return
+            madvise(self.mm, start, n, advice)
 
     def populate(self, ranges) -> None:
         """Read byte ranges into memory now, as llama.cpp's load does: one byte per page is touched with

@@ -1,4 +1,4 @@
-"""Qwen3 forward pass: embed -> L x (attention + FFN) -> norm -> head, over zero-copy views of the GGUF.
+"""Qwen3 / Qwen2 forward pass: embed -> L x (attention + FFN) -> norm -> head, over zero-copy views of the GGUF.
 
 The FFN of each layer is a pluggable object (dense SwiGLU here, MoE in streamer.moe) called as
 `ffn(layer, h) -> (m, n_embd)`; hooks get `after_attention(layer, x)` so an expert prefetcher can look
@@ -66,13 +66,32 @@ class DenseFFN:
 
 
 class Layer:
+    """One block's attention weights: Qwen3 has per-head q/k RMSNorm, Qwen2 q/k/v biases instead (None if absent)."""
+
     def __init__(self, gf: GGUFFile, i: int):
         b = f"blk.{i}."
+
+        def opt(name):
+            return gf.view(b + name) if b + name in gf.tensors else None
+
         self.attn_norm = gf.view(b + "attn_norm.weight")
         self.ffn_norm = gf.view(b + "ffn_norm.weight")
-        self.q_norm = gf.view(b + "attn_q_norm.weight")
-        self.k_norm = gf.view(b + "attn_k_norm.weight")
+        self.q_norm, self.k_norm = opt("attn_q_norm.weight"), opt("attn_k_norm.weight")
+        self.bq, self.bk, self.bv = opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias")
         self.wq, self.wk, self.wv, self.wo = (qmatrix(gf, b + f"attn_{p}.weight") for p in ("q", "k", "v", "output"))
+
+    def qkv(self, h: np.ndarray):
+        q, k, v = linear(self.wq, h), linear(self.wk, h), linear(self.wv, h)
+        for out, bias in ((q, self.bq), (k, self.bk), (v, self.bv)):
+            if bias is not None:
+                out += bias
+        return q, k, v
+
+    def norm_rope(self, x: np.ndarray, w, eps: float, cos, sin, pos0: int) -> None:
+        if w is None:
+            ops.head_rope(x, cos, sin, pos0)
+        else:
+            ops.head_norm_rope(x, w, eps, cos, sin, pos0)
 
 
 class Model:
@@ -116,7 +135,7 @@ class Model:
             x = np.zeros((m, cfg.n_embd), np.float32)
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, x)
             q = np.zeros((m, cfg.n_head, cfg.head_dim), np.float32)
-            ops.head_norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
+            L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
 
@@ -155,11 +174,12 @@ class Model:
         h = np.empty_like(x)
         for i, L in enumerate(self.layers):
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
-            q = linear(L.wq, h).reshape(m, cfg.n_head, cfg.head_dim)
-            k = linear(L.wk, h).reshape(m, cfg.n_head_kv, cfg.head_dim)
-            v = linear(L.wv, h).reshape(m, cfg.n_head_kv, cfg.head_dim)
-            ops.head_norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, pos0)
-            ops.head_norm_rope(k, L.k_norm, cfg.rms_eps, self.cos, self.sin, pos0)
+            q, k, v = L.qkv(h)
+            q = q.reshape(m, cfg.n_head, cfg.head_dim)
+            k = k.reshape(m, cfg.n_head_kv, cfg.head_dim)
+            v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
+            L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, pos0)
+            L.norm_rope(k, L.k_norm, cfg.rms_eps, self.cos, self.sin, pos0)
             cache.store(i, pos0, k, v)
             att = ops.attention(q, cache.k[i], cache.v[i], pos0, self.scale, np.empty_like(q))
             x += linear(L.wo, att.reshape(m, -1))

@@ -149,7 +149,7 @@ def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = Stre
         moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx)
     elif options.ram_budget is not None:
         warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
-    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch(gf.path))
+    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch([s.path for s in gf.shards]))
     session = Session(gf, cfg, model, moe, tokenizer)
     advise_pages(gf)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):

@@ -70,6 +70,7 @@ def _run_ops() -> None:
         ops.rmsnorm(x, norm, 1e-6, x)
         q = np.zeros((m, n_head, head_dim), np.float32)
         ops.head_norm_rope(q, head_norm, 1e-6, cos, sin, 0)
+        ops.head_rope(q, cos, sin, 0)  # Qwen2: RoPE without the per-head norm
         ops.attention(q, kc, kc, 0, np.float32(0.25), np.empty_like(q))
         ops.swiglu(x, x, x)
 
@@ -95,7 +96,8 @@ def groups() -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
     MoE kernels."""
     return (_matrix_groups()
-            + [Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.attention, ops.swiglu), _run_ops),
+            + [Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu),
+                     _run_ops),
                Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts)])
 
 

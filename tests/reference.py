@@ -1,5 +1,6 @@
-"""The model oracle: a plain float64 numpy forward of Qwen3 / Qwen3-MoE over weights dequantized by gguf-py,
-read with gguf.GGUFReader (not our parser). No cache, no streaming, no kernels. Slow and obvious on purpose."""
+"""The model oracle: a plain float64 numpy forward of Qwen3 / Qwen3-MoE / Qwen2 (q/k/v biases, no q/k norm)
+over weights dequantized by gguf-py, read with gguf.GGUFReader (not our parser). No cache, no streaming, no
+kernels. Slow and obvious on purpose."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Reference:
         self.n_layer = field("{a}.block_count")
         self.n_head = field("{a}.attention.head_count")
         self.n_kv = field("{a}.attention.head_count_kv")
-        self.hd = field("{a}.attention.key_length")
+        self.hd = field("{a}.attention.key_length") or field("{a}.embedding_length") // self.n_head
         self.eps = field("{a}.attention.layer_norm_rms_epsilon")
         self.theta = field("{a}.rope.freq_base")
         self.n_used = field("{a}.expert_used_count", 0)
@@ -89,8 +90,14 @@ class Reference:
             q = (h @ W[b + "attn_q.weight"].T).reshape(n, self.n_head, self.hd)
             k = (h @ W[b + "attn_k.weight"].T).reshape(n, self.n_kv, self.hd)
             v = (h @ W[b + "attn_v.weight"].T).reshape(n, self.n_kv, self.hd)
-            q = self.rope(self.rmsnorm(q, W[b + "attn_q_norm.weight"]), pos)
-            k = self.rope(self.rmsnorm(k, W[b + "attn_k_norm.weight"]), pos)
+            if b + "attn_q.bias" in W:  # qwen2: q/k/v biases, no per-head norm
+                q = q + W[b + "attn_q.bias"].reshape(self.n_head, self.hd)
+                k = k + W[b + "attn_k.bias"].reshape(self.n_kv, self.hd)
+                v = v + W[b + "attn_v.bias"].reshape(self.n_kv, self.hd)
+                q, k = self.rope(q, pos), self.rope(k, pos)
+            else:
+                q = self.rope(self.rmsnorm(q, W[b + "attn_q_norm.weight"]), pos)
+                k = self.rope(self.rmsnorm(k, W[b + "attn_k_norm.weight"]), pos)
             att = np.zeros((n, self.n_head, self.hd))
             mask = np.triu(np.full((n, n), -np.inf), 1)
             for hh in range(self.n_head):

@@ -52,12 +52,12 @@ def files(synth_model, tmp_path_factory):
         i = data.find(key) + len(key) + 4 + 8
         data[i:i + 5] = b"llama"
 
-    def q4_1(data):
+    def tq2_0(data):
         i = tensor_info_at(data, "blk.0.attn_q.weight")
-        struct.pack_into("<I", data, i + 4 + 8 * 2, 3)  # Q4_1: not supported
+        struct.pack_into("<I", data, i + 4 + 8 * 2, 35)  # TQ2_0: not supported
 
     broken_copy(good, d / "llama.gguf", patch=llama)
-    broken_copy(good, d / "q4_1.gguf", patch=q4_1)
+    broken_copy(good, d / "tq2_0.gguf", patch=tq2_0)
     broken_copy(good, d / "cut.gguf", truncate=good.stat().st_size - 1000)
     locked = broken_copy(good, d / "locked.gguf")
     os.chmod(locked, 0)
@@ -71,7 +71,7 @@ CASES = {
     "not a gguf": (["inspect", "{dir}/notes.txt"], r"notes\.txt is not a GGUF file"),
     "truncated": (["run", "{dir}/cut.gguf", "-p", "x"], r"cut\.gguf is truncated"),
     "arch": (["run", "{dir}/llama.gguf", "-p", "x"], r"unsupported architecture 'llama'"),
-    "quant type": (["run", "{dir}/q4_1.gguf", "-p", "x"], r"tensor 'blk\.0\.attn_q\.weight' has type Q4_1"),
+    "quant type": (["run", "{dir}/tq2_0.gguf", "-p", "x"], r"tensor 'blk\.0\.attn_q\.weight' has type TQ2_0"),
     "token id": (["run", "{good}", "--tokens", "1,2,999999"], r"token id 999999 is out of range"),
     "negative token id": (["run", "{good}", "--tokens", "5,-1"], r"token id -1 is out of range"),
     "context": (["run", "{good}", "-p", "a prompt far longer than the context", "-c", "4"], r"context overflow"),

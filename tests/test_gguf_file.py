@@ -123,10 +123,10 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, good):
         n_dims = struct.unpack_from("<I", d, i)[0]
         j = i + 4 + 8 * n_dims
         assert struct.unpack_from("<I", d, j)[0] == 8  # Q8_0
-        struct.pack_into("<I", d, j, 3)  # Q4_1: same block length, smaller blocks: no other check trips
+        struct.pack_into("<I", d, j, 35)  # TQ2_0: 256-element blocks of 66 bytes: no other check trips
 
     p = broken_copy(good, tmp_path / "q.gguf", patch=patch)
-    with pytest.raises(StreamerError, match=r"tensor 'blk.0.attn_q.weight' has type Q4_1, which stream-run does "
+    with pytest.raises(StreamerError, match=r"tensor 'blk.0.attn_q.weight' has type TQ2_0, which stream-run does "
                                             r"not support \(supported: F32, F16, BF16, Q8_0"):
         open_cfg(p)
 

@@ -24,8 +24,10 @@ from streamer.kernels.activations import XQ_MAX
 
 U = 2.0 ** -24
 FORMATS = list(streamer.formats.FORMATS)  # every format stream-run reads: the one table
-# Byte offsets of the f16 scale fields inside one block, per format.
-SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+# Byte offsets of the f16 scale fields inside one block, per format (the rest of a block is random bytes).
+SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82),
+                T.Q3_K: (108,), T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
+                **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)}}
 
 
 def _f16_values(rng, n, regime):
@@ -63,7 +65,15 @@ def make_weight(qtype, n_out, n_in, rng, regime="normal"):
     block, size = GGML_QUANT_SIZES[qtype]
     nb = n_in // block
     raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
+    if qtype == T.MXFP4:  # E8M0 scale byte 2^(e-128): normal around 2^-8, extreme 2^-112..2^72 (sums stay finite)
+        lo, hi = {"normal": (110, 125), "extreme": (16, 200), "subnormal": (16, 24)}[regime]
+        raw[:, :, 0] = rng.integers(lo, hi + 1, (n_out, nb))
+    if qtype == T.IQ1_M:  # the f16 scale is the top nibbles of the four u16 words at 48, lowest first
+        d = _f16_values(rng, n_out * nb, regime).view(np.uint16).reshape(n_out, nb, 1)
+        words = raw[:, :, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        words |= ((d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)) << np.uint16(12)
+        raw[:, :, 48:56] = words.view(np.uint8)
+    for off in SCALE_FIELDS.get(qtype, ()):
         raw[:, :, off:off + 2] = _f16_values(rng, n_out * nb, regime).view(np.uint8).reshape(n_out, nb, 2)
     raw = raw.reshape(n_out, nb * size)
     return raw, raw
@@ -73,12 +83,18 @@ def _magnitude(qtype, raw, deq):
     """A >= |w| elementwise, plus any offset term a kernel may split off (see module docstring)."""
     a = np.abs(deq.astype(np.float64))
     n_out = raw.shape[0]
-    if qtype in (T.Q4_K, T.Q5_K):  # w = d*sc*q - dmin*m: zero d to isolate the min term
+    if qtype in (T.Q4_K, T.Q5_K, T.Q2_K):  # w = d*sc*q - dmin*m: zero d to isolate the min term
         size = GGML_QUANT_SIZES[qtype][1]
         r = raw.reshape(n_out, -1, size).copy()
-        r[:, :, 0:2] = 0
+        at = SCALE_FIELDS[qtype][0]
+        r[:, :, at:at + 2] = 0
         mins = np.abs(dequantize(r.reshape(n_out, -1), qtype).astype(np.float64))
         a = np.abs(deq.astype(np.float64) + mins) + mins
+    elif qtype in (T.Q4_1, T.Q5_1):  # w = d*q + m, computed as two terms: |d*q| + |m|
+        r = raw.reshape(n_out, -1, GGML_QUANT_SIZES[qtype][1]).copy()
+        r[:, :, 2:4] = 0
+        scaled = dequantize(r.reshape(n_out, -1), qtype).astype(np.float64)
+        a = np.abs(scaled) + np.abs(deq.astype(np.float64) - scaled)
     elif qtype == T.Q4_0:  # d*(q-8) may be split as d*q - 8d
         d = raw.reshape(n_out, -1, 18)[:, :, 0:2].copy().view(np.float16).astype(np.float64)
         a = a + 8 * np.repeat(np.abs(d[:, :, 0]), 32, axis=1)
@@ -179,7 +195,7 @@ def test_bf16_accepts_uint16_view():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XS, T.Q4_1, T.Q5_0, T.Q2_K, T.Q8_K])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.Q8_K])
 def test_unsupported_type_names_tensor_and_type(qtype):
     block, size = GGML_QUANT_SIZES[qtype]
     data = np.zeros((4, size * 2), np.uint8)
@@ -269,3 +285,27 @@ def test_zero_input_and_out_arguments(qtype):
     OUT = np.full((3, 7), np.nan, np.float32)
     assert q.matmul(np.zeros((3, n_in), np.float32), OUT) is OUT
     np.testing.assert_array_equal(OUT, 0)
+
+
+def _mxfp4_from_the_spec(raw: np.ndarray) -> np.ndarray:
+    """MXFP4 decoded straight from the OCP Microscaling spec (v1.0), not from ggml or gguf-py: each 17-byte block
+    is an E8M0 scale X (2^(X-127)) and 32 E2M1 elements, element l < 16 in the low nibble of byte l, l + 16 in
+    the high nibble. E2M1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is subnormal."""
+    blocks = raw.reshape(-1, 17)
+    scale = 2.0 ** (blocks[:, 0].astype(np.float64) - 127)
+    nib = np.concatenate([blocks[:, 1:] & 15, blocks[:, 1:] >> 4], axis=1).astype(np.int64)
+    sign = np.where(nib & 8, -1.0, 1.0)
+    exp, man = (nib >> 1) & 3, nib & 1
+    mag = np.where(exp == 0, 0.5 * man, 2.0 ** (exp - 1) * (1 + 0.5 * man))
+    return (scale[:, None] * sign * mag).reshape(raw.shape[0], -1)
+
+
+@pytest.mark.parametrize("regime", ["normal", "extreme"])
+def test_mxfp4_against_the_format_definition(regime):
+    rng = np.random.default_rng(11)
+    data, raw = make_weight(T.MXFP4, 9, 256, rng, regime)
+    spec = _mxfp4_from_the_spec(raw)
+    np.testing.assert_array_equal(QMatrix(data, T.MXFP4, 256).rows(np.arange(9)).astype(np.float64), spec)
+    x = rng.standard_normal(256).astype(np.float32)
+    want = spec @ x
+    np.testing.assert_allclose(QMatrix(data, T.MXFP4, 256).matvec(x), want, rtol=1e-3, atol=1e-3 * np.abs(want).max())

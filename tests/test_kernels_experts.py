@@ -4,7 +4,7 @@ contract the two compiled functions' arithmetic differently)."""
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from streamer.kernels import QMatrix
@@ -20,7 +20,7 @@ def stack(qtype, rows, cols, seed):
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
-    ff = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else FF
+    ff = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else FF
     w = stack(qtype, ff, E, 1)
     base = w.reshape(-1)
     per_expert = w[0].nbytes
@@ -40,7 +40,7 @@ def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
 def test_experts_down_adds_weighted_contributions_in_order(qtype):
-    ff = 256 if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else FF
+    ff = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else FF
     w = stack(qtype, E, ff, 3)
     base, per_expert = w.reshape(-1), w[0].nbytes
     chosen = np.array([0, 2, 3, 5], np.int64)
@@ -60,3 +60,27 @@ def test_experts_down_adds_weighted_contributions_in_order(qtype):
     experts_down(FORMATS[qtype], base, chosen[:2] * per_expert, w.shape[-1], a[:2], wts[:2], out2, s.xq, s.aux)
     experts_down(FORMATS[qtype], base, chosen[2:] * per_expert, w.shape[-1], a[2:], wts[2:], out2, s.xq, s.aux)
     assert np.array_equal(out, out2)
+
+
+def test_stale_kernel_cache_is_dropped_under_numba_cache_dir(tmp_path, monkeypatch):
+    """A kernel edit must drop cached machine code wherever numba keeps it: with NUMBA_CACHE_DIR set too (the
+    experts kernels inline blocks.dot from another file; a stale copy computed new formats with old code)."""
+    from pathlib import Path
+
+    from numba.core import config
+    from numba.core.caching import UserProvidedCacheLocator
+
+    import streamer.kernels._cache as kc
+
+    here = Path(kc.__file__).parent
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    where = tmp_path / UserProvidedCacheLocator.get_suitable_cache_subpath(str(here / "experts.py"))
+    where.mkdir(parents=True)
+    (where / "experts.experts_down-40.py311.nbi").write_bytes(b"old")
+    (where / "kernels-source.sha").write_text("not the current sources")
+    kc.drop_stale_numba_cache()
+    assert not (where / "experts.experts_down-40.py311.nbi").exists()
+    stamp = (where / "kernels-source.sha").read_text()
+    (where / "experts.experts_down-40.py311.nbi").write_bytes(b"current")
+    kc.drop_stale_numba_cache()  # sources unchanged since: kept
+    assert (where / "experts.experts_down-40.py311.nbi").exists() and (where / "kernels-source.sha").read_text() == stamp

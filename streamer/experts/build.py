@@ -44,6 +44,7 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None) -> 
         pin_cap = min(int(options.pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0),
                             reserve=cfg.n_expert_used)
-        source = StreamingSource(gf.path, layout, cache, prof, n_readers=options.readers, direct=options.io.direct)
+        source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers,
+                                 direct=options.io.direct)
     return MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch,
                   plan=plan)

@@ -86,10 +86,11 @@ class StreamingSource:
     wants_lookahead = True
     streams = True
 
-    def __init__(self, path: str, layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
+    def __init__(self, files: list[tuple[str, int]], layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
                  n_readers: int = 4, direct: bool | None = None):
+        """files: (path, base in the mapping) of each file of the model (GGUFFile.files)."""
         self.layout, self.cache, self.prof = layout, cache, profiler
-        self.reader = ExpertReader(path, layout, direct)
+        self.reader = ExpertReader(files, layout, direct)
         self.pool = ReaderPool(n_readers)
         self._close = weakref.finalize(self, _shutdown, self.pool, self.reader)  # at close(), GC or exit
 

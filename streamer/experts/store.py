@@ -34,6 +34,7 @@ class Part:
     qtype: object
     n_rows: int
     n_in: int
+    shard: int = 0  # the file of a split model holding it; offset - that file's base is its offset in the file
 
 
 def aligned_span(start: int, nbytes: int) -> tuple[int, int, int]:
@@ -51,7 +52,7 @@ class ExpertLayout:
             ps = []
             for p in PARTS:
                 t = gf.tensors[f"blk.{i}.ffn_{p}_exps.weight"]
-                ps.append(Part(t.name, t.offset, t.nbytes // cfg.n_expert, t.qtype, t.shape[1], t.shape[2]))
+                ps.append(Part(t.name, t.offset, t.nbytes // cfg.n_expert, t.qtype, t.shape[1], t.shape[2], t.shard))
             self.parts.append(tuple(ps))
         # one slot holds any expert: a part of n bytes spans at most ceil((n + 4095) / 4096) pages
         self.slot_bytes = max(sum(-(-(p.nbytes + ALIGN - 1) // ALIGN) * ALIGN for p in ps) for ps in self.parts)
@@ -65,63 +66,82 @@ class ExpertLayout:
 
 
 class ExpertReader:
-    """Reads one expert's three parts into a caller-owned buffer; returns each part's offset in it."""
+    """Reads one expert's three parts into a caller-owned buffer; returns each part's offset in it. A split
+    model's shards each get their own descriptors: a part is read from the file that holds it, at its offset
+    in that file (its offset in the shared mapping minus the file's base there)."""
 
-    def __init__(self, path: str, layout: ExpertLayout, direct: bool | None = None):
+    def __init__(self, files: list[tuple[str, int]], layout: ExpertLayout, direct: bool | None = None):
+        """files: (path, base in the mapping) of each file of the model, as GGUFFile.shards gives them."""
         self.layout = layout
-        self.path = path
+        self.paths = [p for p, _ in files]
+        self.bases = [b for _, b in files]
+        self.path = self.paths[0]
+        self.fds: list[int] = []
+        self.dfds: list[int] = []
         self.direct = False
-        if direct is not False and hasattr(os, "O_DIRECT"):
-            self.direct = self._try_direct()
-        if direct is True and not self.direct:
-            raise StreamerError(f"{path}: the filesystem refuses O_DIRECT reads (try --io buffered)")
-        self.fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into neighbouring experts
+        try:
+            if direct is not False and hasattr(os, "O_DIRECT"):
+                self.direct = self._try_direct()
+            if direct is True and not self.direct:
+                raise StreamerError(f"{self.path}: the filesystem refuses O_DIRECT reads (try --io buffered)")
+            for p in self.paths:
+                self.fds.append(os.open(p, os.O_RDONLY))
+                os.posix_fadvise(self.fds[-1], 0, 0, os.POSIX_FADV_RANDOM)  # no readahead into other experts
+        except BaseException:
+            self.close()
+            raise
 
     def _try_direct(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            return False
+        """O_DIRECT descriptors on every file, or none (a file that refuses them: buffered reads for all)."""
         buf = aligned_empty(ALIGN)
-        try:
-            os.preadv(fd, [memoryview(buf)], 0)
-        except OSError:
+        for p in self.paths:
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                break
+            self.dfds.append(fd)
+            try:
+                os.preadv(fd, [memoryview(buf)], 0)
+            except OSError:
+                break
+        else:
+            return True
+        for fd in self.dfds:
             os.close(fd)
-            return False
-        self.dfd = fd
-        return True
+        self.dfds = []
+        return False
 
     def read(self, layer: int, e: int, buf: np.ndarray) -> tuple[int, int, int]:
         """Fill buf (aligned, >= slot_bytes) with expert (layer, e); offsets of gate, up, down inside buf."""
         mv = memoryview(buf)
         pos, offs = 0, []
         for p in self.layout.parts[layer]:
-            start = p.offset + e * p.nbytes
+            start = p.offset - self.bases[p.shard] + e * p.nbytes  # in the file holding it
             try:
                 if self.direct:
                     a0, alen, inner = aligned_span(start, p.nbytes)
-                    got = os.preadv(self.dfd, [mv[pos:pos + alen]], a0)
+                    got = os.preadv(self.dfds[p.shard], [mv[pos:pos + alen]], a0)
                     offs.append(pos + inner)
                     pos += alen
                     need = inner + p.nbytes
                 else:
-                    got = os.preadv(self.fd, [mv[pos:pos + p.nbytes]], start)
+                    fd = self.fds[p.shard]
+                    got = os.preadv(fd, [mv[pos:pos + p.nbytes]], start)
                     a0, alen, _ = aligned_span(start, p.nbytes)  # whole pages, edges included
-                    os.posix_fadvise(self.fd, a0, alen, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, a0, alen, os.POSIX_FADV_DONTNEED)
                     offs.append(pos)
                     pos += -(-p.nbytes // ALIGN) * ALIGN
                     need = p.nbytes
             except OSError as err:
                 raise StreamerError(f"I/O error reading expert {e} of {p.name}: {err.strerror or err}") from None
             if got < need:
-                raise StreamerError(f"{self.path}: short read of expert {e} of {p.name} (file truncated?)")
+                raise StreamerError(f"{self.paths[p.shard]}: short read of expert {e} of {p.name} (file truncated?)")
         return offs[0], offs[1], offs[2]
 
     def close(self) -> None:
-        os.close(self.fd)
-        if self.direct:
-            os.close(self.dfd)
+        for fd in self.fds + self.dfds:
+            os.close(fd)
+        self.fds, self.dfds = [], []
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

@@ -31,8 +31,10 @@ def cache_dir() -> Path:
 def model_key(gf) -> str:
     """Identity of a model file: hash of its header (metadata + tensor table) and its size. Cheap, and it
     changes when the file is replaced by a different model."""
-    h = hashlib.sha256(gf.mm[: gf.data_start].tobytes())
-    h.update(str(gf.size).encode())
+    h = hashlib.sha256()
+    for s in gf.shards:  # every file of a split model (one file: its header, then its size, as always)
+        h.update(gf.mm[s.base:s.base + s.data_start].tobytes())
+        h.update(str(s.size).encode())
     return h.hexdigest()[:24]
 
 

@@ -1,4 +1,6 @@
-"""Block-quantized weights: Q8_0, Q4_0 (32-element blocks) and Q4_K, Q5_K, Q6_K (256-element super-blocks).
+"""Block-quantized weights: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (32-element blocks) and Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (256-element super-blocks);
+the low-bit layouts are drawn in simd_lowbit.py and simd_iq.py.
 
 Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes), block_q4_0 {ggml_half d; uint8_t qs[16]}
 (18 bytes; element l is the low nibble of qs[l], element l+16 the high nibble, value d * (q - 8)),
@@ -15,11 +17,66 @@ dot.
 import numba
 from numba import prange
 
-from ..formats import Q4_K, Q5_K, Q6_K, Q8_0, SUPER_BLOCKS
+from ..formats import (
+    IQ1_S,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
+    IQ4_NL,
+    IQ4_XS,
+    MXFP4,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    SUPER_BLOCKS,
+)
 from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
+from .simd_iq import (
+    iq1_m_deq,
+    iq1_m_dot,
+    iq1_s_deq,
+    iq1_s_dot,
+    iq2_s_deq,
+    iq2_s_dot,
+    iq2_xs_deq,
+    iq2_xs_dot,
+    iq2_xxs_deq,
+    iq2_xxs_dot,
+    iq3_s_deq,
+    iq3_s_dot,
+    iq3_xxs_deq,
+    iq3_xxs_dot,
+)
+from .simd_lowbit import (
+    iq4_nl_deq,
+    iq4_nl_dot,
+    iq4_xs_deq,
+    iq4_xs_dot,
+    mxfp4_deq,
+    mxfp4_dot,
+    q2_k_deq,
+    q2_k_dot,
+    q3_k_deq,
+    q3_k_dot,
+    q4_1_deq,
+    q4_1_dot,
+    q5_0_deq,
+    q5_0_dot,
+    q5_1_deq,
+    q5_1_dot,
+)
 
 PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
 
@@ -27,19 +84,22 @@ PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are 
 @kernel(fastmath=FASTMATH, inline="always")
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
-    used for K-quants) and, for K-quants, f32 sums per 32 in aux[n/32:]. Returns (dx, xs) views of aux."""
+    used for super-blocks) and, for super-blocks and the 32-element formats with mins (Q4_1, Q5_1), f32 sums
+    per 32 in aux[n/32:]. Returns (dx, xs) views of aux."""
     ng = x.size >> 5
     if fmt >= SUPER_BLOCKS:
         quantize_groups(x, xq, aux[:ng], 256)
         group_sums(x, aux[ng:2 * ng])
     else:
         quantize_groups(x, xq, aux[:ng], 32)
+        if fmt == Q4_1 or fmt == Q5_1:
+            group_sums(x, aux[ng:2 * ng])
     return aux[:ng], aux[ng:2 * ng]
 
 
 @kernel(fastmath=FASTMATH, inline="always")
 def dot(fmt, w, off, xq, dx, xs, n_in):
-    """The row starting at byte `off` of w, dot the prepared x of n_in elements."""
+    """The row starting at byte `off` of w, dot the prepared x of n_in elements (the common formats first)."""
     if fmt == Q4_K:
         return q4_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
     if fmt == Q6_K:
@@ -48,7 +108,37 @@ def dot(fmt, w, off, xq, dx, xs, n_in):
         return q5_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
     if fmt == Q8_0:
         return q8_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
-    return q4_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    if fmt == Q4_0:
+        return q4_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    if fmt == Q2_K:
+        return q2_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == Q3_K:
+        return q3_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ4_XS:
+        return iq4_xs_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ4_NL:
+        return iq4_nl_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    if fmt == Q4_1:
+        return q4_1_dot(w, off, xq, dx, xs, n_in >> 5, PF)
+    if fmt == Q5_0:
+        return q5_0_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    if fmt == Q5_1:
+        return q5_1_dot(w, off, xq, dx, xs, n_in >> 5, PF)
+    if fmt == MXFP4:
+        return mxfp4_dot(w, off, xq, dx, dx, n_in >> 5, PF)
+    if fmt == IQ2_XXS:
+        return iq2_xxs_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ2_XS:
+        return iq2_xs_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ2_S:
+        return iq2_s_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ3_XXS:
+        return iq3_xxs_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ3_S:
+        return iq3_s_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    if fmt == IQ1_S:
+        return iq1_s_dot(w, off, xq, dx, xs, n_in >> 8, PF)
+    return iq1_m_dot(w, off, xq, dx, xs, n_in >> 8, PF)  # IQ1_M
 
 
 @kernel(fastmath=FASTMATH, inline="always")
@@ -63,8 +153,38 @@ def deq(fmt, w, off, dst, at, n_in):
         q5_k_deq(w, off, dst, at, n_in >> 8)
     elif fmt == Q8_0:
         q8_0_deq(w, off, dst, at, n_in >> 5)
-    else:
+    elif fmt == Q4_0:
         q4_0_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == Q2_K:
+        q2_k_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == Q3_K:
+        q3_k_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ4_XS:
+        iq4_xs_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ4_NL:
+        iq4_nl_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == Q4_1:
+        q4_1_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == Q5_0:
+        q5_0_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == Q5_1:
+        q5_1_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == MXFP4:
+        mxfp4_deq(w, off, dst, at, n_in >> 5)
+    elif fmt == IQ2_XXS:
+        iq2_xxs_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ2_XS:
+        iq2_xs_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ2_S:
+        iq2_s_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ3_XXS:
+        iq3_xxs_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ3_S:
+        iq3_s_deq(w, off, dst, at, n_in >> 8)
+    elif fmt == IQ1_S:
+        iq1_s_deq(w, off, dst, at, n_in >> 8)
+    else:  # IQ1_M
+        iq1_m_deq(w, off, dst, at, n_in >> 8)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)

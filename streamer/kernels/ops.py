@@ -1,4 +1,5 @@
-"""Small numba kernels of the forward pass that are not matrix products: RMSNorm, per-head norm + NEOX RoPE,
+"""Small numba kernels of the forward pass that are not matrix products: RMSNorm, per-head norm + NEOX RoPE
+(RoPE alone for Qwen2),
 causal grouped-query attention over the KV cache, SwiGLU. Flat functions over arrays, float32 in and out,
 sums of squares in float64 as ggml does."""
 
@@ -40,6 +41,24 @@ def head_norm_rope(x, w, eps, cos, sin, pos0):
             for j in range(half):
                 a = x[i, h, j] * r * w[j]
                 b = x[i, h, j + half] * r * w[j + half]
+                c = cos[p, j]
+                s = sin[p, j]
+                x[i, h, j] = a * c - b * s
+                x[i, h, j + half] = a * s + b * c
+    return x
+
+
+@kernel(fastmath=True)
+def head_rope(x, cos, sin, pos0):
+    """In place on x (m, n_head, head_dim): NEOX RoPE at position pos0 + i, no norm (Qwen2)."""
+    m, nh, hd = x.shape
+    half = hd // 2
+    for i in range(m):
+        p = pos0 + i
+        for h in range(nh):
+            for j in range(half):
+                a = x[i, h, j]
+                b = x[i, h, j + half]
                 c = cos[p, j]
                 s = sin[p, j]
                 x[i, h, j] = a * c - b * s

@@ -1,4 +1,4 @@
-"""Write synthetic Qwen3 / Qwen3-MoE GGUFs at real geometry with random, well-scaled weights.
+"""Write synthetic Qwen3 / Qwen3-MoE / Qwen2 GGUFs at real geometry with random, well-scaled weights.
 
 No real weights can be downloaded here, so tests, the demo and benchmarks use these. Tensors are generated
 and written one at a time, so a 17 GB file needs only one tensor's worth of RAM. Quantized blocks are random
@@ -8,9 +8,11 @@ bytes with their scale fields overwritten so every row has zero mean and std ~ g
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -43,6 +45,8 @@ PRESETS = {
     "qwen3-0.6b": Geometry("qwen3", 28, 1024, 16, 8, 128, 3072),
     "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
     "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),
+    "tiny-qwen2": Geometry("qwen2", 2, 256, 4, 2, 64, 512, n_ctx=2048),
+    "qwen2.5-coder-7b": Geometry("qwen2", 28, 3584, 28, 4, 128, 18944, n_ctx=32768),
 }
 
 
@@ -88,7 +92,96 @@ def _q6_k(b: np.ndarray, sigma: float, rng) -> None:  # [ql 128][qh 64][scales i
     b[:, 208:210] = _f16(np.full(len(b), sigma / (40.0 * 18.47)))
 
 
-_QUANT_FILL: dict[T, Callable] = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+def _q2_k(b: np.ndarray, sigma: float, rng) -> None:  # [scales 16][qs 64][d][dmin]; d*sc*q - dmin*m, q in 0..3
+    sc = rng.integers(8, 16, size=(len(b), 16), dtype=np.uint8)
+    b[:, 0:16] = sc | (sc << 4)  # min nibble = scale nibble and dmin = 1.5 d: each sub-block has zero mean
+    d = sigma / (11.6 * 1.118)  # rms of sc in 8..15 is 11.6; q uniform in 0..3 has std 1.118
+    b[:, 80:82] = _f16(np.full(len(b), d))
+    b[:, 82:84] = _f16(np.full(len(b), 1.5 * d))
+
+
+def _signed_scales(n: int, rng) -> np.ndarray:
+    """6-bit scale fields (value - 32 in +-16..31, random sign: rows keep zero mean), as uint8 0..63."""
+    mag = rng.integers(16, 32, size=n)
+    return np.where(rng.integers(0, 2, size=n) == 1, 32 + mag, 32 - mag).astype(np.uint8)
+
+
+def _q3_k(b: np.ndarray, sigma: float, rng) -> None:  # [hmask 32][qs 64][scales 12][d]; d*(s-32)*q, q in -4..3
+    s = _signed_scales(16 * len(b), rng).reshape(len(b), 16)
+    b[:, 96:100] = (s[:, 0:4] & 15) | ((s[:, 8:12] & 15) << 4)
+    b[:, 100:104] = (s[:, 4:8] & 15) | ((s[:, 12:16] & 15) << 4)
+    b[:, 104:108] = (s[:, 0:4] >> 4) | ((s[:, 4:8] >> 4) << 2) | ((s[:, 8:12] >> 4) << 4) | ((s[:, 12:16] >> 4) << 6)
+    b[:, 108:110] = _f16(np.full(len(b), sigma / (24.1 * 2.29)))  # rms |s-32| 24.1, q std 2.29
+
+
+def _iq4_xs(b: np.ndarray, sigma: float, rng) -> None:  # [d][scales_h u16][scales_l 4][qs 128]; d*(s-32)*kv[q]
+    s = _signed_scales(8 * len(b), rng).reshape(len(b), 8).astype(np.uint16)
+    b[:, 0:2] = _f16(np.full(len(b), sigma / (24.1 * 68.3)))  # kvalues: rms 68.3
+    high = sum(((s[:, k] >> 4) & 3) << (2 * k) for k in range(8)).astype(np.uint16)
+    b[:, 2:4] = high.reshape(-1, 1).view(np.uint8)
+    b[:, 4:8] = ((s[:, 0::2] & 15) | ((s[:, 1::2] & 15) << 4)).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray, sigma: float, rng) -> None:  # [d][qs 16]; d*kv[q]
+    b[:, 0:2] = _f16(rng.choice([-1.0, 1.0], len(b)) * sigma / 68.3)  # random signs cancel the grid's mean
+
+
+def _q4_1(b: np.ndarray, sigma: float, rng) -> None:  # [d][m][qs 16]; d*q + m, q in 0..15
+    b[:, 0:2] = _f16(np.full(len(b), sigma / 4.61))
+    b[:, 2:4] = _f16(np.full(len(b), -7.5 * sigma / 4.61))
+
+
+def _q5_0(b: np.ndarray, sigma: float, rng) -> None:  # [d][qh 4][qs 16]; d*(q-16), q in 0..31
+    b[:, 0:2] = _f16(rng.choice([-1.0, 1.0], len(b)) * sigma / 9.23)
+
+
+def _q5_1(b: np.ndarray, sigma: float, rng) -> None:  # [d][m][qh 4][qs 16]; d*q + m, q in 0..31
+    b[:, 0:2] = _f16(np.full(len(b), sigma / 9.23))
+    b[:, 2:4] = _f16(np.full(len(b), -15.5 * sigma / 9.23))
+
+
+def _mxfp4(b: np.ndarray, sigma: float, rng) -> None:  # [e8m0][qs 16]; 2^(e-128) * doubled E2M1 value (rms 5.85)
+    b[:, 0] = np.clip(np.rint(np.log2(sigma / 5.85)) + 128, 2, 254)
+
+
+_GRID_RMS: dict[T, float] = {}
+
+
+def _set_iq_d(qtype: T, b: np.ndarray, d: np.ndarray) -> None:
+    """Write the f16 super-block scale: bytes 0-1, or for IQ1_M the top nibbles of its four u16 words at 48."""
+    if qtype != T.IQ1_M:
+        b[:, 0:2] = _f16(d)
+        return
+    bits = np.asarray(d, np.float16).view(np.uint16).reshape(-1, 1)
+    words = b[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+    words |= ((bits >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)) << np.uint16(12)
+    b[:, 48:56] = words.view(np.uint8)
+
+
+def _grid_rms(qtype: T) -> float:
+    """Root mean square of a random i-quant block's values at d = 1 (random grid indices, signs and scales),
+    measured once on 64 blocks with gguf-py's dequantizer."""
+    if qtype not in _GRID_RMS:
+        from gguf.quants import dequantize
+
+        size = GGML_QUANT_SIZES[qtype][1]
+        b = np.frombuffer(bytearray(np.random.default_rng(0).bytes(64 * size)), np.uint8).reshape(64, size)
+        _set_iq_d(qtype, b, np.ones(64))
+        _GRID_RMS[qtype] = float(np.sqrt(np.mean(dequantize(b, qtype).astype(np.float64) ** 2)))
+    return _GRID_RMS[qtype]
+
+
+def _iq(qtype: T) -> Callable:
+    def fill(b: np.ndarray, sigma: float, rng) -> None:  # [d f16][grid indices, signs, scales: random bytes]
+        _set_iq_d(qtype, b, np.full(len(b), sigma / _grid_rms(qtype)))  # random signs (IQ1: deltas): zero mean
+    return fill
+
+
+_QUANT_FILL: dict[T, Callable] = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+                                  T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.IQ4_NL: _iq4_nl,
+                                  T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.MXFP4: _mxfp4,
+                                  **{q: _iq(q) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
+                                                         T.IQ1_S, T.IQ1_M)}}
 WRITABLE = (T.F32, T.F16, T.BF16, *_QUANT_FILL)
 
 
@@ -126,6 +219,7 @@ class SynthSpec:
     # shared part dominates the residual and deep layers route most tokens to a few experts (measured: 59% of
     # uses on 8 of 64 experts at layer 15). At 0.25 routing stays as uniform as sampling noise allows (~19%).
     attn_out_gain: float = 0.25
+    recipe: str | None = None  # a llama-quantize mix (synth/recipes.py): per-tensor types instead of qtype
 
 
 def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
@@ -140,8 +234,13 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
         yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
         yield b + "attn_v.weight", (g.n_head_kv * hd, E), q, w
         yield b + "attn_output.weight", (E, g.n_head * hd), q, spec.attn_out_gain / np.sqrt(g.n_head * hd)
-        yield b + "attn_q_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
-        yield b + "attn_k_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
+        if g.arch == "qwen2":  # q/k/v biases (std 0.5: attention is not quite uniform), no per-head norms
+            yield b + "attn_q.bias", (g.n_head * hd,), T.F32, 0.5
+            yield b + "attn_k.bias", (g.n_head_kv * hd,), T.F32, 0.5
+            yield b + "attn_v.bias", (g.n_head_kv * hd,), T.F32, 0.5
+        else:
+            yield b + "attn_q_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
+            yield b + "attn_k_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
         yield b + "ffn_norm.weight", (E,), T.F32, -1.0
         if g.n_expert:
             F, X = g.n_ff_exp, g.n_expert
@@ -158,6 +257,19 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
         yield "output.weight", (n_vocab, E), spec.head_qtype or q, w
 
 
+def typed_tensors(spec: SynthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], T, float]]:
+    """The tensors in file order, with the recipe's per-tensor types when the spec names one."""
+    tensors = list(_tensors(spec, n_vocab))
+    if spec.recipe is None:
+        return tensors
+    from streamer.synth.recipes import recipe_types
+
+    g = spec.geometry
+    types = recipe_types(spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv,
+                         g.n_expert)
+    return [(n, s, qt, sig) for (n, s, _, sig), qt in zip(tensors, types)]
+
+
 def _storage(shape: tuple[int, ...], qtype: T) -> tuple[tuple[int, ...], np.dtype, int]:
     block, size = GGML_QUANT_SIZES[qtype]
     nbytes = int(np.prod(shape, dtype=np.int64)) // block * size
@@ -168,16 +280,51 @@ def _storage(shape: tuple[int, ...], qtype: T) -> tuple[tuple[int, ...], np.dtyp
     return (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8), nbytes
 
 
-def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[int, int], None] | None = None) -> str:
-    """Write the model to `path` (via a temp file renamed at the end, so a crash leaves nothing half-written)."""
-    g = spec.geometry
+@dataclass(frozen=True)
+class Split:
+    """Shard the output as gguf-split does: a new shard when the next tensor would take the current one over
+    max_size bytes or max_tensors tensors (0: no limit); small_first puts no tensors in the first shard
+    (gguf-split --no-tensor-first-split). Shards are named <stem>-00001-of-0000N.gguf."""
+    max_size: int = 0
+    max_tensors: int = 0
+    small_first: bool = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.max_size or self.max_tensors or self.small_first)
+
+
+def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[int, int], None] | None = None,
+                split: Split = Split(), overwrite: bool = True) -> str:
+    """Write the model to `path`, or, split, to its shards next to it (<stem>-0000i-of-0000N.gguf); returns the
+    path to open (the first shard). Everything is written into a temporary file or directory beside the
+    target and renamed into place at the end, so a crash or an error leaves no half-written file or shard set."""
     for qt in {spec.qtype, spec.embd_qtype or spec.qtype, spec.head_qtype or spec.qtype}:
         if qt not in WRITABLE:
             raise StreamerError(f"the synthetic writer cannot write {qt.name} (it writes {', '.join(t.name for t in WRITABLE)})")
+    if split.max_size < 0 or split.max_tensors < 0:
+        raise StreamerError("--split-max-size and --split-max-tensors must not be negative")
     path = os.path.realpath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".part")
-    os.close(fd)
-    w = gguf.GGUFWriter(tmp, g.arch)
+    if split.active:
+        tmpdir = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".part")
+        tmp = os.path.join(tmpdir, os.path.basename(path))
+    else:
+        tmpdir = None
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".part")
+        os.close(fd)
+    try:
+        return _write(path, tmp, spec, progress, split, overwrite)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        elif os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwrite: bool) -> str:
+    g = spec.geometry
+    w = gguf.GGUFWriter(tmp, g.arch, split_max_tensors=split.max_tensors, split_max_size=split.max_size,
+                        small_first_shard=split.small_first)
     w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
     n_vocab = add_vocab(w, spec.real_vocab)
     w.add_block_count(g.n_layer)
@@ -186,19 +333,29 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
     w.add_feed_forward_length(g.n_ff)
     w.add_head_count(g.n_head)
     w.add_head_count_kv(g.n_head_kv)
-    w.add_key_length(g.head_dim)
-    w.add_value_length(g.head_dim)
+    if g.arch != "qwen2":  # Qwen2 files derive head_dim from embedding_length / head_count
+        w.add_key_length(g.head_dim)
+        w.add_value_length(g.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1e6)
     if g.n_expert:
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
         w.add_expert_feed_forward_length(g.n_ff_exp)
-    tensors = list(_tensors(spec, n_vocab))
+    tensors = typed_tensors(spec, n_vocab)
+    if spec.recipe is not None:
+        from streamer.synth.recipes import file_type
+
+        w.add_file_type(file_type(spec.recipe))
     for name, shape, qt, _ in tensors:
         sshape, dtype, nbytes = _storage(shape, qt)
         w.add_tensor_info(name, sshape, dtype, nbytes, raw_dtype=None if qt in (T.F32, T.F16) else qt)
     total = sum(_storage(s, qt)[2] for _, s, qt, _ in tensors)
+    names = [str(p) for p in w.format_shard_names(Path(tmp))]
+    targets = [path] if len(names) == 1 else [os.path.join(os.path.dirname(path), os.path.basename(n)) for n in names]
+    for t in targets if not overwrite else ():
+        if os.path.exists(t):
+            raise StreamerError(f"{t} exists (use --force to replace it)")
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -215,20 +372,31 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
             if progress:
                 progress(done, total)
         w.close()
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
+        for n in names:
+            os.chmod(n, 0o666 & ~current_umask())
+        done_targets: list[str] = []
+        try:
+            for n, t in zip(names, targets):
+                os.replace(n, t)
+                done_targets.append(t)
+        except BaseException:
+            for t in done_targets:  # never a partial shard set
+                os.unlink(t)
+            raise
+    finally:
         w.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return targets[0]
 
 
 def spec_for(preset: str, qtype: str = "Q8_0", layers: int | None = None, **kw) -> SynthSpec:
     """A SynthSpec from a preset name, a quant type name and an optional layer-count override."""
     if preset not in PRESETS:
         raise StreamerError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
+    if kw.get("recipe") is not None:
+        from streamer.synth.recipes import RECIPES
+
+        if kw["recipe"] not in RECIPES:
+            raise StreamerError(f"unknown recipe '{kw['recipe']}' (choose from {', '.join(RECIPES)})")
     try:
         qt = T[qtype.upper()]
     except KeyError:
