@@ -235,12 +235,12 @@ def test_every_list_of_formats_is_the_one_table():
     from streamer.kernels.experts import FORMATS as EXPERT_FORMATS
 
     assert set(SUPPORTED) == set(FORMATS) and NAMES.split(", ") == [t.name for t in FORMATS]
-    assert set(EXPERT_FORMATS) == {t for t in FORMATS if t.name.startswith("Q")}
+    assert set(EXPERT_FORMATS) == {t for t, f in streamer.formats.FORMATS.items() if f.family == "block"}
     for family in ("half", "block"):
         codes = [f.code for f in streamer.formats.FORMATS.values() if f.family == family]
         assert len(set(codes)) == len(codes), family
     qtype = next(p for p in typer.main.get_command(app).commands["synth"].params if p.name == "qtype")
-    assert set(re.findall(r"\b(?:Q\w+|F16|BF16|F32)\b", qtype.help)) == {t.name for t in FORMATS}
+    assert set(re.findall(r"\b(?:I?Q\w+|MXFP4|F16|BF16|F32)\b", qtype.help)) == {t.name for t in FORMATS}
 
 
 def test_rows_out_of_range_and_threads():
