@@ -20,9 +20,9 @@ TOKENIZER_JSON = REPO / "tests" / "data" / "stdlib_bpe_tokenizer.json"
 # name -> (NetConfig kwargs, TrainConfig kwargs)
 MODELS = {
     "moe": (dict(n_layer=8, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_expert=64, n_expert_used=8,
-                 n_ff_exp=64), dict(steps=400, batch=8, seq=256, lr=3e-3)),
+                 n_ff_exp=64), dict(steps=400, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),))),
     "dense": (dict(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_ff=384),
-              dict(steps=450, batch=8, seq=256, lr=3e-3)),
+              dict(steps=450, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),))),
 }
 FILES = {"moe": "stdlib-qwen3moe-q8_0.gguf", "dense": "stdlib-qwen3-q8_0.gguf"}
 VOCAB = 4096

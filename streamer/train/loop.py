@@ -29,13 +29,31 @@ class TrainConfig:
     seed: int = 0
     checkpoint_s: float = 180.0
     log_every: int = 10
+    # further cosine cycles after the first (steps, peak lr), each with its own warmup: a warm restart (SGDR)
+    # that lets a finished run be trained on, with a schedule a fresh run reproduces step for step
+    cycles: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + sum(n for n, _ in self.cycles)
+
+
+def _cosine(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def lr_at(tc: TrainConfig, step: int) -> float:
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    t = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
-    return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+    if step < tc.steps:
+        return _cosine(step, tc.steps, tc.lr, tc.warmup, tc.min_lr_frac)
+    step -= tc.steps
+    for n, lr in tc.cycles:
+        if step < n:
+            return _cosine(step, n, lr, min(tc.warmup, n // 10), tc.min_lr_frac)
+        step -= n
+    return tc.lr * tc.min_lr_frac
 
 
 def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +89,7 @@ def train(nc: NetConfig, tc: TrainConfig, tokens: np.ndarray, ckpt: str, log=pri
     last_ckpt = t0 = time.time()
     acc_loss, acc_aux, acc_n = 0.0, 0.0, 0
     usage = torch.zeros(nc.n_layer, max(nc.n_expert, 1))
-    while step < tc.steps:
+    while step < tc.total_steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(tc, step)
         x, y = batch_at(tokens, tc, step)
@@ -91,9 +109,9 @@ def train(nc: NetConfig, tc: TrainConfig, tokens: np.ndarray, ckpt: str, log=pri
         step += 1
         acc_loss += loss.item()
         acc_n += 1
-        if step % tc.log_every == 0 or step == tc.steps:
+        if step % tc.log_every == 0 or step == tc.total_steps:
             dt = time.time() - t0
-            msg = (f"step {step}/{tc.steps} loss {acc_loss / acc_n:.4f} lr {lr_at(tc, step - 1):.2e} "
+            msg = (f"step {step}/{tc.total_steps} loss {acc_loss / acc_n:.4f} lr {lr_at(tc, step - 1):.2e} "
                    f"tok/s {acc_n * tc.batch * tc.seq / dt:.0f}")
             if nc.is_moe:
                 share = usage / usage.sum(1, keepdim=True)
@@ -102,7 +120,7 @@ def train(nc: NetConfig, tc: TrainConfig, tokens: np.ndarray, ckpt: str, log=pri
             log(msg)
             acc_loss, acc_aux, acc_n, t0 = 0.0, 0.0, 0, time.time()
             sys.stdout.flush()
-        if time.time() - last_ckpt > tc.checkpoint_s or step == tc.steps:
+        if time.time() - last_ckpt > tc.checkpoint_s or step == tc.total_steps:
             _save(ckpt, {"model": net.state_dict(), "opt": opt.state_dict(), "step": step, "net": nc.to_dict()})
             last_ckpt = time.time()
     return net
