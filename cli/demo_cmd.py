@@ -13,6 +13,7 @@ import typer
 from streamer.cli.options import Threads
 
 DEMO_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
+DEMO_REPEAT_PENALTY = 1.15
 
 
 def demo_model() -> Path:
@@ -63,15 +64,17 @@ def _generate(s, prompt: str, n_predict: int) -> None:
     from streamer.sampler import Sampler, SamplerParams
 
     tok = s.tokenizer
-    gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
+    # greedy, with llama.cpp's repeat penalty: a model this small loops on plain greedy decoding
+    params = SamplerParams(temperature=0.0, repeat_penalty=DEMO_REPEAT_PENALTY)
+    gen = Generator(s.model, s.model.new_cache(), Sampler(params), tok.eog_ids)
     ids = tok.encode(prompt)
     dec = tok.stream_decoder()
     print(f"prefill: {len(ids)} tokens ...", end="", file=sys.stderr, flush=True)
     out: list[int] = []
     for t in gen.generate(ids, n_predict):
         if not out:
-            print(f" done in {gen.stats.prompt_s:.2f} s; generating {n_predict} tokens greedily", file=sys.stderr,
-                  flush=True)
+            print(f" done in {gen.stats.prompt_s:.2f} s; generating {n_predict} tokens greedily (repeat penalty "
+                  f"{DEMO_REPEAT_PENALTY})", file=sys.stderr, flush=True)
             sys.stdout.write(prompt)
         out.append(t)
         sys.stdout.write(dec.push(t))
