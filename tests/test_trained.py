@@ -80,7 +80,7 @@ def test_logits_match_float64_reference_tightly(path):
         got = s.model.forward(ids, s.model.new_cache(), all_logits=True)
         moe = s.cfg.is_moe
     want = Reference(str(path)).logits(ids)
-    assert np.std(want, axis=1).min() > 1.0  # trained: peaked, not the near-flat logits of random weights
+    assert np.median(np.std(want, axis=1)) > 1.0  # trained: peaked, not the near-flat logits of random weights
     cos = np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     off = np.abs(got - want).max(axis=1) > 2e-3 * np.abs(want).max()
     # float32 vs float64 can flip a near-tie among the top-8 experts (measured: 2 of these 96 positions, 1% of the
