@@ -57,7 +57,7 @@ def demo(
           "the other experts are read from disk as tokens need them", file=sys.stderr)
     # one compute thread unless asked: this 15 MB model gains nothing from more, and on a busy machine two
     # threads waiting on each other made the demo 10x slower (measured: 24 s with 2, 1.7 s with 1)
-    with open_model(path, StreamOptions(expert_cache_bytes=cache_bytes), n_ctx=1024, threads=threads or 1) as s:
+    with open_model(path, StreamOptions(expert_cache_bytes=cache_bytes), threads=threads or 1) as s:
         _generate(s, prompt, n_predict)
 
 

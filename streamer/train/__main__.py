@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -112,6 +113,7 @@ def export_model(name: str, work: Path, out: Path, log) -> None:
 
     st = torch.load(work / f"{name}.ckpt", weights_only=False)
     net = Net(NetConfig(**st["net"]))
+    net.c = dataclasses.replace(net.c, n_ctx=MODELS[name][1]["seq"])  # the file's context_length: what it was trained on
     net.load_state_dict(st["model"])
     out.mkdir(parents=True, exist_ok=True)
     p = write_gguf(net, TOKENIZER_JSON.read_text(encoding="utf-8"), str(out / FILES[name]),
