@@ -72,7 +72,8 @@ def compare(path: Path, n_ctx: int, chunks: int, llama_python: str) -> dict:
             "llama_add_bos": info["add_bos"], "ppl_stream_run": ours.ppl, "ppl_stderr": ours.stderr,
             "ppl_llama_cpp": ppl_llama, "rel_diff": ours.ppl / ppl_llama - 1,
             "ppl_streamed_25pct": None if streamed is None else streamed.ppl,
-            "streamed_equals_resident": None if streamed is None else (streamed.nll, streamed.running) == (ours.nll, ours.running),
+            "streamed_equals_resident": None if streamed is None
+            else (streamed.nll, streamed.running) == (ours.nll, ours.running),
             "top1_agreement": float(agree)}
 
 

@@ -73,7 +73,8 @@ def test_streamed_quarter_cache_equals_resident_to_the_last_digit(synth_model, t
         layout = ExpertLayout(s.gf, s.cfg)
     for prefetch in (False, True):
         cache = max(layout.total_bytes // 4, 4 * layout.slot_bytes)
-        with open_model(path, StreamOptions(learn=False, prefetch=prefetch, expert_cache_bytes=cache), n_ctx=N_CTX) as s:
+        opts = StreamOptions(learn=False, prefetch=prefetch, expert_cache_bytes=cache)
+        with open_model(path, opts, n_ctx=N_CTX) as s:
             assert s.streaming
             got = perplexity(s.model, tokens, N_CTX)
         assert (got.nll, got.nll2, got.running) == (resident.nll, resident.nll2, resident.running)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import time
@@ -113,7 +112,8 @@ def export_model(name: str, work: Path, out: Path, log) -> None:
 
     st = torch.load(work / f"{name}.ckpt", weights_only=False)
     net = Net(NetConfig(**st["net"]))
-    net.c = dataclasses.replace(net.c, n_ctx=MODELS[name][1]["seq"])  # the file's context_length: what it was trained on
+    # the file's context_length: the window the model was trained on
+    net.c = dataclasses.replace(net.c, n_ctx=MODELS[name][1]["seq"])
     net.load_state_dict(st["model"])
     out.mkdir(parents=True, exist_ok=True)
     p = write_gguf(net, TOKENIZER_JSON.read_text(encoding="utf-8"), str(out / FILES[name]),

@@ -47,7 +47,8 @@ def split(files: list[tuple[str, str]]) -> tuple[list[str], list[tuple[str, str]
 
 
 def heldout_text(held: list[tuple[str, str]], max_bytes: int = HELDOUT_MAX_BYTES) -> str:
-    """Whole held-out modules (codec tables skipped), in path order, until max_bytes; each introduced by a '# file:' comment line."""
+    """Whole held-out modules (codec tables skipped), in path order, until max_bytes; each introduced by a
+    '# file:' comment line."""
     parts, size = [], 0
     for rel, text in held:
         if rel.startswith("encodings/"):  # codec tables: repetitive data, not prose or code
