@@ -114,9 +114,9 @@ def routing_stats(tr, n_expert: int) -> list[dict]:
 def decode_run(path: Path, ids: np.ndarray, ctx: int, share: float, prefetch: bool, pinned: bool,
                top_p: float = 1.0) -> dict:
     """Teacher-forced decode of ids through a streaming session; the profiler's report."""
+    from streamer.config import ModelConfig
     from streamer.experts.store import ExpertLayout
     from streamer.gguf_file import GGUFFile
-    from streamer.config import ModelConfig
     from streamer.session import open_model
 
     gf = GGUFFile(path)

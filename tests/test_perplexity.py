@@ -9,8 +9,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from reference import Reference
+
+from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
 from streamer.options import StreamOptions
 from streamer.perplexity import perplexity, plan
@@ -83,7 +84,7 @@ def test_streamed_quarter_cache_equals_resident_to_the_last_digit(synth_model, t
 def test_plan_follows_llama_perplexity():
     assert plan(100, 16, None) == 6 and plan(100, 16, 2) == 2 and plan(32, 16, None) == 2
     for args in ((31, 16, None), (100, 3, None), (100, 16, 0)):
-        with pytest.raises(Exception):
+        with pytest.raises(StreamerError):
             plan(*args)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from reference import Reference
+
 from streamer.experts.store import ExpertLayout
 from streamer.gguf_file import GGUFFile
 from streamer.options import StreamOptions

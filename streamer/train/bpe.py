@@ -6,7 +6,7 @@ llama.cpp and stream-run normalise nothing, so without it all three agree on eve
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from collections.abc import Iterable
 
 from streamer.synth.vocab import SPECIALS
 
