@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.common import check_output_path, check_prompt, open_session, probe
-from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, with_stream_options
+from streamer.cli.common import check_output_path, check_prompt, check_trace, open_session, probe
+from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, TraceOut, with_stream_options
 from streamer.options import StreamOptions
 
 
@@ -27,6 +27,7 @@ def bench(
                                                 "instead of the greedy one: routing never repeats (worst case for "
                                                 "the expert cache).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
+    trace: TraceOut = None,
 ) -> None:
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
@@ -39,8 +40,9 @@ def bench(
     t0 = time.perf_counter()
     ctx = pp + tg + 1 if ctx_size is None else ctx_size
     gf, cfg = probe(model)
+    check_trace(trace, cfg)
     check_room(0, pp + tg - 1, cfg.context(ctx))  # the prefill, then tg - 1 decode steps
-    with open_session(gf, options, ctx, threads) as s:
+    with open_session(gf, options, ctx, threads, trace=trace) as s:
         r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
     print(json.dumps(r) if as_json else format_bench(r))
 
@@ -54,6 +56,7 @@ def profile(
     threads: Threads = None,
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
+    trace: TraceOut = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
     from streamer.errors import StreamerError
@@ -63,13 +66,14 @@ def profile(
     from streamer.tokenizer import Tokenizer
 
     check_output_path(json_out, "--json-out")
+    check_output_path(trace, "--trace")
     gf, cfg = probe(model)
     if not cfg.is_moe:
         raise StreamerError(f"{model} is a dense model: it has no experts to profile")
     tok = Tokenizer.from_gguf(gf)
     ids = tok.encode(prompt)
     check_prompt(ids, cfg, ctx_size)
-    with open_session(gf, options, ctx_size, threads, tok) as s:
+    with open_session(gf, options, ctx_size, threads, tok, trace) as s:
         gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
         for _ in gen.generate(ids, n_predict):
             pass

@@ -71,7 +71,16 @@ def probe(model: Path):
     return gf, ModelConfig.from_gguf(gf)
 
 
-def open_session(gf, options, ctx_size: int | None, threads: int | None, tokenizer=None):
+def check_trace(trace: Path | None, cfg) -> None:
+    """--trace: a writable path, and a MoE model (a dense one has no routing to record)."""
+    from streamer.errors import StreamerError
+
+    check_output_path(trace, "--trace")
+    if trace is not None and not cfg.is_moe:
+        raise StreamerError("--trace: this is a dense model: it has no experts, so there is no routing to trace")
+
+
+def open_session(gf, options, ctx_size: int | None, threads: int | None, tokenizer=None, trace=None):
     """streamer.session.open_model (weights mapped, kernels compiled or loaded), once the input is checked;
     with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error")."""
     from streamer.filewatch import install_bus_error_exit
@@ -79,7 +88,7 @@ def open_session(gf, options, ctx_size: int | None, threads: int | None, tokeniz
 
     n = len(gf.shards)
     install_bus_error_exit(str(gf.path) if n == 1 else f"{gf.path} (or one of its {n} shards)")
-    return open_model(gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer)
+    return open_model(gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer, trace=trace)
 
 
 def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:

@@ -26,6 +26,9 @@ RepeatLastN = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the pe
 FreqPenalty = Annotated[float, typer.Option("--frequency-penalty", help="Frequency penalty.")]
 PresencePenalty = Annotated[float, typer.Option("--presence-penalty", help="Presence penalty.")]
 Seed = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
+TraceOut = Annotated[Optional[Path], typer.Option("--trace", help="Record the routing trace (per step and layer: "
+                                                  "routed experts and weights, how each request was served, bytes, "
+                                                  "stalls, prefetches) to this .npz, for `stream-run replay`.")]
 
 
 def _preset_names() -> str:

@@ -8,7 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.common import check_output_path, check_prompt, open_session, parse_tokens, prefill_progress, probe
+from streamer.cli.common import (
+    check_output_path,
+    check_prompt,
+    check_trace,
+    open_session,
+    parse_tokens,
+    prefill_progress,
+    probe,
+)
 from streamer.cli.options import (
     CtxSize,
     FreqPenalty,
@@ -23,6 +31,7 @@ from streamer.cli.options import (
     Threads,
     TopK,
     TopP,
+    TraceOut,
     with_stream_options,
 )
 from streamer.options import StreamOptions
@@ -49,6 +58,7 @@ def run(
     ctx_size: CtxSize = None,
     threads: Threads = None,
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
+    trace: TraceOut = None,
     display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
                                                  help="Echo the prompt before the completion.")] = True,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-generation tokens "
@@ -69,10 +79,11 @@ def run(
     sampler = Sampler(SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
                                     presence_penalty, None if seed < 0 else seed))
     gf, cfg = probe(model)
+    check_trace(trace, cfg)
     tok = None if tokens is not None else Tokenizer.from_gguf(gf)
     ids = parse_tokens(tokens) if tok is None else tok.encode(read_text(file) if file is not None else prompt)
     check_prompt(ids, cfg, ctx_size)
-    with open_session(gf, options, ctx_size, threads, tok) as s:
+    with open_session(gf, options, ctx_size, threads, tok, trace) as s:
         if logits_out is not None:
             _write_logits(s, ids, logits_out)
         else:
@@ -136,6 +147,7 @@ def chat(
     ctx_size: CtxSize = None,
     threads: Threads = None,
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
+    trace: TraceOut = None,
 ) -> None:
     """Multi-turn chat. Reads one user turn per line (from a terminal or a pipe); Ctrl-C stops a reply,
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
@@ -149,9 +161,10 @@ def chat(
                      repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
                      presence_penalty=presence_penalty, seed=None if seed < 0 else seed)
     sampler_params(not no_think, **overrides).check()  # a bad value fails before the file is read
-    gf, _ = probe(model)
+    gf, cfg = probe(model)
+    check_trace(trace, cfg)
     sampler = Sampler(sampler_params(thinks(gf.arch, not no_think), **overrides))  # Qwen2 never thinks
-    with open_session(gf, options, ctx_size, threads) as s:
+    with open_session(gf, options, ctx_size, threads, trace=trace) as s:
         gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids,
                         on_prefill=prefill_progress())
         conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict,

@@ -95,11 +95,17 @@ def scratch_bytes(cfg, ubatch: int = 512) -> int:
     return 32 * 2**20 + ubatch * 12 * widest * 4 + cfg.n_vocab * 4 * 2
 
 
+def plan_at(budget: int, baseline: int, nonexpert: int, kv: int, scratch: int, expert_total: int,
+            slot_bytes: int) -> Plan:
+    """The plan for `budget` given everything else it pays for (the trace replay re-plans recorded runs with it)."""
+    return Plan(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
+
+
 def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    plan = Plan(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), margin_bytes(b),
-                expert_total, slot_bytes)
+    plan = plan_at(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total,
+                   slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget

@@ -26,14 +26,25 @@ def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, n
     """logits (m, n_expert) -> expert ids (m, k) and weights (m, k), by descending weight. With top_p < 1,
     per token keep the smallest prefix whose cumulative weight reaches top_p of the total, rescale the
     survivors to the same total, and mark the dropped ones with id -1 and weight 0."""
+    return apply_top_p(*route_topk(logits, k), top_p)
+
+
+def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over all experts, the top k by descending weight, renormalised (before expert top-p)."""
     z = logits - logits.max(axis=1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=1, keepdims=True)
     ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(p, ids, axis=1)
     w /= w.sum(axis=1, keepdims=True)
+    return ids, w
+
+
+def apply_top_p(ids: np.ndarray, w: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Expert top-p over route_topk's output (see route); top_p >= 1 returns its arguments unchanged."""
     if top_p >= 1.0:
         return ids, w
+    k = ids.shape[1]
     total = w.sum(axis=1, keepdims=True)
     cum = np.cumsum(w, axis=1)
     n_keep = (cum < top_p * total).sum(axis=1) + 1  # index of the first prefix reaching top_p, plus one
@@ -50,14 +61,22 @@ class Router:
         self.cfg, self.expert_top_p = cfg, expert_top_p
         self.mats = [qmatrix(gf, f"blk.{i}.ffn_gate_inp.weight") for i in range(cfg.n_layer)]
         self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
+        self.trace = None  # a streamer.trace.TraceRecorder: gets the top-k before and after expert top-p
 
     def __call__(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(linear(self.mats[layer], h), self.cfg.n_expert_used, self.expert_top_p)
+        ids_k, w_k = route_topk(linear(self.mats[layer], h), self.cfg.n_expert_used)
+        ids, w = apply_top_p(ids_k, w_k, self.expert_top_p)
+        if self.trace is not None:
+            self.trace.route(layer, ids_k, w_k, w)
+        return ids, w
 
     def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The experts `layer` would pick for the residual x of one token (before its attention)."""
         h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, np.empty_like(x))
-        ids, _ = route(self.mats[layer].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used, self.expert_top_p)
+        ids_k, w_k = route_topk(self.mats[layer].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used)
+        ids, _ = apply_top_p(ids_k, w_k, self.expert_top_p)
+        if self.trace is not None:
+            self.trace.lookahead(layer, ids_k, w_k)
         return ids[0][ids[0] >= 0]
 
 

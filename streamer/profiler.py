@@ -47,6 +47,7 @@ class LayerStats:
 class Profiler:
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
+        self.trace = None  # a streamer.trace.TraceRecorder when the run records a routing trace
         self.reset()
 
     def reset(self) -> None:
@@ -55,6 +56,8 @@ class Profiler:
         self.t0 = time.perf_counter()
         self.disk0 = disk_read_bytes()
         self.tokens = 0  # tokens run through the model (prefill + decode)
+        if self.trace is not None:
+            self.trace.reset()
 
     def routed(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None = None) -> None:
         """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p;

@@ -85,6 +85,11 @@ class Session:
             self.moe.close()
         if self.model.watch is not None:
             self.model.watch.close()
+        trace = getattr(self.profiler, "trace", None)
+        if trace is not None:  # after the readers stopped: every landing is in
+            self.profiler.trace = None
+            trace.save()
+            print(f"wrote routing trace {trace.path} ({trace.step + 1} steps)", file=sys.stderr)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -134,9 +139,10 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 
 
 def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = StreamOptions(), n_ctx: int | None = None,
-               threads: int | None = None, tokenizer: Tokenizer | None = None) -> Session:
+               threads: int | None = None, tokenizer: Tokenizer | None = None, trace=None) -> Session:
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
-    the options ask for, kernels compiled or loaded from numba's cache."""
+    the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
+    routing trace to (streamer/trace.py), written when the session closes."""
     from streamer import kernels
     from streamer.model import Model
 
@@ -146,7 +152,10 @@ def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = Stre
     moe = None
     if cfg.is_moe:
         from streamer.experts.build import build_moe_ffn
-        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx)
+        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace)
+    elif trace is not None:
+        from streamer.errors import StreamerError
+        raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     elif options.ram_budget is not None:
         warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
     model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch([s.path for s in gf.shards]))

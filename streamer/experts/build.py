@@ -18,16 +18,25 @@ from streamer.profiler import Profiler
 logger = logging.getLogger(__name__)
 
 
-def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None) -> MoEFFN:
+def cache_slots(expert_cache_bytes: int, slot_bytes: int, n_layer: int, n_expert: int, n_used: int,
+                pin_share: float) -> tuple[int, int]:
+    """(slots, pin capacity) of an expert cache of this many bytes: pins never take the last two layers' worth
+    of slots. The trace replay sizes its simulated caches with this too."""
+    n_slots = min(expert_cache_bytes // slot_bytes, n_layer * n_expert)
+    return n_slots, max(min(int(pin_share * n_slots), n_slots - 2 * n_used), 0)
+
+
+def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None) -> MoEFFN:
     """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
-    options.pin_share of the expert cache is pinned; the rest stays LRU."""
+    options.pin_share of the expert cache is pinned; the rest stays LRU. trace: a path to record the run's
+    routing trace to (written when the session closes)."""
     stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
     prof = Profiler(cfg.n_layer)
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, options.learn)
     layout = ExpertLayout(gf, cfg)
     plan = None
+    kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if expert_cache_bytes is None and stream:
-        kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
         plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
         logger.info(plan.line())
         if plan.fits_resident:
@@ -37,14 +46,18 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None) -> 
     if not stream:
         source = ResidentSource(gf, cfg, prof)
     else:
-        n_slots = min(expert_cache_bytes // layout.slot_bytes, cfg.n_layer * cfg.n_expert)
+        n_slots, pin_cap = cache_slots(expert_cache_bytes, layout.slot_bytes, cfg.n_layer, cfg.n_expert,
+                                       cfg.n_expert_used, options.pin_share)
         if n_slots < cfg.n_expert_used:
             raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
                                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
-        pin_cap = min(int(options.pin_share * n_slots), n_slots - 2 * cfg.n_expert_used)
-        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(max(pin_cap, 0)), max(pin_cap, 0),
-                            reserve=cfg.n_expert_used)
+        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used)
         source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers,
                                  direct=options.io.direct)
-    return MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch,
-                  plan=plan)
+    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch,
+                 plan=plan)
+    if trace is not None:
+        from streamer.trace import TraceRecorder, run_header
+        prof.trace = ffn.router.trace = TraceRecorder(
+            trace, run_header(gf, cfg, layout, ffn, plan, kv, options.pin_share, usage), usage.saved)
+    return ffn

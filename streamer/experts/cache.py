@@ -37,13 +37,16 @@ class _Idle(LRUCache):
 
 
 class ExpertCache:
-    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0, reserve: int = 0):
-        """reserve: slots prefetches must leave free or idle, so a layer's demand reads always find room."""
+    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0, reserve: int = 0,
+                 allocate: bool = True):
+        """reserve: slots prefetches must leave free or idle, so a layer's demand reads always find room.
+        allocate=False: the bookkeeping without the arena (the trace replay simulates the cache with it)."""
         assert n_slots >= 1
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
-        self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
-        self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
-        self.flat.flags.writeable = False
+        if allocate:
+            self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
+            self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
+            self.flat.flags.writeable = False
         self.free = list(range(n_slots - 1, -1, -1))
         self.entries: dict = {}
         self.idle = _Idle(n_slots, self._evicted)
@@ -53,6 +56,7 @@ class ExpertCache:
         self.n_pinned = 0
         self.reserve = reserve
         self.evictions = 0
+        self.ops = 0  # acquire + release calls so far: the clock a trace times prefetch landings by
 
     @property
     def capacity_bytes(self) -> int:
@@ -85,6 +89,7 @@ class ExpertCache:
         (None, False) when every slot is pinned, in use or being read, or (prefetch) when taking one would
         leave fewer than `reserve` free or idle slots for demand reads."""
         with self.lock:
+            self.ops += 1
             e = self.entries.get(key)
             if prefetch and e is None and len(self.free) + len(self.idle) <= self.reserve:
                 return None, False
@@ -103,14 +108,16 @@ class ExpertCache:
             e.refs = 0 if prefetch else 1
             return e, True
 
-    def loaded(self, e: Entry) -> None:
-        """A read finished: an unreferenced, unpinned entry becomes idle (evictable)."""
+    def loaded(self, e: Entry) -> int:
+        """A read finished: an unreferenced, unpinned entry becomes idle (evictable). Returns the op clock."""
         with self.lock:
             if e.refs == 0 and not e.pinned and self.entries.get(e.key) is e:
                 self.idle[e.key] = e
+            return self.ops
 
     def release(self, e: Entry) -> None:
         with self.lock:
+            self.ops += 1
             e.refs -= 1
             assert e.refs >= 0, e.key
             if e.refs == 0 and not e.pinned and e.future is not None and e.future.done():

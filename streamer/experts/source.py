@@ -22,6 +22,7 @@ from streamer.model import qmatrix
 from streamer.profiler import Profiler
 
 DEMAND, PREFETCH = 0, 1
+PINNED, LRU, PREFETCHED, MISS = 0, 1, 2, 3  # how a request was served (the trace's tier codes)
 
 
 class ResidentSource:
@@ -52,6 +53,8 @@ class ResidentSource:
         st = self.prof.layers[layer]
         st.requests += 1
         st.hit_pinned += 1  # resident: every expert is always there
+        if self.prof.trace is not None:
+            self.prof.trace.request(layer, e, PINNED, 0)
         self._warm(layer, (e,))
         return True
 
@@ -105,7 +108,9 @@ class StreamingSource:
         mats = tuple(QMatrix(buf[o:o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
                      for o, p in zip(offs, self.layout.parts[layer]))
         entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
-        self.cache.loaded(entry)
+        clock = self.cache.loaded(entry)
+        if self.prof.trace is not None:
+            self.prof.trace.landed(layer, e, clock)
         return mats
 
     def _start(self, entry, priority: int) -> None:
@@ -118,20 +123,27 @@ class StreamingSource:
         entry, created = self.cache.acquire((layer, e))
         if entry is None:
             return False
-        st = self.prof.layers[layer]
+        st, nbytes = self.prof.layers[layer], 0
         st.requests += 1
         if created:
             st.miss += 1
-            st.read_bytes += self.layout.expert_bytes(layer)
+            nbytes = self.layout.expert_bytes(layer)
+            st.read_bytes += nbytes
+            tier = MISS
             self._start(entry, DEMAND)
         elif entry.prefetched:
             entry.prefetched = False
             st.hit_prefetched += 1
             st.prefetch_used += 1
+            tier = PREFETCHED
         elif entry.pinned:
             st.hit_pinned += 1
+            tier = PINNED
         else:
             st.hit_lru += 1
+            tier = LRU
+        if self.prof.trace is not None:
+            self.prof.trace.request(layer, e, tier, nbytes)
         return True
 
     def prefetch(self, layer: int, experts) -> None:
@@ -145,6 +157,8 @@ class StreamingSource:
             if created:
                 st.prefetch_issued += 1
                 st.prefetch_bytes += self.layout.expert_bytes(layer)
+                if self.prof.trace is not None:  # before the read starts: its landing is recorded against it
+                    self.prof.trace.prefetched(layer, e, self.layout.expert_bytes(layer), self.cache.ops)
                 self._start(entry, PREFETCH)
 
     def wait(self, layer: int, e: int):
@@ -158,7 +172,10 @@ class StreamingSource:
                 try:
                     fut.exception()
                 finally:
-                    self.prof.layers[layer].stall_s += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    self.prof.layers[layer].stall_s += dt
+                    if self.prof.trace is not None:
+                        self.prof.trace.stall(layer, e, dt)
             err = fut.exception()
             if err is None:
                 return fut.result()
