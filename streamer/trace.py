@@ -18,6 +18,7 @@ counts, nothing per element."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import zipfile
@@ -78,7 +79,7 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
 
 class TraceRecorder:
     def __init__(self, path, header: dict, usage_saved: np.ndarray | None = None):
-        self.path, self.header = Path(path), header
+        self.path, self.header = (None if path is None else Path(path)), header
         self.lock = threading.Lock()  # landings are recorded from the reader threads
         self.step, self.call, self.segment = -1, -1, 0
         self.c: list[tuple] = []
@@ -158,8 +159,19 @@ class TraceRecorder:
         save_trace(self.path, self.header, self.arrays(), self.usage_saved)
 
 
+def digest(arrays: dict) -> str:
+    """sha256 over every array's name, type, shape and bytes: the header carries it, so any damage shows."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        x = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{x.dtype.str}:{x.shape}".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
+
+
 def save_trace(path, header: dict, arrays: dict, usage_saved: np.ndarray | None = None) -> None:
     extra = {} if usage_saved is None else {"usage_saved": np.asarray(usage_saved, np.float64)}
+    header = {**header, "digest": digest({**arrays, **extra})}
     blob = np.frombuffer(json.dumps(header).encode(), np.uint8)
     atomic_write(path, lambda f: np.savez_compressed(f, header=blob, **arrays, **extra))
 
@@ -221,6 +233,8 @@ def load_trace(path) -> Trace:
                 raise _bad(path, f"missing arrays {', '.join(missing)}")
             arrays = {n: z[n] for n in ARRAYS}
             usage = z["usage_saved"] if "usage_saved" in z.files else None
+            if header.get("digest") != digest({**arrays, **({} if usage is None else {"usage_saved": usage})}):
+                raise _bad(path, "corrupt or truncated (its arrays do not match the header's checksum)")
     except StreamerError:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:

@@ -1,0 +1,435 @@
+"""`stream-run replay`: re-run the expert cache of a recorded routing trace offline, at other budgets and with
+other eviction policies, without the model's weights or any reads.
+
+The simulation is the runtime's own code, not a model of it: the budget plan (budget.plan_at) and slot
+arithmetic (experts/build.cache_slots), the ExpertCache (tiers, reserve for demand reads, experts in use
+never evicted; built without its arena), StreamingSource's request/prefetch/wait/release/drain, and
+MoEFFN's per-call scheduling (decode: request all, prefetch the lookahead set, wait, release; prefill: a
+window of requests), with reads replaced by futures that land at once (demand) or at the cache op clock the
+trace recorded for that prefetch's landing (the median delay for prefetches the run did not issue).
+
+Policies: lru (the runtime without pins), pinned-lru (the runtime: learned hot experts pinned, from the
+run's usage profile if it had one, else from the trace itself), lfu (evicts the idle expert used least so
+far), belady (offline optimal: evicts the idle expert whose next use is furthest away; demand reads only,
+no pins, no prefetch: no policy, prefetching or not, can read fewer experts, so its hit rate is the
+ceiling)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamer.budget import plan_at
+from streamer.errors import StreamerError
+from streamer.experts.build import cache_slots
+from streamer.experts.cache import ExpertCache
+from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource
+from streamer.experts.usage import choose_pins
+from streamer.moe import MoEFFN, apply_top_p
+from streamer.profiler import Profiler
+from streamer.trace import Trace, TraceRecorder
+
+POLICIES = ("lru", "lfu", "pinned-lru", "belady")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    budgets: tuple = (None,)  # RAM budgets in bytes; None: the recorded cache as it was
+    policies: tuple = POLICIES
+    expert_top_p: float | None = None  # None: the run's
+    prefetch: bool | None = None  # None: as the run had it (needs the recorded lookahead)
+
+
+# ---- the simulated cache and source ----
+
+class _SimFuture:
+    __slots__ = ("landed", "land")
+
+    def __init__(self, land=None):
+        self.land, self.landed = land, land is None
+
+    def done(self) -> bool:
+        return self.landed
+
+    def exception(self, timeout=None):
+        if not self.landed:  # someone waits: the read lands now
+            self.land()
+        return None
+
+    def result(self, timeout=None):
+        return self.exception()
+
+
+class _SimCache(ExpertCache):
+    """ExpertCache without its arena, landing due prefetches before each op, as the clock recorded them."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, allocate=False, **kw)
+        self.due: list = []
+        self.seq = 0
+
+    def _tick(self) -> None:
+        while self.due and self.due[0][0] <= self.ops:
+            heapq.heappop(self.due)[2].exception()
+
+    def acquire(self, key, prefetch: bool = False):
+        self._tick()
+        return super().acquire(key, prefetch)
+
+    def release(self, e) -> None:
+        self._tick()
+        super().release(e)
+
+
+class _Layout:
+    def __init__(self, expert_bytes):
+        self.sizes = [int(b) for b in expert_bytes]
+
+    def expert_bytes(self, layer: int) -> int:
+        return self.sizes[layer]
+
+
+class _SimSource(StreamingSource):
+    """StreamingSource's own request/prefetch/wait/release/drain over a _SimCache; no reader threads."""
+
+    def __init__(self, layout, cache, prof, delays: dict, default_delay: int):
+        self.layout, self.cache, self.prof = layout, cache, prof
+        self.delays, self.default_delay = delays, default_delay
+
+    def _start(self, entry, priority: int) -> None:
+        if priority == DEMAND:
+            entry.future = _SimFuture()
+            self.cache.loaded(entry)
+            return
+        fut = _SimFuture()
+
+        def land():
+            fut.landed = True
+            self.cache.loaded(entry)
+
+        fut.land, fut.landed = land, False
+        entry.future = fut
+        delay = self.delays.get((self.prof.trace.call, entry.key[0], entry.key[1]), self.default_delay)
+        self.cache.seq += 1
+        heapq.heappush(self.cache.due, (self.cache.ops + delay, self.cache.seq, fut))
+
+
+class _HeapIdle:
+    """An idle tier that evicts the entry of lowest priority(key) (fixed when it became idle)."""
+
+    def __init__(self, on_evict, priority):
+        self.on_evict, self.priority = on_evict, priority
+        self.d: dict = {}
+        self.heap: list = []
+        self.n = 0
+
+    def __setitem__(self, key, entry) -> None:
+        self.n += 1
+        self.d[key] = (entry, self.n)
+        heapq.heappush(self.heap, (self.priority(key), self.n, key))
+
+    def pop(self, key, default=None):
+        v = self.d.pop(key, None)
+        return default if v is None else v[0]
+
+    def popitem(self):
+        while True:
+            _, n, key = heapq.heappop(self.heap)
+            v = self.d.get(key)
+            if v is not None and v[1] == n:
+                del self.d[key]
+                self.on_evict(v[0])
+                return key, v[0]
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+    def __contains__(self, key) -> bool:
+        return key in self.d
+
+
+class _SimRecorder(TraceRecorder):
+    def __init__(self, header):
+        super().__init__(None, header)
+        self.counts: dict = defaultdict(int)
+
+    def request(self, layer, e, tier, nbytes) -> None:
+        super().request(layer, e, tier, nbytes)
+        self.counts[(layer, e)] += 1
+
+
+class _Scheduler:
+    """What MoEFFN's scheduling methods need of `self`, with compute left out."""
+
+    def __init__(self, source, window: int):
+        self.source, self.window = source, window
+
+    @staticmethod
+    def _fused(*args) -> None:
+        pass
+
+    @staticmethod
+    def _expert(*args) -> None:
+        pass
+
+    def _no_room(self, layer, stuck):
+        return MoEFFN._no_room(self, layer, stuck)
+
+
+# ---- routing under a top-p ----
+
+def routed(trace: Trace, top_p: float) -> list:
+    """Per call: (ids, w) after expert top-p `top_p`, recomputed from the recorded top-k weights."""
+    rows = trace.call_rows()
+    ids, w = apply_top_p(trace.a["r_ids"].astype(np.int64), trace.a["r_w"], top_p)
+    return [(ids[rows[i]:rows[i + 1]], w[rows[i]:rows[i + 1]]) for i in range(trace.n_calls)]
+
+
+def lookahead_sets(trace: Trace, top_p: float) -> dict:
+    ids, _ = apply_top_p(trace.a["l_ids"].astype(np.int64), trace.a["l_w"], top_p)
+    return {(int(s), int(layer)): row[row >= 0] for s, layer, row in zip(trace.a["l_step"], trace.a["l_layer"], ids)}
+
+
+def usage_counts(trace: Trace, routes) -> np.ndarray:
+    g = trace.geometry
+    counts = np.zeros((g["n_layer"], g["n_expert"]))
+    for layer, (ids, _) in zip(trace.a["c_layer"], routes):
+        np.add.at(counts[layer], ids[ids >= 0], 1.0)
+    return counts
+
+
+def _request_sequence(trace: Trace, routes) -> tuple[dict, np.ndarray]:
+    """Demand requests in order (each call's routed experts, ascending) -> the next position of the same key."""
+    keys = []
+    n_expert = trace.geometry["n_expert"]
+    for layer, (ids, _) in zip(trace.a["c_layer"], routes):
+        keys.extend((int(layer) * n_expert + np.unique(ids[ids >= 0])).tolist())
+    nxt = np.full(len(keys), np.iinfo(np.int64).max, np.int64)
+    seen: dict = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = seen.get(keys[i], nxt[i])
+        seen[keys[i]] = i
+    return keys, nxt
+
+
+def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p: float, prefetch: bool,
+             routes=None) -> dict:
+    """Replay every recorded layer call through the runtime's cache code; the simulated run's trace arrays."""
+    g, o = trace.geometry, trace.header["options"]
+    n_layer, k = g["n_layer"], g["n_expert_used"]
+    routes = routed(trace, top_p) if routes is None else routes
+    look = lookahead_sets(trace, top_p) if prefetch else {}
+    a = trace.a
+    landed = a["p_land"] >= 0
+    delays = {(int(c), int(layer), int(e)): int(d) for c, layer, e, d in
+              zip(a["p_call"][landed], a["p_layer"][landed], a["p_expert"][landed],
+                  (a["p_land"] - a["p_issue"])[landed])}
+    default_delay = int(np.median(list(delays.values()))) if delays else 0
+    cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k)
+    prof = Profiler(n_layer)
+    rec = prof.trace = _SimRecorder(trace.header)
+    if policy == "lfu":
+        tick = iter(range(1 << 62))
+        cache.idle = _HeapIdle(cache._evicted, lambda key: (rec.counts[key], next(tick)))
+    elif policy == "belady":
+        keys, nxt = _request_sequence(trace, routes)
+        cache.idle = _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]]))
+    src = _SimSource(_Layout(g["expert_bytes"]), cache, prof, delays, default_delay)
+    sched = _Scheduler(src, o["window"])
+    for i, (step, layer, m) in enumerate(zip(a["c_step"], a["c_layer"], a["c_m"])):
+        layer, m = int(layer), int(m)
+        ids, w = routes[i]
+        rec.call, rec.step = i, int(step)
+        used = ids >= 0
+        experts = np.unique(ids[used])
+        nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None
+        if m == 1 and g["fused"][layer]:
+            MoEFFN._run_fused(sched, layer, experts, np.zeros(len(experts), np.float32), None, None, nxt_set)
+        else:
+            MoEFFN._run(sched, layer, experts, None, ids, w, None, nxt_set)
+    if policy == "belady" and len(rec.q) != len(keys):
+        raise AssertionError("belady replay diverged from its request sequence")
+    out = rec.arrays()
+    out["c_m"], out["c_seg"], out["c_layer"], out["c_step"] = a["c_m"], a["c_seg"], a["c_layer"], a["c_step"]
+    return out
+
+
+# ---- statistics (the same function reads the live trace and a simulated one) ----
+
+def traffic(a: dict, n_layer: int, calls: np.ndarray, expert_bytes=None) -> dict:
+    """Hit rates and bytes over the layer calls selected by the boolean mask `calls`, overall and per layer."""
+    qm = calls[a["q_call"]] if len(a["q_call"]) else np.zeros(0, bool)
+    pm = calls[a["p_call"]] if len(a["p_call"]) else np.zeros(0, bool)
+    q_layer = a["c_layer"][a["q_call"][qm]].astype(np.int64)
+    tier = a["q_tier"][qm].astype(np.int64)
+    by = np.zeros((n_layer, 4))
+    np.add.at(by, (q_layer, tier), 1)
+    dem = np.bincount(q_layer, weights=a["q_bytes"][qm].astype(np.float64), minlength=n_layer)
+    pf = np.bincount(a["p_layer"][pm].astype(np.int64), weights=a["p_bytes"][pm].astype(np.float64),
+                     minlength=n_layer)
+    stall = np.bincount(q_layer, weights=a["q_stall"][qm].astype(np.float64), minlength=n_layer)
+    tokens = int(a["c_m"][calls & (a["c_layer"] == 0)].sum())
+    req = by.sum(axis=1)
+
+    def rate(x, n):
+        return float(x / n) if n else None
+
+    per_tok = max(tokens, 1)
+    return {
+        "tokens": tokens, "requests": int(req.sum()),
+        "hit_rate": rate(by[:, PINNED].sum() + by[:, LRU].sum(), req.sum()),
+        "prefetched_rate": rate(by[:, PREFETCHED].sum(), req.sum()),
+        "miss_rate": rate(by[:, MISS].sum(), req.sum()),
+        "read_bytes": float(dem.sum() + pf.sum()),
+        "read_bytes_per_token": float((dem.sum() + pf.sum()) / per_tok),
+        "demand_bytes_per_token": float(dem.sum() / per_tok),
+        "stall_s": float(stall.sum()),
+        "layers": {
+            "hit_rate": [rate(by[i, PINNED] + by[i, LRU], req[i]) for i in range(n_layer)],
+            "read_bytes_per_token": ((dem + pf) / per_tok).tolist(),
+            "stall_s": stall.tolist(),
+            "requests": req.astype(int).tolist(),
+        },
+    }
+
+
+def scopes(a: dict) -> dict:
+    """'all': every layer call; 'decode': one-token calls of the last profiler segment (a benchmark's decode
+    phase; a run's decode steps)."""
+    last = a["c_seg"].max() if len(a["c_seg"]) else 0
+    return {"all": np.ones(len(a["c_m"]), bool), "decode": (a["c_m"] == 1) & (a["c_seg"] == last)}
+
+
+def summarize(a: dict, n_layer: int) -> dict:
+    return {name: traffic(a, n_layer, mask) for name, mask in scopes(a).items()}
+
+
+def _resident(a: dict, n_layer: int) -> dict:
+    """Everything fits: every request is a (pinned-tier) hit and nothing is read, as the runtime counts it."""
+    r = dict(a)
+    r["q_tier"] = np.full(len(a["q_tier"]), PINNED, np.int8)
+    r["q_bytes"] = np.zeros(len(a["q_bytes"]), np.int64)
+    r["p_call"] = r["p_layer"] = r["p_bytes"] = np.zeros(0, np.int64)
+    return summarize(r, n_layer)
+
+
+# ---- the replay ----
+
+def recorded_policy(trace: Trace) -> str:
+    cache = trace.header["cache"]
+    return "pinned-lru" if cache and cache["pins"] else "lru"
+
+
+def slots_at(trace: Trace, budget: int, pin_share: float | None = None) -> tuple[int, int, str | None]:
+    """(slots, pin capacity, None) of the runtime's cache at this RAM budget, or (0, 0, 'resident'/'too small')."""
+    p, g = trace.header["plan"], trace.geometry
+    plan = plan_at(budget, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"])
+    if plan.fits_resident:
+        return 0, 0, "resident"
+    if plan.expert_cache < g["n_expert_used"] * g["slot_bytes"]:
+        return 0, 0, "too small"
+    share = trace.header["options"]["pin_share"] if pin_share is None else pin_share
+    n_slots, pin_cap = cache_slots(plan.expert_cache, g["slot_bytes"], g["n_layer"], g["n_expert"],
+                                   g["n_expert_used"], share)
+    return n_slots, pin_cap, None
+
+
+def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
+    g, o = trace.geometry, trace.header["options"]
+    n_layer = g["n_layer"]
+    top_p = o["expert_top_p"] if opts.expert_top_p is None else opts.expert_top_p
+    has_look = len(trace.a["l_step"]) > 0
+    prefetch = (o["prefetch"] and has_look) if opts.prefetch is None else opts.prefetch
+    if prefetch and not has_look:
+        raise StreamerError(f"{trace.path}: the run recorded no lookahead sets (it ran without prefetch or "
+                            f"without streaming), so prefetch cannot be replayed (use --no-prefetch)")
+    for pol in opts.policies:
+        if pol not in POLICIES:
+            raise StreamerError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)})")
+    routes = routed(trace, top_p)
+    counts = trace.usage_saved if trace.usage_saved is not None else usage_counts(trace, routes)
+    live = summarize(trace.a, n_layer)
+    out = {"trace": trace.describe(), "header": trace.header, "expert_top_p": top_p, "prefetch": prefetch,
+           "pins_from": "the run's usage profile" if trace.usage_saved is not None else "this trace",
+           "live": live, "recorded": None, "results": []}
+    cache = trace.header["cache"]
+    if cache is not None:
+        sim = simulate(trace, cache["n_slots"], [tuple(p) for p in cache["pins"]], cache["pin_capacity"],
+                       recorded_policy(trace), top_p, prefetch, routes)
+        out["recorded"] = {"n_slots": cache["n_slots"], "policy": recorded_policy(trace),
+                           "replay": summarize(sim, n_layer)}
+    jobs = [(b, pol) for b in opts.budgets for pol in opts.policies]
+    for j, (b, pol) in enumerate(jobs):
+        if progress is not None:
+            progress(j, len(jobs))
+        if b is None:
+            if cache is None:
+                out["results"].append({"budget": None, "policy": pol, "n_slots": 0, "state": "resident",
+                                       **_resident(trace.a, n_layer)})
+                continue
+            n_slots, pin_cap, state = cache["n_slots"], cache["pin_capacity"], None
+        else:
+            n_slots, pin_cap, state = slots_at(trace, b)
+        row = {"budget": b, "policy": pol, "n_slots": n_slots, "state": state}
+        if state == "resident":
+            row.update(_resident(trace.a, n_layer))
+        elif state is None:
+            pins = choose_pins(counts, pin_cap) if pol == "pinned-lru" else []
+            pf = prefetch and pol != "belady"
+            row.update(summarize(simulate(trace, n_slots, pins, pin_cap, pol, top_p, pf, routes), n_layer))
+        out["results"].append(row)
+    if progress is not None:
+        progress(len(jobs), len(jobs))
+    return out
+
+
+# ---- text ----
+
+def _pct(v) -> str:
+    return "   n/a" if v is None else f"{100 * v:5.1f}%"
+
+
+def format_replay(r: dict, per_layer: bool = False) -> str:
+    from streamer.io import human
+
+    lines = [r["trace"], f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
+             f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "
+             f"demand reads are not hits); MiB/token counts demand and prefetch reads"]
+    if r["recorded"] is not None:
+        rec = r["recorded"]
+        lines.append(f"as recorded ({rec['n_slots']} slots, {rec['policy']}): live vs replay")
+        for scope in ("decode", "all"):
+            lv, rp = r["live"][scope], rec["replay"][scope]
+            if not lv["requests"]:
+                continue
+            lines.append(f"  {scope:<6} hit {_pct(lv['hit_rate'])} vs {_pct(rp['hit_rate'])}, prefetched "
+                         f"{_pct(lv['prefetched_rate'])} vs {_pct(rp['prefetched_rate'])}, "
+                         f"{lv['read_bytes_per_token'] / 2**20:.2f} vs {rp['read_bytes_per_token'] / 2**20:.2f} MiB/token")
+    lines.append(f"{'budget':>10} {'slots':>6} {'policy':<11} {'decode hit':>10} {'pref':>6} {'miss':>6} "
+                 f"{'MiB/tok':>8} {'all hit':>8} {'MiB/tok':>8}")
+    for row in r["results"]:
+        b = "recorded" if row["budget"] is None else human(row["budget"])
+        if row["state"] == "too small":
+            lines.append(f"{b:>10} {'-':>6} {row['policy']:<11} too small: cannot hold one layer's experts")
+            continue
+        d, al = row["decode"], row["all"]
+        slots = "all" if row["state"] == "resident" else str(row["n_slots"])
+        lines.append(f"{b:>10} {slots:>6} {row['policy']:<11} {_pct(d['hit_rate']):>10} {_pct(d['prefetched_rate'])} "
+                     f"{_pct(d['miss_rate'])} {d['read_bytes_per_token'] / 2**20:8.2f} {_pct(al['hit_rate']):>8} "
+                     f"{al['read_bytes_per_token'] / 2**20:8.2f}")
+    if per_layer:
+        rows = [row for row in r["results"] if row["state"] != "too small"]
+        n_layer = r["header"]["geometry"]["n_layer"]
+        head = "layer " + " ".join(f"{('rec' if x['budget'] is None else human(x['budget'])) + ' ' + x['policy']:>20}"
+                                   for x in rows)
+        lines += ["", "per layer, decode steps: hit rate / MiB read per token", head]
+        for i in range(n_layer):
+            cells = []
+            for x in rows:
+                d = x["decode"]["layers"]
+                cells.append(f"{_pct(d['hit_rate'][i])} / {d['read_bytes_per_token'][i] / 2**20:7.2f}".rjust(20))
+            lines.append(f"{i:>5} " + " ".join(cells))
+    return "\n".join(lines)
