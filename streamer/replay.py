@@ -323,17 +323,16 @@ def recorded_policy(trace: Trace) -> str:
     return "pinned-lru" if cache and cache["pins"] else "lru"
 
 
-def slots_at(trace: Trace, budget: int, pin_share: float | None = None) -> tuple[int, int, str | None]:
-    """(slots, pin capacity, None) of the runtime's cache at this RAM budget, or (0, 0, 'resident'/'too small')."""
-    p, g = trace.header["plan"], trace.geometry
+def slots_at(p: dict, g: dict, budget: int, pin_share: float = 0.5) -> tuple[int, int, str | None]:
+    """(slots, pin capacity, None) of the runtime's cache at this RAM budget, or (0, 0, 'resident'/'too small'):
+    p is what the budget pays for besides the expert cache (a trace header's "plan"), g the geometry."""
     plan = plan_at(budget, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"])
     if plan.fits_resident:
         return 0, 0, "resident"
     if plan.expert_cache < g["n_expert_used"] * g["slot_bytes"]:
         return 0, 0, "too small"
-    share = trace.header["options"]["pin_share"] if pin_share is None else pin_share
     n_slots, pin_cap = cache_slots(plan.expert_cache, g["slot_bytes"], g["n_layer"], g["n_expert"],
-                                   g["n_expert_used"], share)
+                                   g["n_expert_used"], pin_share)
     return n_slots, pin_cap, None
 
 
@@ -372,7 +371,7 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
                 continue
             n_slots, pin_cap, state = cache["n_slots"], cache["pin_capacity"], None
         else:
-            n_slots, pin_cap, state = slots_at(trace, b)
+            n_slots, pin_cap, state = slots_at(trace.header["plan"], g, b, o["pin_share"])
         row = {"budget": b, "policy": pol, "n_slots": n_slots, "state": state}
         if state == "resident":
             row.update(_resident(trace.a, n_layer))

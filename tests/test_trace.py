@@ -93,7 +93,7 @@ def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_m
     live, trace = record(path, tmp_path / "b.npz", learn=True, ram_budget=budget, n_ctx=64)
     c = trace.header["cache"]
     assert trace.header["plan"]["budget"] == budget and [2, 5] in c["pins"] and [1, 3] in c["pins"]
-    assert slots_at(trace, budget) == (c["n_slots"], c["pin_capacity"], None)
+    assert slots_at(trace.header["plan"], trace.geometry, budget) == (c["n_slots"], c["pin_capacity"], None)
     sim = replay_recorded(trace)
     assert np.array_equal(sim["q_tier"], trace.a["q_tier"])
     assert (trace.a["q_tier"] == 0).sum() == live.hit_pinned > 0
