@@ -57,6 +57,8 @@ def profile(
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
     trace: TraceOut = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: expert usage heatmap (layer x expert) and "
+                                                 "per-layer bytes and stall (needs the [plot] extra).")] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
     from streamer.errors import StreamerError
@@ -65,8 +67,12 @@ def profile(
     from streamer.sampler import Sampler, SamplerParams
     from streamer.tokenizer import Tokenizer
 
+    if plot is not None:
+        from streamer.plots import require_matplotlib
+        require_matplotlib()
     check_output_path(json_out, "--json-out")
     check_output_path(trace, "--trace")
+    check_output_path(plot, "--plot")
     gf, cfg = probe(model)
     if not cfg.is_moe:
         raise StreamerError(f"{model} is a dense model: it has no experts to profile")
@@ -82,6 +88,11 @@ def profile(
         print(s.profiler.table())
         print(s.profiler.summary())
         print(gen.stats.line(), file=sys.stderr)
+        counts = s.moe.usage.counts.copy()
+    if plot is not None:
+        from streamer.plots import plot_profile
+        plot_profile(report, counts, plot, title=f"{model.name}: ")
+        print(f"wrote {plot}", file=sys.stderr)
     if json_out is not None:
         atomic_write(json_out, lambda f: f.write(json.dumps(report, indent=1).encode()))
         print(f"wrote {json_out}", file=sys.stderr)

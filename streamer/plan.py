@@ -310,16 +310,22 @@ def format_plan(r: dict) -> str:
         f"compute  {1e3 * r['decode_step_s']:.0f} ms per decode step (measured: one warm step, weights in memory)",
         f"hits     {r['hit_model']} (decode steps{', ' + r['policy'] + ' policy' if r['policy'] != 'uniform' else ''})",
         f"memory   {human(r['machine_memory'])} on this machine (cgroup limit included)",
-        f"{'budget':>10} {'policy':<11} {'slots':>6} {'hit':>6} {'MiB/tok':>8} {'tok/s':>7} {'TTFT s':>7}",
+        f"{'budget':>10} {'slots':>6} {'hit':>6} {'MiB/tok':>8} {'tok/s':>7} {'TTFT s':>7}"
+        + (f" {'Belady tok/s':>12}" if r["policy"] != "uniform" else "") + f"   ({r['policy']} policy)",
     ]
+    ceiling = {row["budget"]: row for row in r["rows"] if row["policy"] == "belady"}
     for row in r["rows"]:
+        if row["policy"] != r["policy"]:
+            continue
         b = human(row["budget"])
         if row["state"] == "too small":
-            lines.append(f"{b:>10} {row['policy']:<11} too small: cannot hold one layer's experts")
+            lines.append(f"{b:>10} too small: cannot hold one layer's experts")
             continue
         slots = "all" if row["state"] == "resident" else str(row["n_slots"])
-        lines.append(f"{b:>10} {row['policy']:<11} {slots:>6} {100 * row['hit_rate']:5.1f}% "
-                     f"{row['read_bytes_per_token'] / 2**20:8.1f} {row['decode_tok_s']:7.2f} {row['ttft_s']:7.1f}")
+        best = ceiling.get(row["budget"])
+        lines.append(f"{b:>10} {slots:>6} {100 * row['hit_rate']:5.1f}% {row['read_bytes_per_token'] / 2**20:8.1f} "
+                     f"{row['decode_tok_s']:7.2f} {row['ttft_s']:7.1f}"
+                     + (f" {best['decode_tok_s']:12.2f}" if best is not None else ""))
     rec = r["recommended"]
     lines.append(f"TTFT: a {r['prompt_tokens']}-token prompt from a cold start (non-expert weights and the prompt's "
                  f"experts read, one decode step of compute per prompt token)")
