@@ -12,7 +12,9 @@ Policies: lru (the runtime without pins), pinned-lru (the runtime: learned hot e
 run's usage profile if it had one, else from the trace itself), lfu (evicts the idle expert used least so
 far), belady (offline optimal: evicts the idle expert whose next use is furthest away; demand reads only,
 no pins, no prefetch: no policy, prefetching or not, can read fewer experts, so its hit rate is the
-ceiling)."""
+ceiling), per-layer (an LRU per layer with slot quotas: every layer gets a layer's worth of experts, then
+each further slot goes to the layer whose miss curve, from the trace's replay, says it saves the most bytes;
+in-sample, as the allocation is learned from the same trace)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,14 @@ from streamer.moe import MoEFFN, apply_top_p
 from streamer.profiler import Profiler
 from streamer.trace import Trace, TraceRecorder
 
-POLICIES = ("lru", "lfu", "pinned-lru", "belady")
+POLICIES = ("lru", "lfu", "pinned-lru", "belady", "per-layer")
+DEFAULT_POLICIES = ("lru", "lfu", "pinned-lru", "belady")
 
 
 @dataclass(frozen=True)
 class ReplayOptions:
     budgets: tuple = (None,)  # RAM budgets in bytes; None: the recorded cache as it was
-    policies: tuple = POLICIES
+    policies: tuple = DEFAULT_POLICIES
     expert_top_p: float | None = None  # None: the run's
     prefetch: bool | None = None  # None: as the run had it (needs the recorded lookahead)
 
@@ -150,6 +153,9 @@ class _HeapIdle:
     def __contains__(self, key) -> bool:
         return key in self.d
 
+    def __iter__(self):
+        return iter(list(self.d))
+
 
 class _SimRecorder(TraceRecorder):
     def __init__(self, header):
@@ -215,12 +221,53 @@ def _request_sequence(trace: Trace, routes) -> tuple[dict, np.ndarray]:
     return keys, nxt
 
 
+def miss_curves(trace: Trace, routes) -> np.ndarray:
+    """(n_layer, n_expert + 1): the misses of each layer's requests in an LRU holding c of that layer's experts,
+    for every c (Mattson's stack distances, one pass)."""
+    g = trace.geometry
+    n_layer, n_expert = g["n_layer"], g["n_expert"]
+    stacks = [[] for _ in range(n_layer)]
+    hist = np.zeros((n_layer, n_expert + 2), np.int64)  # stack distance histogram; last column: first use
+    for layer, (ids, _) in zip(trace.a["c_layer"], routes):
+        st = stacks[layer]
+        for e in np.unique(ids[ids >= 0]).tolist():
+            if e in st:
+                d = len(st) - st.index(e)  # 1 = most recent
+                st.remove(e)
+                hist[layer, d] += 1
+            else:
+                hist[layer, -1] += 1
+            st.append(e)
+    # misses at capacity c: first uses + requests at distance > c
+    beyond = np.cumsum(hist[:, :-1][:, ::-1], axis=1)[:, ::-1]  # beyond[:, d] = requests at distance >= d
+    c = np.arange(n_expert + 1)
+    return hist[:, -1][:, None] + np.where(c + 1 <= n_expert, beyond[:, np.minimum(c + 1, n_expert)], 0)
+
+
+def allocate(curves: np.ndarray, n_slots: int, expert_bytes, floor: int) -> list[int]:
+    """Slots per layer: each layer at least `floor` (a layer's experts are held together), then one slot at a
+    time to the layer whose next slot saves the most bytes (misses saved x its expert size)."""
+    n_layer, top = curves.shape[0], curves.shape[1] - 1
+    q = [min(floor, n_slots // n_layer)] * n_layer
+    left = n_slots - sum(q)
+    heap = [(-(curves[i, q[i]] - curves[i, q[i] + 1]) * expert_bytes[i], i) for i in range(n_layer) if q[i] < top]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, i = heapq.heappop(heap)
+        q[i] += 1
+        left -= 1
+        if q[i] < top:
+            heapq.heappush(heap, (-(curves[i, q[i]] - curves[i, q[i] + 1]) * expert_bytes[i], i))
+    return q
+
+
 def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p: float, prefetch: bool,
              routes=None) -> dict:
     """Replay every recorded layer call through the runtime's cache code; the simulated run's trace arrays."""
     g, o = trace.geometry, trace.header["options"]
     n_layer, k = g["n_layer"], g["n_expert_used"]
     routes = routed(trace, top_p) if routes is None else routes
+    prefetch = prefetch and policy != "belady"  # Belady is demand paging: it needs no prefetch to be optimal
     look = lookahead_sets(trace, top_p) if prefetch else {}
     a = trace.a
     landed = a["p_land"] >= 0
@@ -228,7 +275,10 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
               zip(a["p_call"][landed], a["p_layer"][landed], a["p_expert"][landed],
                   (a["p_land"] - a["p_issue"])[landed])}
     default_delay = int(np.median(list(delays.values()))) if delays else 0
-    cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k)
+    quotas = None
+    if policy == "per-layer":
+        quotas = allocate(miss_curves(trace, routes), n_slots, g["expert_bytes"], k)
+    cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k, quotas=quotas)
     prof = Profiler(n_layer)
     rec = prof.trace = _SimRecorder(trace.header)
     if policy == "lfu":
@@ -253,6 +303,7 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
     if policy == "belady" and len(rec.q) != len(keys):
         raise AssertionError("belady replay diverged from its request sequence")
     out = rec.arrays()
+    out["quotas"] = quotas
     out["c_m"], out["c_seg"], out["c_layer"], out["c_step"] = a["c_m"], a["c_seg"], a["c_layer"], a["c_step"]
     return out
 

@@ -6,6 +6,7 @@ evicted. Thread-safe: reader threads complete entries while the compute thread a
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 
 from cachetools import LRUCache
@@ -36,11 +37,53 @@ class _Idle(LRUCache):
         return key, entry
 
 
+class _LayerIdle:
+    """Idle unpinned experts per layer, each in LRU order, for a cache with per-layer slot quotas: a new
+    expert takes the least recently used idle slot of the layer furthest above its quota (its own layer on
+    a tie), so a layer below its quota keeps its experts while others are over theirs."""
+
+    def __init__(self, quotas, held, on_evict):
+        self.quotas, self.held, self.on_evict = list(quotas), held, on_evict
+        self.by = [OrderedDict() for _ in self.quotas]
+        self.n = 0
+
+    def __setitem__(self, key, entry) -> None:
+        d = self.by[key[0]]
+        self.n += key not in d
+        d[key] = entry
+        d.move_to_end(key)
+
+    def pop(self, key, default=None):
+        e = self.by[key[0]].pop(key, None)
+        if e is None:
+            return default
+        self.n -= 1
+        return e
+
+    def popitem(self, layer: int = 0):
+        over = [(self.held[i] - self.quotas[i], i == layer, -i) for i in range(len(self.by)) if self.by[i]]
+        victim = -max(over)[2]
+        key, entry = self.by[victim].popitem(last=False)
+        self.n -= 1
+        self.on_evict(entry)
+        return key, entry
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __contains__(self, key) -> bool:
+        return key in self.by[key[0]]
+
+    def __iter__(self):
+        return (key for d in self.by for key in list(d))
+
+
 class ExpertCache:
     def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0, reserve: int = 0,
-                 allocate: bool = True):
+                 allocate: bool = True, quotas=None):
         """reserve: slots prefetches must leave free or idle, so a layer's demand reads always find room.
-        allocate=False: the bookkeeping without the arena (the trace replay simulates the cache with it)."""
+        allocate=False: the bookkeeping without the arena (the trace replay simulates the cache with it).
+        quotas: slots per layer (see _LayerIdle) instead of one LRU over all layers."""
         assert n_slots >= 1
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         if allocate:
@@ -49,7 +92,8 @@ class ExpertCache:
             self.flat.flags.writeable = False
         self.free = list(range(n_slots - 1, -1, -1))
         self.entries: dict = {}
-        self.idle = _Idle(n_slots, self._evicted)
+        self.held = [0] * (len(quotas) if quotas is not None else 0)  # entries per layer (with quotas)
+        self.idle = _Idle(n_slots, self._evicted) if quotas is None else _LayerIdle(quotas, self.held, self._evicted)
         self.lock = threading.Lock()
         self.pin_set = set(pins)
         self.pin_capacity = min(pin_capacity, n_slots)
@@ -79,6 +123,8 @@ class ExpertCache:
                     free=n_free)
 
     def _evicted(self, entry: Entry) -> None:
+        if self.held:
+            self.held[entry.key[0]] -= 1
         del self.entries[entry.key]
         self.free.append(entry.slot)
         self.evictions += 1
@@ -101,7 +147,12 @@ class ExpertCache:
             if not self.free:
                 if not self.idle:
                     return None, False
-                self.idle.popitem()
+                if self.held:
+                    self.idle.popitem(key[0])
+                else:
+                    self.idle.popitem()
+            if self.held:
+                self.held[key[0]] += 1
             pinned = key in self.pin_set and self.n_pinned < self.pin_capacity
             self.n_pinned += pinned
             e = self.entries[key] = Entry(key, self.free.pop(), pinned, prefetch)
@@ -128,6 +179,8 @@ class ExpertCache:
         with self.lock:
             if self.entries.get(e.key) is e and not (unless_referenced and e.refs):
                 del self.entries[e.key]
+                if self.held:
+                    self.held[e.key[0]] -= 1
                 self.idle.pop(e.key, None)
                 self.free.append(e.slot)
                 self.n_pinned -= e.pinned
