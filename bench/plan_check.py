@@ -9,11 +9,13 @@ Per budget B (each run starts with the model evicted from the page cache, and un
 B unless --no-cap; bench/cgroup.py):
 1. live: `stream-run bench MODEL --ram-budget B --pp P --tg T --trace TRACE --json` (prefill, then greedy decode;
    its decode-phase hit rate, MiB read per token and tok/s are the measured figures);
-2. `stream-run replay TRACE --json`: the trace's own live figures and the replay at the recorded cache;
-3. `stream-run plan MODEL --ram-budget B --trace TRACE --json`: predicted decode tok/s at B (run uncapped:
+2. `stream-run replay TRACE --budget BUDGETS --json`: the trace's own live figures, the replay at the recorded
+   cache, and every policy at every budget;
+3. `stream-run plan MODEL --ram-budget BUDGETS --trace TRACE --json`: predicted decode tok/s at B (run uncapped:
    it times a warm decode step); and once without --trace (the uniform-routing bound).
 Prints one table: live vs replay hit rate (target: within 1 point) and bytes per token (within 2%), and plan's
-predicted vs measured tok/s (within 25%). Writes the raw JSON of every step to --out-dir.
+predicted vs measured tok/s (within 25%; "overlap" is the bound if reads hid fully behind compute, "uniform"
+the prediction without the trace). Writes the raw JSON of every step to --out-dir.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def run(cmd, cap=None, timeout=3600):
     return res
 
 
+def parse_size(text: str) -> int:
+    from streamer.io import parse_size as parse
+    return parse(text)
+
+
 def last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
@@ -56,6 +63,7 @@ def main() -> int:
     ap.add_argument("--no-cap", action="store_true", help="run the live benches without a cgroup cap")
     ap.add_argument("--random-decode", action="store_true", help="pass --random-decode to bench")
     ap.add_argument("--out-dir", default="/tmp/plan_check")
+    ap.add_argument("--plot-dir", help="also write replay-B.png and plan-B.png here (needs matplotlib)")
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,13 +75,20 @@ def main() -> int:
         live = run([STREAM_RUN, "bench", a.model, "--ram-budget", b, "--pp", a.pp, "--tg", a.tg, "--trace", trace,
                     "--json", *extra], cap=None if a.no_cap else b)
         bench = last_json(live.stdout)
-        rep = last_json(run([STREAM_RUN, "replay", trace, "--policy", "lru,belady", "--json"]).stdout)
-        plan = last_json(run([STREAM_RUN, "plan", a.model, "--ram-budget", b, "--trace", trace, "--json"]).stdout)
+        pics = {}
+        if a.plot_dir:
+            Path(a.plot_dir).mkdir(parents=True, exist_ok=True)
+            pics = {k: ["--plot", str(Path(a.plot_dir) / f"{k}-{b}.png")] for k in ("replay", "plan")}
+        rep = last_json(run([STREAM_RUN, "replay", trace, "--json", *pics.get("replay", []),
+                             "--budget", ",".join(x.strip() for x in a.budgets.split(",")),
+                             "--policy", "lru,pinned-lru,lfu,per-layer,belady"]).stdout)
+        plan = last_json(run([STREAM_RUN, "plan", a.model, "--trace", trace, "--json", *pics.get("plan", []),
+                              "--ram-budget", ",".join(x.strip() for x in a.budgets.split(","))]).stdout)
         uni = last_json(run([STREAM_RUN, "plan", a.model, "--ram-budget", b, "--json"]).stdout)
         for name, doc in (("bench", bench), ("replay", rep), ("plan", plan), ("plan-uniform", uni)):
             (out / f"{name}-{b}.json").write_text(json.dumps(doc, indent=1))
         lv, rp = rep["live"]["decode"], rep["recorded"]["replay"]["decode"] if rep["recorded"] else None
-        pred = next(r for r in plan["rows"] if r["policy"] == plan["policy"])
+        pred = next(r for r in plan["rows"] if r["policy"] == plan["policy"] and r["budget"] == parse_size(b))
         upred = uni["rows"][0]
         rows.append({
             "budget": b, "cap": None if a.no_cap else b, "cgroup_peak_bytes": live.max_usage_bytes,
@@ -82,11 +97,12 @@ def main() -> int:
             "bench_mib_tok": bench["read_bytes_per_token"] / 2**20, "trace_mib_tok": lv["read_bytes_per_token"] / 2**20,
             "replay_mib_tok": rp["read_bytes_per_token"] / 2**20 if rp else None,
             "measured_tok_s": bench["tg_tok_s"], "plan_tok_s": pred.get("decode_tok_s"),
+            "plan_overlapped_tok_s": pred.get("decode_tok_s_overlapped"),
             "plan_uniform_tok_s": upred.get("decode_tok_s"), "plan_hit": pred.get("hit_rate"),
             "disk_GBps": plan["disk"]["throughput_Bps"] / 1e9, "step_ms": 1e3 * plan["decode_step_s"],
         })
     print(f"\n{'budget':>7} {'hit live':>9} {'replay':>7} {'MiB/tok live':>13} {'replay':>7} {'tok/s meas':>10} "
-          f"{'plan':>6} {'err':>6} {'uniform':>8} {'peak GiB':>8}")
+          f"{'plan':>6} {'err':>6} {'overlap':>8} {'uniform':>8} {'peak GiB':>8}")
     ok = True
     for r in rows:
         hit_ok = r["replay_hit"] is not None and abs(r["replay_hit"] - r["bench_hit"]) <= 0.01
@@ -97,7 +113,8 @@ def main() -> int:
         ok = ok and hit_ok and bytes_ok and plan_ok
         print(f"{r['budget']:>7} {pct(r['bench_hit']):>9} {pct(r['replay_hit']):>7} {r['bench_mib_tok']:13.1f} "
               f"{r['replay_mib_tok'] or 0:7.1f} {r['measured_tok_s']:10.2f} {r['plan_tok_s'] or 0:6.2f} "
-              f"{pct(err):>6} {r['plan_uniform_tok_s'] or 0:8.2f} {r['cgroup_peak_bytes'] / 2**30:8.2f}"
+              f"{pct(err):>6} {r['plan_overlapped_tok_s'] or 0:8.2f} {r['plan_uniform_tok_s'] or 0:8.2f} "
+              f"{r['cgroup_peak_bytes'] / 2**30:8.2f}"
               f"  {'ok' if hit_ok and bytes_ok and plan_ok else 'MISS'}")
     print(f"(disk probe {rows[0]['disk_GBps']:.2f} GB/s, warm decode step {rows[0]['step_ms']:.0f} ms; "
           f"raw JSON in {out})" if rows else "")

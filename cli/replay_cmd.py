@@ -21,7 +21,7 @@ def replay(
     budget: Annotated[Optional[str], typer.Option("--budget", help="RAM budgets to replay at, comma-separated "
                                                   "(e.g. 2G,4G,8G) [default: the recorded cache].")] = None,
     policy: Annotated[str, typer.Option("--policy", help="Eviction policies, comma-separated: lru, lfu, pinned-lru, "
-                                        "belady (offline optimal).")] = "lru,lfu,pinned-lru,belady",
+                                        "belady (offline optimal), per-layer (slot quotas per layer).")] = "lru,lfu,pinned-lru,belady",
     expert_top_p: Annotated[Optional[float], typer.Option("--expert-top-p", help="Replay with this expert top-p "
                                                           "[default: the run's].")] = None,
     prefetch: Annotated[Optional[bool], typer.Option("--prefetch/--no-prefetch", help="Replay the recorded lookahead "

@@ -228,7 +228,9 @@ def predict(parts: dict, geometry: dict, budgets, step_s: float, disk: dict, pro
                 hit, per_tok = d["hit_rate"], d["read_bytes_per_token"]
             t_tok = step_s + per_tok / bw
             rows.append({"budget": b, "policy": pol, "state": state, "n_slots": n_slots, "hit_rate": hit,
-                         "read_bytes_per_token": per_tok, "decode_tok_s": 1.0 / t_tok, "ttft_s": ttft})
+                         "read_bytes_per_token": per_tok, "decode_tok_s": 1.0 / t_tok, "ttft_s": ttft,
+                         # the bound if reads overlapped compute completely (the prediction assumes none)
+                         "decode_tok_s_overlapped": 1.0 / max(step_s, per_tok / bw)})
     return rows
 
 

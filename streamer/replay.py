@@ -392,7 +392,8 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
     n_layer = g["n_layer"]
     top_p = o["expert_top_p"] if opts.expert_top_p is None else opts.expert_top_p
     has_look = len(trace.a["l_step"]) > 0
-    prefetch = (o["prefetch"] and has_look) if opts.prefetch is None else opts.prefetch
+    # a run with every expert resident stops the lookahead once all are touched: its record is partial
+    prefetch = (o["prefetch"] and has_look and o["stream"]) if opts.prefetch is None else opts.prefetch
     if prefetch and not has_look:
         raise StreamerError(f"{trace.path}: the run recorded no lookahead sets (it ran without prefetch or "
                             f"without streaming), so prefetch cannot be replayed (use --no-prefetch)")

@@ -70,6 +70,16 @@ def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_pa
         assert live.prefetch_issued > 0
 
 
+def test_expert_top_p_run_replays_exactly(synth_model, tmp_path):
+    path = synth_model("tiny-moe", "Q8_0")
+    live, trace = record(path, tmp_path / "t.npz", learn=False, prefetch=True, expert_top_p=0.7,
+                         expert_cache_bytes=12 * slot_bytes(path))
+    assert live.dropped > 0 and (trace.a["r_wp"] == 0).sum() == live.dropped
+    sim = replay_recorded(trace)
+    assert np.array_equal(sim["q_tier"], trace.a["q_tier"]) and np.array_equal(sim["q_expert"], trace.a["q_expert"])
+    assert np.array_equal(sim["p_expert"], trace.a["p_expert"])
+
+
 def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_model, tmp_path):
     import psutil
 
