@@ -300,7 +300,7 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
             MoEFFN._run_fused(sched, layer, experts, np.zeros(len(experts), np.float32), None, None, nxt_set)
         else:
             MoEFFN._run(sched, layer, experts, None, ids, w, None, nxt_set)
-    if policy == "belady" and len(rec.q) != len(keys):
+    if policy == "belady" and rec.n_requests != len(keys):
         raise AssertionError("belady replay diverged from its request sequence")
     out = rec.arrays()
     out["quotas"] = quotas

@@ -22,6 +22,7 @@ import hashlib
 import json
 import threading
 import zipfile
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ ARRAYS = {
     "p_call": ("i4", ()), "p_layer": ("i2", ()), "p_expert": ("i2", ()), "p_bytes": ("i8", ()),
     "p_issue": ("i8", ()), "p_land": ("i8", ()),
 }
+ARRAY_CODES = {"i1": "b", "i2": "h", "i4": "i", "i8": "q", "f4": "f"}  # the array module's type codes
 GROUPS = {"c": "calls", "r": "routes", "l": "lookahead", "q": "requests", "p": "prefetches"}
 
 
@@ -78,19 +80,15 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
 
 
 class TraceRecorder:
+    """Appends to flat typed buffers (array/bytearray: C copies, no per-element Python and no Python object
+    per record): about 20 KB per decoded token on the 30B-A3B geometry, held until the trace is written."""
+
     def __init__(self, path, header: dict, usage_saved: np.ndarray | None = None):
         self.path, self.header = (None if path is None else Path(path)), header
         self.lock = threading.Lock()  # landings are recorded from the reader threads
         self.step, self.call, self.segment = -1, -1, 0
-        self.c: list[tuple] = []
-        self.r_ids: list = []
-        self.r_w: list = []
-        self.r_wp: list = []
-        self.look: list[tuple] = []
-        self.l_ids: list = []
-        self.l_w: list = []
-        self.q: list[list] = []  # [call, expert, tier, bytes, stall]
-        self.p: list[list] = []  # [call, layer, expert, bytes, issue clock, land clock]
+        self.buf = {n: array(ARRAY_CODES[dt]) for n, (dt, shape) in ARRAYS.items() if not shape}
+        self.raw = {n: bytearray() for n, (dt, shape) in ARRAYS.items() if shape}  # (rows, k) arrays
         self.last_req: dict = {}
         self.last_pf: dict = {}
         self.usage_saved = usage_saved
@@ -100,36 +98,53 @@ class TraceRecorder:
         if layer == 0:
             self.step += 1
         self.call += 1
-        self.c.append((self.step, layer, len(ids_k), self.segment))
-        self.r_ids.append(ids_k)
-        self.r_w.append(w_k)
-        self.r_wp.append(w)
+        b = self.buf
+        b["c_step"].append(self.step)
+        b["c_layer"].append(layer)
+        b["c_m"].append(len(ids_k))
+        b["c_seg"].append(self.segment)
+        self.raw["r_ids"] += ids_k.astype(np.int16).tobytes()
+        self.raw["r_w"] += w_k.astype(np.float32).tobytes()
+        self.raw["r_wp"] += w.astype(np.float32).tobytes()
 
     def lookahead(self, layer: int, ids_k: np.ndarray, w_k: np.ndarray) -> None:
         """The lookahead for `layer` runs before that step's layer-0 FFN when layer is 1."""
-        self.look.append((self.step + (layer == 1), layer))
-        self.l_ids.append(ids_k)
-        self.l_w.append(w_k)
+        self.buf["l_step"].append(self.step + (layer == 1))
+        self.buf["l_layer"].append(layer)
+        self.raw["l_ids"] += ids_k.astype(np.int16).tobytes()
+        self.raw["l_w"] += w_k.astype(np.float32).tobytes()
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.buf["q_call"])
 
     def request(self, layer: int, e: int, tier: int, nbytes: int) -> None:
-        self.last_req[(layer, e)] = len(self.q)
-        self.q.append([self.call, e, tier, nbytes, 0.0])
+        b = self.buf
+        self.last_req[(layer, e)] = len(b["q_call"])
+        b["q_call"].append(self.call)
+        b["q_expert"].append(e)
+        b["q_tier"].append(tier)
+        b["q_bytes"].append(nbytes)
+        b["q_stall"].append(0.0)
 
     def stall(self, layer: int, e: int, seconds: float) -> None:
         i = self.last_req.get((layer, e))
         if i is not None:
-            self.q[i][4] += seconds
+            self.buf["q_stall"][i] += seconds
 
     def prefetched(self, layer: int, e: int, nbytes: int, clock: int) -> None:
         with self.lock:
-            self.last_pf[(layer, e)] = len(self.p)
-            self.p.append([self.call, layer, e, nbytes, clock, -1])
+            b = self.buf
+            self.last_pf[(layer, e)] = len(b["p_call"])
+            for name, v in (("p_call", self.call), ("p_layer", layer), ("p_expert", e), ("p_bytes", nbytes),
+                            ("p_issue", clock), ("p_land", -1)):
+                b[name].append(v)
 
     def landed(self, layer: int, e: int, clock: int) -> None:
         with self.lock:
             i = self.last_pf.pop((layer, e), None)
             if i is not None:
-                self.p[i][5] = clock
+                self.buf["p_land"][i] = clock
 
     def reset(self) -> None:
         """The profiler was reset (a benchmark's phases): later calls belong to the next segment."""
@@ -138,22 +153,10 @@ class TraceRecorder:
     # ---- output ----
     def arrays(self) -> dict:
         k = self.header["geometry"]["n_expert_used"]
-
-        def stack(parts, dt):
-            return np.concatenate(parts).astype(dt) if parts else np.zeros((0, k), dt)
-
-        c = np.array(self.c, np.int64).reshape(-1, 4)
-        look = np.array(self.look, np.int64).reshape(-1, 2)
-        q = np.array(self.q, np.float64).reshape(-1, 5)
-        p = np.array(self.p, np.int64).reshape(-1, 6)
-        a = {"c_step": c[:, 0], "c_layer": c[:, 1], "c_m": c[:, 2], "c_seg": c[:, 3],
-             "r_ids": stack(self.r_ids, "i2"), "r_w": stack(self.r_w, "f4"), "r_wp": stack(self.r_wp, "f4"),
-             "l_step": look[:, 0], "l_layer": look[:, 1], "l_ids": stack(self.l_ids, "i2"),
-             "l_w": stack(self.l_w, "f4"),
-             "q_call": q[:, 0], "q_expert": q[:, 1], "q_tier": q[:, 2], "q_bytes": q[:, 3], "q_stall": q[:, 4],
-             "p_call": p[:, 0], "p_layer": p[:, 1], "p_expert": p[:, 2], "p_bytes": p[:, 3], "p_issue": p[:, 4],
-             "p_land": p[:, 5]}
-        return {name: np.ascontiguousarray(a[name], dtype=dt) for name, (dt, _) in ARRAYS.items()}
+        with self.lock:
+            out = {n: np.array(v, dtype=ARRAYS[n][0]) for n, v in self.buf.items()}
+            out.update({n: np.frombuffer(bytes(v), ARRAYS[n][0]).reshape(-1, k) for n, v in self.raw.items()})
+        return {name: out[name] for name in ARRAYS}
 
     def save(self) -> None:
         save_trace(self.path, self.header, self.arrays(), self.usage_saved)

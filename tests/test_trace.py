@@ -217,7 +217,7 @@ def test_replay_cli_table_and_top_p(synth_model, tmp_path):
     full = replay(load_trace(tmp_path / "t.npz"), ReplayOptions(policies=("lru",)))
     half = replay(load_trace(tmp_path / "t.npz"), ReplayOptions(policies=("lru",), expert_top_p=0.5))
     assert half["results"][0]["all"]["requests"] < full["results"][0]["all"]["requests"]
-    assert set(POLICIES) == {"lru", "lfu", "pinned-lru", "belady"}
+    assert set(POLICIES) == {"lru", "lfu", "pinned-lru", "belady", "per-layer"}
 
 
 # ---- bad traces ----
