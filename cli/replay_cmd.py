@@ -49,7 +49,8 @@ def replay(
         from streamer.plots import require_matplotlib
         require_matplotlib()
     t = load_trace(trace)
-    show = progress_printer("replaying", lambda d, n: f"{d} / {n} runs") if len(budgets) * len(policies) > 4 else None
+    slow = len(budgets) * len(policies) * len(t.a["q_call"]) > 300_000  # about a second per 100k requests
+    show = progress_printer("replaying", lambda d, n: f"{d} / {n} runs") if slow else None
     r = run_replay(t, ReplayOptions(budgets, policies, expert_top_p, prefetch), progress=show)
     if plot is not None:
         from streamer.plots import plot_replay
