@@ -139,9 +139,11 @@ def disk_figures(path, layout, opts: PlanOptions, progress=None) -> dict:
 def measure_decode_step(path, n_ctx, threads, repeats: int = 3) -> float:
     """Seconds of one warm decode step: the same token at position 0 run once cold, then `repeats` times warm
     (same routing, so every weight it uses is already in memory)."""
+    from streamer.options import StreamOptions
     from streamer.session import open_model
 
-    with open_model(path, n_ctx=n_ctx, threads=threads, stream=False, learn=False, prefetch=False) as s:
+    with open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=n_ctx,
+                    threads=threads) as s:
         tok = np.array([min(1000, s.cfg.n_vocab - 1)], np.int64)
         s.model.forward(tok, s.model.new_cache())
         times = []

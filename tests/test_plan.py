@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer.plan import uniform_hit_rate
 from streamer.replay import simulate, summarize
 from test_cli import user_error

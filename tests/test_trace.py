@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from streamer.cli.main import app
 from streamer.experts.store import ExpertLayout
 from streamer.replay import POLICIES, ReplayOptions, replay, simulate, slots_at, summarize
+from streamer.options import StreamOptions
 from streamer.session import open_model
 from streamer.trace import ARRAYS, FORMAT, VERSION, load_trace, save_trace
 from test_cli import user_error
@@ -25,13 +26,13 @@ def invoke(*args):
 
 
 def slot_bytes(path):
-    with open_model(path, stream=False, learn=False) as s:
+    with open_model(path, StreamOptions(stream=False, learn=False)) as s:
         return ExpertLayout(s.gf, s.cfg).slot_bytes
 
 
-def record(path, out, n_decode=16, **kw):
+def record(path, out, n_decode=16, n_ctx=None, **kw):
     """Prefill 5 tokens, decode n_decode (inputs fixed, so routing is too); the live profiler's totals."""
-    with open_model(path, trace=out, **kw) as s:
+    with open_model(path, StreamOptions(**kw), n_ctx=n_ctx, trace=out) as s:
         c = s.model.new_cache()
         s.model.forward(PROMPT[:5], c)
         for i in range(n_decode):
