@@ -136,9 +136,9 @@ def disk_figures(path, layout, opts: PlanOptions, progress=None) -> dict:
 
 # ---- compute ----
 
-def measure_decode_step(path, n_ctx, threads, repeats: int = 3) -> float:
-    """Seconds of one warm decode step: the same token at position 0 run once cold, then `repeats` times warm
-    (same routing, so every weight it uses is already in memory)."""
+def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
+    """Seconds of one warm decode step (the median): the same token at position 0 run once cold, then `repeats`
+    times warm (same routing, so every weight it uses is already in memory)."""
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
