@@ -57,8 +57,8 @@ def profile(
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
     trace: TraceOut = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: expert usage heatmap (layer x expert) and "
-                                                 "per-layer bytes and stall (needs the [plot] extra).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: expert usage heatmap (layer x expert) "
+                                                 "and per-layer bytes and stall (needs the [plot] extra).")] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
     from streamer.errors import StreamerError

@@ -308,9 +308,9 @@ def format_plan(r: dict) -> str:
     lines = [
         f"model    {r['model']} ({human(r['model_bytes'])}): {g['n_layer']} layers x {g['n_expert']} experts, "
         f"{g['n_expert_used']} used; expert size {size_txt}; non-expert weights {human(r['plan_parts']['nonexpert'])}",
-        f"disk     {d['throughput_Bps'] / 1e9:.2f} GB/s with {d['threads']} readers, {1e3 * d['latency_s']:.1f} ms per "
-        f"expert read alone ({'O_DIRECT' if d['direct'] else 'buffered: the page cache may serve some reads'}; "
-        + (f"cached probe {d['cached']}" if d.get("cached") else "probed now") + ")",
+        (f"disk     {d['throughput_Bps'] / 1e9:.2f} GB/s with {d['threads']} readers, {1e3 * d['latency_s']:.1f} ms "
+         f"per expert read alone ({'O_DIRECT' if d['direct'] else 'buffered: the page cache may serve some reads'}; "
+         + (f"cached probe {d['cached']}" if d.get("cached") else "probed now") + ")"),
         f"compute  {1e3 * r['decode_step_s']:.0f} ms per decode step (measured: one warm step, weights in memory)",
         f"hits     {r['hit_model']} (decode steps{', ' + r['policy'] + ' policy' if r['policy'] != 'uniform' else ''})",
         f"memory   {human(r['machine_memory'])} on this machine (cgroup limit included)",

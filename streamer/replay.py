@@ -49,7 +49,7 @@ class ReplayOptions:
 # ---- the simulated cache and source ----
 
 class _SimFuture:
-    __slots__ = ("landed", "land")
+    __slots__ = ("land", "landed")
 
     def __init__(self, land=None):
         self.land, self.landed = land, land is None
@@ -60,7 +60,6 @@ class _SimFuture:
     def exception(self, timeout=None):
         if not self.landed:  # someone waits: the read lands now
             self.land()
-        return None
 
     def result(self, timeout=None):
         return self.exception()
@@ -446,9 +445,10 @@ def _pct(v) -> str:
 def format_replay(r: dict, per_layer: bool = False) -> str:
     from streamer.io import human
 
-    lines = [r["trace"], f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
-             f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "
-             f"demand reads are not hits); MiB/token counts demand and prefetch reads"]
+    how = (f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
+           f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "
+           f"demand reads are not hits); MiB/token counts demand and prefetch reads")
+    lines = [r["trace"], how]
     if r["recorded"] is not None:
         rec = r["recorded"]
         lines.append(f"as recorded ({rec['n_slots']} slots, {rec['policy']}): live vs replay")
@@ -456,9 +456,9 @@ def format_replay(r: dict, per_layer: bool = False) -> str:
             lv, rp = r["live"][scope], rec["replay"][scope]
             if not lv["requests"]:
                 continue
+            mib = f"{lv['read_bytes_per_token'] / 2**20:.2f} vs {rp['read_bytes_per_token'] / 2**20:.2f} MiB/token"
             lines.append(f"  {scope:<6} hit {_pct(lv['hit_rate'])} vs {_pct(rp['hit_rate'])}, prefetched "
-                         f"{_pct(lv['prefetched_rate'])} vs {_pct(rp['prefetched_rate'])}, "
-                         f"{lv['read_bytes_per_token'] / 2**20:.2f} vs {rp['read_bytes_per_token'] / 2**20:.2f} MiB/token")
+                         f"{_pct(lv['prefetched_rate'])} vs {_pct(rp['prefetched_rate'])}, {mib}")
     lines.append(f"{'budget':>10} {'slots':>6} {'policy':<11} {'decode hit':>10} {'pref':>6} {'miss':>6} "
                  f"{'MiB/tok':>8} {'all hit':>8} {'MiB/tok':>8}")
     for row in r["results"]:

@@ -258,11 +258,10 @@ def _check(t: Trace) -> None:
         raise ValueError("bad geometry")
     if int(g["slot_bytes"]) < max(int(b) for b in g["expert_bytes"]):
         raise ValueError("slot smaller than an expert")
-    for grp in GROUPS:
-        names = [n for n in ARRAYS if n.startswith(grp + "_")]
-        lengths = {len(a[n]) for n in names}
+    for grp, what in GROUPS.items():
+        lengths = {len(a[n]) for n in ARRAYS if n.startswith(grp + "_")}
         if len(lengths) != 1:
-            raise ValueError(f"{GROUPS[grp]} arrays differ in length")
+            raise ValueError(f"{what} arrays differ in length")
     for n, (dt, shape) in ARRAYS.items():
         want = tuple(k if s == "k" else s for s in shape)
         if a[n].dtype != np.dtype(dt) or a[n].shape[1:] != want:

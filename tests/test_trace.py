@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from streamer.cli.main import app
 from streamer.experts.store import ExpertLayout
-from streamer.replay import POLICIES, ReplayOptions, replay, simulate, slots_at, summarize
 from streamer.options import StreamOptions
+from streamer.replay import POLICIES, ReplayOptions, replay, simulate, slots_at, summarize
 from streamer.session import open_model
 from streamer.trace import ARRAYS, FORMAT, VERSION, load_trace, save_trace
 from test_cli import user_error
@@ -90,7 +90,7 @@ def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_m
 
     path = synth_model("tiny-moe", "Q8_0")
     sb = slot_bytes(path)
-    first, _ = record(path, tmp_path / "a.npz", learn=True, expert_cache_bytes=12 * sb)  # writes the usage profile
+    record(path, tmp_path / "a.npz", learn=True, expert_cache_bytes=12 * sb)  # writes the usage profile
     usage = next((tmp_path / "cache" / "usage").glob("*.json"))
     doc = json.loads(usage.read_text())
     doc["counts"][2][5] = doc["counts"][1][3] = 1000.0  # two experts learned hot
@@ -99,7 +99,8 @@ def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_m
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    rest = psutil.Process().memory_info().rss + nonexpert + cfg.kv_bytes_per_token * cfg.context(64) + scratch_bytes(cfg)
+    kv = cfg.kv_bytes_per_token * cfg.context(64)
+    rest = psutil.Process().memory_info().rss + nonexpert + kv + scratch_bytes(cfg)
     budget = int((rest + 64 * 2**20 + 30 * sb) * 32 / 31)
     live, trace = record(path, tmp_path / "b.npz", learn=True, ram_budget=budget, n_ctx=64)
     c = trace.header["cache"]
