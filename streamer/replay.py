@@ -4,8 +4,8 @@ other eviction policies, without the model's weights or any reads.
 The simulation is the runtime's own code, not a model of it: the budget plan (budget.plan_at) and slot
 arithmetic (experts/build.cache_slots), the ExpertCache (tiers, reserve for demand reads, experts in use
 never evicted; built without its arena), StreamingSource's request/prefetch/wait/release/drain, and
-MoEFFN's per-call scheduling (decode: request all, prefetch the lookahead set, wait, release; prefill: a
-window of requests), with reads replaced by futures that land at once (demand) or at the cache op clock the
+the MoE's scheduling loop (experts.source.serve: decode requests all, prefetches the lookahead set, waits,
+releases; prefill keeps a window of requests), with reads replaced by futures that land at once (demand) or at the cache op clock the
 trace recorded for that prefetch's landing (the median delay for prefetches the run did not issue).
 
 Policies: lru (the runtime without pins), pinned-lru (the runtime: learned hot experts pinned, from the
@@ -28,9 +28,9 @@ from streamer.budget import plan_at
 from streamer.errors import StreamerError
 from streamer.experts.build import cache_slots
 from streamer.experts.cache import ExpertCache
-from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource
+from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource, serve
 from streamer.experts.usage import choose_pins
-from streamer.moe import MoEFFN, apply_top_p
+from streamer.moe import apply_top_p
 from streamer.profiler import Profiler
 from streamer.trace import Trace, TraceRecorder
 
@@ -166,22 +166,8 @@ class _SimRecorder(TraceRecorder):
         self.counts[(layer, e)] += 1
 
 
-class _Scheduler:
-    """What MoEFFN's scheduling methods need of `self`, with compute left out."""
-
-    def __init__(self, source, window: int):
-        self.source, self.window = source, window
-
-    @staticmethod
-    def _fused(*args) -> None:
-        pass
-
-    @staticmethod
-    def _expert(*args) -> None:
-        pass
-
-    def _no_room(self, layer, stuck):
-        return MoEFFN._no_room(self, layer, stuck)
+def _no_compute(start, group, mats) -> None:
+    pass
 
 
 # ---- routing under a top-p ----
@@ -287,7 +273,6 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
         keys, nxt = _request_sequence(trace, routes)
         cache.idle = _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]]))
     src = _SimSource(_Layout(g["expert_bytes"]), cache, prof, delays, default_delay)
-    sched = _Scheduler(src, o["window"])
     for i, (step, layer, m) in enumerate(zip(a["c_step"], a["c_layer"], a["c_m"])):
         layer, m = int(layer), int(m)
         ids, w = routes[i]
@@ -296,9 +281,9 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None
         if m == 1 and g["fused"][layer]:
-            MoEFFN._run_fused(sched, layer, experts, np.zeros(len(experts), np.float32), None, None, nxt_set)
+            serve(src, layer, experts, _no_compute, prefetch_next=nxt_set)
         else:
-            MoEFFN._run(sched, layer, experts, None, ids, w, None, nxt_set)
+            serve(src, layer, experts, _no_compute, o["window"], nxt_set)
     if policy == "belady" and rec.n_requests != len(keys):
         raise AssertionError("belady replay diverged from its request sequence")
     out = rec.arrays()

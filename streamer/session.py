@@ -89,7 +89,7 @@ class Session:
         if trace is not None:  # after the readers stopped: every landing is in
             self.profiler.trace = None
             trace.save()
-            print(f"wrote routing trace {trace.path} ({trace.step + 1} steps)", file=sys.stderr)
+            logger.info(f"wrote routing trace {trace.path} ({trace.step + 1} steps)")
 
     @property
     def tokenizer(self) -> Tokenizer:

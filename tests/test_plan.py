@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
+from test_cli import user_error
+from test_trace import record, slot_bytes, synthetic_trace
 from typer.testing import CliRunner
 
 from streamer.cli.main import app
 from streamer.plan import uniform_hit_rate
 from streamer.replay import simulate, summarize
-from test_cli import user_error
-from test_trace import slot_bytes, record, synthetic_trace
 
 runner = CliRunner()
 

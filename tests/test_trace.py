@@ -7,6 +7,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from test_cli import user_error
 from typer.testing import CliRunner
 
 from streamer.cli.main import app
@@ -15,7 +16,6 @@ from streamer.options import StreamOptions
 from streamer.replay import POLICIES, ReplayOptions, replay, simulate, slots_at, summarize
 from streamer.session import open_model
 from streamer.trace import ARRAYS, FORMAT, VERSION, load_trace, save_trace
-from test_cli import user_error
 
 runner = CliRunner()
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
