@@ -57,12 +57,12 @@ def probe_path(path, direct: bool) -> Path:
     return cache_dir() / "disk" / f"dev-{device_id(path)}-{'direct' if direct else 'buffered'}.json"
 
 
-def probe_disk(path, layout, seconds: float, n_threads: int, progress=None) -> dict:
+def probe_disk(gf, layout, seconds: float, n_threads: int, progress=None) -> dict:
     """Random whole-expert reads with the runtime's ExpertReader: a third of the time one at a time, the rest
     with n_threads in parallel."""
     from streamer.experts.store import ExpertReader, aligned_empty
 
-    reader = ExpertReader(str(path), layout)
+    reader = ExpertReader(gf.files, layout)
     rng = np.random.default_rng()
     t_end = [0.0]
     done = [0, 0]  # reads, bytes
@@ -99,7 +99,7 @@ def probe_disk(path, layout, seconds: float, n_threads: int, progress=None) -> d
         nbytes = sum(b for _, b in res)
     finally:
         reader.close()
-    return {"format": PROBE_FORMAT, "device": device_id(path), "direct": reader.direct, "latency_s": latency,
+    return {"format": PROBE_FORMAT, "device": device_id(gf.path), "direct": reader.direct, "latency_s": latency,
             "throughput_Bps": nbytes / elapsed, "threads": n_threads, "reads": n1 + sum(n for n, _ in res),
             "read_bytes": int(np.mean(layout_sizes(layout))), "when": time.time()}
 
@@ -108,15 +108,15 @@ def layout_sizes(layout) -> list[int]:
     return [layout.expert_bytes(i) for i in range(layout.n_layer)]
 
 
-def disk_figures(path, layout, opts: PlanOptions, progress=None) -> dict:
+def disk_figures(gf, layout, opts: PlanOptions, progress=None) -> dict:
     """The cached probe of this device and read mode, else a fresh one (saved atomically)."""
     from streamer.experts.store import ExpertReader
     from streamer.io import atomic_write
 
-    r = ExpertReader(str(path), layout)
+    r = ExpertReader(gf.files, layout)
     direct = r.direct
     r.close()
-    where = probe_path(path, direct)
+    where = probe_path(gf.path, direct)
     size = int(np.mean(layout_sizes(layout)))
     if not opts.reprobe and where.exists():
         try:
@@ -127,7 +127,7 @@ def disk_figures(path, layout, opts: PlanOptions, progress=None) -> dict:
                 return d
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             pass  # a damaged cache entry: probe again
-    d = probe_disk(path, layout, opts.probe_seconds, opts.n_readers, progress)
+    d = probe_disk(gf, layout, opts.probe_seconds, opts.n_readers, progress)
     where.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(where, lambda f: f.write(json.dumps(d).encode()))
     d["cached"] = None
@@ -280,7 +280,7 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     top = machine_memory()
     budgets = list(opts.budgets) if opts.budgets else budget_ladder(parts, geometry, top)
     say(f"disk probe: random {np.mean(geometry['expert_bytes']) / 2**20:.1f} MiB expert reads of {Path(model).name}")
-    disk = disk_figures(model, layout, opts, progress)
+    disk = disk_figures(gf, layout, opts, progress)
     say("compute: timing a warm decode step")
     step_s = measure_decode_step(model, opts.n_ctx, opts.threads)
     replayed = None
