@@ -14,7 +14,7 @@ B unless --no-cap; bench/cgroup.py):
 3. `stream-run plan MODEL --ram-budget BUDGETS --trace TRACE --json`: predicted decode tok/s at B (run uncapped:
    it times a warm decode step); and once without --trace (the uniform-routing bound).
 Prints one table: live vs replay hit rate (target: within 1 point) and bytes per token (within 2%), and plan's
-predicted vs measured tok/s (within 25%; "overlap" is the bound if reads hid fully behind compute, "uniform"
+predicted vs measured tok/s (within 25%; "serial" is the bound if no read overlapped compute, "uniform"
 the prediction without the trace). Writes the raw JSON of every step to --out-dir.
 """
 
@@ -97,12 +97,12 @@ def main() -> int:
             "bench_mib_tok": bench["read_bytes_per_token"] / 2**20, "trace_mib_tok": lv["read_bytes_per_token"] / 2**20,
             "replay_mib_tok": rp["read_bytes_per_token"] / 2**20 if rp else None,
             "measured_tok_s": bench["tg_tok_s"], "plan_tok_s": pred.get("decode_tok_s"),
-            "plan_overlapped_tok_s": pred.get("decode_tok_s_overlapped"),
+            "plan_serial_tok_s": pred.get("decode_tok_s_serial"),
             "plan_uniform_tok_s": upred.get("decode_tok_s"), "plan_hit": pred.get("hit_rate"),
             "disk_GBps": plan["disk"]["throughput_Bps"] / 1e9, "step_ms": 1e3 * plan["decode_step_s"],
         })
     print(f"\n{'budget':>7} {'hit live':>9} {'replay':>7} {'MiB/tok live':>13} {'replay':>7} {'tok/s meas':>10} "
-          f"{'plan':>6} {'err':>6} {'overlap':>8} {'uniform':>8} {'peak GiB':>8}")
+          f"{'plan':>6} {'err':>6} {'serial':>8} {'uniform':>8} {'peak GiB':>8}")
     ok = True
     for r in rows:
         hit_ok = r["replay_hit"] is not None and abs(r["replay_hit"] - r["bench_hit"]) <= 0.01
@@ -113,7 +113,7 @@ def main() -> int:
         ok = ok and hit_ok and bytes_ok and plan_ok
         print(f"{r['budget']:>7} {pct(r['bench_hit']):>9} {pct(r['replay_hit']):>7} {r['bench_mib_tok']:13.1f} "
               f"{r['replay_mib_tok'] or 0:7.1f} {r['measured_tok_s']:10.2f} {r['plan_tok_s'] or 0:6.2f} "
-              f"{pct(err):>6} {r['plan_overlapped_tok_s'] or 0:8.2f} {r['plan_uniform_tok_s'] or 0:8.2f} "
+              f"{pct(err):>6} {r['plan_serial_tok_s'] or 0:8.2f} {r['plan_uniform_tok_s'] or 0:8.2f} "
               f"{r['cgroup_peak_bytes'] / 2**30:8.2f}"
               f"  {'ok' if hit_ok and bytes_ok and plan_ok else 'MISS'}")
     print(f"(disk probe {rows[0]['disk_GBps']:.2f} GB/s, warm decode step {rows[0]['step_ms']:.0f} ms; "
