@@ -46,13 +46,17 @@ def demo(
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
-    cache_bytes = max(int(cache_share * layout.total_bytes), cfg.n_expert_used * layout.slot_bytes)
+    # a share of the experts in cache slots (4 KiB-aligned, so larger than an expert), as bench/trained_routing.py
+    # counts it: a share of the bytes held 90 of the 128 slots a quarter means, and LRU then never hit
+    n_slots = max(round(cache_share * cfg.n_layer * cfg.n_expert), cfg.n_expert_used)
+    cache_bytes = n_slots * layout.slot_bytes
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     print(f"model {path.name} ({human(gf.size)}): a small Qwen3-MoE ({cfg.n_layer} layers, {cfg.n_expert} experts, "
           f"{cfg.n_expert_used} used per token) trained on the Python standard library's source; expect "
           "Python-looking code, not good code\n"
           f"  in RAM: non-expert weights {human(nonexpert)} (used in place) + expert cache {human(cache_bytes)} "
-          f"({100 * cache_bytes / layout.total_bytes:.0f}% of the {human(layout.total_bytes)} of experts) = "
+          f"({n_slots} slots, {100 * n_slots / (cfg.n_layer * cfg.n_expert):.0f}% of the experts, "
+          f"{human(layout.total_bytes)} in all) = "
           f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
           "the other experts are read from disk as tokens need them", file=sys.stderr)
     # one compute thread unless asked: this 15 MB model gains nothing from more, and on a busy machine two
