@@ -121,7 +121,7 @@ def test_demo_runs():
     r = invoke("demo", "-n", "4")
     assert r.exit_code == 0, r.output
     assert "hit rate" in r.stdout and "layer" in r.stdout
-    assert "trained on the Python standard library" in r.stderr and re.search(r"expert cache .* of experts", r.stderr)
+    assert "trained on the Python standard library" in r.stderr and re.search(r"expert cache .* \(128 slots, 25% of the experts", r.stderr)
     assert re.search(r"prefill: \d+ tokens \.\.\. done in [\d.]+ s", r.stderr)
     ids = re.search(r"generated token ids: \[([\d, ]*)\]", r.stdout)
     assert ids and len(ids.group(1).split(",")) <= 4, r.stdout
