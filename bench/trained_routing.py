@@ -17,7 +17,11 @@ decoding, in windows of --ctx tokens (the KV cache restarts each window; the exp
 4. routing statistics per layer: usage entropy, top-expert share of routing mass, experts covering 90% of the
    mass, token-to-token reuse (share of a token's experts the previous token also used), to set beside the
    published Qwen3-30B-A3B figures.
-LFU and Belady's optimum come from the routing-trace replay tool (another branch): their rows are left empty.
+5. LFU and Belady's optimum: each share's LRU no-prefetch run records its routing trace (streamer/trace.py, as
+   --trace does), which the replay engine (streamer/replay.py, `stream-run replay`) re-runs at the same cache
+   size, no prefetch, under lru (must reproduce the live LRU row exactly: checked), lfu and belady.
+
+--replay-only runs just the three traced LRU runs and their replays (skips pins, prefetch, top-p).
 """
 
 from __future__ import annotations
@@ -112,8 +116,9 @@ def routing_stats(tr, n_expert: int) -> list[dict]:
 
 
 def decode_run(path: Path, ids: np.ndarray, ctx: int, share: float, prefetch: bool, pinned: bool,
-               top_p: float = 1.0) -> dict:
-    """Teacher-forced decode of ids through a streaming session; the profiler's report."""
+               top_p: float = 1.0, trace: Path | None = None) -> dict:
+    """Teacher-forced decode of ids through a streaming session; the profiler's report. trace: record the run's
+    routing trace there (written when the session closes)."""
     from streamer.config import ModelConfig
     from streamer.experts.store import ExpertLayout
     from streamer.gguf_file import GGUFFile
@@ -125,7 +130,7 @@ def decode_run(path: Path, ids: np.ndarray, ctx: int, share: float, prefetch: bo
     n_slots = max(int(round(share * cfg.n_layer * cfg.n_expert)), 2 * cfg.n_expert_used)
     opts = StreamOptions(learn=pinned, prefetch=prefetch, expert_top_p=top_p, pin_share=0.5 if pinned else 0.0,
                          expert_cache_bytes=n_slots * layout.slot_bytes)
-    with open_model(path, opts, n_ctx=ctx, threads=THREADS) as s:
+    with open_model(path, opts, n_ctx=ctx, threads=THREADS, trace=trace) as s:
         assert s.streaming
         cache = s.model.new_cache()
         for i, t in enumerate(ids):
@@ -142,7 +147,38 @@ def decode_run(path: Path, ids: np.ndarray, ctx: int, share: float, prefetch: bo
             "demand_reads_per_layer_token": t["miss"] / rep["tokens"] / cfg.n_layer,
             "new_experts_per_layer_token": (t["miss"] + t["hit_prefetched"]) / rep["tokens"] / cfg.n_layer,
             "experts_per_layer_token": t["routed"] / rep["tokens"] / cfg.n_layer,
-            "prefetch_wasted": rep["prefetch_wasted"], "tokens": rep["tokens"], "pins": pins}
+            "prefetch_wasted": rep["prefetch_wasted"], "tokens": rep["tokens"], "pins": pins,
+            "requests": t["requests"], "read_bytes": rep["read_bytes"]}
+
+
+REPLAY_POLICIES = ("lru", "lfu", "belady")
+
+
+def replay_run(trace_path: Path, live: dict) -> list[dict]:
+    """Replay a recorded LRU no-prefetch run at its own cache size, no prefetch, under REPLAY_POLICIES. The lru
+    replay must reproduce the live run exactly (requests, hits, demand reads, bytes), or this raises."""
+    from streamer.replay import ReplayOptions, replay
+    from streamer.trace import load_trace
+
+    tr = load_trace(trace_path)
+    n_layer = tr.geometry["n_layer"]
+    r = replay(tr, ReplayOptions(budgets=(None,), policies=REPLAY_POLICIES, prefetch=False))
+    rows = []
+    for res in r["results"]:
+        a = res["all"]  # every call of these runs is a one-token decode step
+        row = {"share": live["share"], "policy": res["policy"], "n_slots": res["n_slots"], "tokens": a["tokens"],
+               "requests": a["requests"], "hit_rate": a["hit_rate"], "prefetched_rate": a["prefetched_rate"],
+               "miss_rate": a["miss_rate"], "read_MiB_per_token": a["read_bytes_per_token"] / 2**20,
+               "read_bytes": a["read_bytes"],
+               # no prefetch: every new expert is a demand read (counted back from the rate, an exact ratio)
+               "new_experts_per_layer_token": round(a["miss_rate"] * a["requests"]) / a["tokens"] / n_layer}
+        rows.append(row)
+    lru = rows[0]
+    keys = ("n_slots", "tokens", "requests", "hit_rate", "miss_rate", "read_bytes", "new_experts_per_layer_token")
+    diff = {k: (live[k], lru[k]) for k in keys if live[k] != lru[k]}
+    if diff:
+        raise AssertionError(f"replayed LRU differs from the live LRU run at {live['n_slots']} slots: {diff}")
+    return rows
 
 
 def learn_pins(path: Path, ids: np.ndarray, ctx: int) -> None:
@@ -175,6 +211,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--ppl-chunks", type=int, default=None, help="perplexity windows per top-p (default: all)")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--replay-only", action="store_true",
+                    help="only the traced LRU no-prefetch runs and their lru/lfu/belady replays")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="trained-routing-"))
     os.environ["STREAM_RUN_CACHE"] = str(work)  # the learned profile lives here, not in ~/.cache
@@ -183,8 +221,15 @@ def main() -> None:
         run_ids, learn_ids = ids[:a.tokens], ids[a.tokens:a.tokens + a.learn_tokens]
         out: dict = {"model": str(a.model), "heldout_tokens": len(ids), "decoded_tokens": len(run_ids), "ctx": a.ctx}
 
+        if a.replay_only:
+            out["cache"], out["replay"] = replay_runs(a.model, run_ids, a.ctx, work)
+            from streamer.config import ModelConfig
+            from streamer.gguf_file import GGUFFile
+            cfg = ModelConfig.from_gguf(GGUFFile(a.model))
+            return finish(a, out, cfg)
         tr, cfg = trace(a.model, ids, a.ctx)
         out["routing"] = routing_stats(tr, cfg.n_expert)
+        out["replay"] = []
         learn_pins(a.model, learn_ids, a.ctx)
         usage_dir = work / "usage"
         backup = work / "usage.learned"
@@ -196,9 +241,12 @@ def main() -> None:
                     if pinned:  # every pinned run starts from the same learned profile
                         shutil.rmtree(usage_dir)
                         shutil.copytree(backup, usage_dir)
-                    runs.append(decode_run(a.model, run_ids, a.ctx, share, prefetch, pinned))
+                    tr_path = work / f"trace-{share:.2f}.npz" if not (pinned or prefetch) else None
+                    runs.append(decode_run(a.model, run_ids, a.ctx, share, prefetch, pinned, trace=tr_path))
                     print(f"share {share:.2f} pinned {pinned} prefetch {prefetch}: hit {pct(runs[-1]['hit_rate'])}",
                           file=sys.stderr, flush=True)
+                    if tr_path is not None:
+                        out["replay"] += replay_run(tr_path, runs[-1])
         out["cache"] = runs
         topp = []
         base = None
@@ -211,8 +259,23 @@ def main() -> None:
                          "read_MiB_per_token": r["read_MiB_per_token"], "hit_rate": r["hit_rate"]})
             print(f"top-p {p}: ppl {value:.4f}", file=sys.stderr, flush=True)
         out["top_p"] = topp
+        finish(a, out, cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def replay_runs(path: Path, ids: np.ndarray, ctx: int, work: Path) -> tuple[list, list]:
+    runs, rows = [], []
+    for share in SHARES:
+        tr_path = work / f"trace-{share:.2f}.npz"
+        runs.append(decode_run(path, ids, ctx, share, False, False, trace=tr_path))
+        rows += replay_run(tr_path, runs[-1])
+        print(f"share {share:.2f}: " + ", ".join(f"{r['policy']} hit {pct(r['hit_rate'])}" for r in rows[-3:]),
+              file=sys.stderr, flush=True)
+    return runs, rows
+
+
+def finish(a, out: dict, cfg) -> None:
     if a.json_out:
         a.json_out.write_text(json.dumps(out, indent=1))
     print(tables(out, cfg))
@@ -229,9 +292,15 @@ def tables(out: dict, cfg) -> str:
                  f"| {'on' if r['prefetch'] else 'off'} | {pct(r['hit_rate'])} | {pct(r['prefetched_rate'])} "
                  f"| {pct(r['miss_rate'])} | {r['new_experts_per_layer_token']:.2f} | {r['read_MiB_per_token']:.3f} "
                  f"| {pct(r['recall'])} |")
-    for share in SHARES:
-        L.append(f"| {100 * share:.0f}% | LFU | | (replay tool) | | | | | |")
-        L.append(f"| {100 * share:.0f}% | Belady (optimal) | | (replay tool) | | | | | |")
+    names = {"lfu": "LFU (replayed)", "belady": "Belady (optimal, replayed)"}
+    for r in out["replay"]:
+        if r["policy"] not in names:  # the lru replay equals the live LRU row (replay_run checked that)
+            continue
+        L.append(f"| {100 * r['share']:.0f}% ({r['n_slots']} slots) | {names[r['policy']]} | off | {pct(r['hit_rate'])} "
+                 f"| {pct(r['prefetched_rate'])} | {pct(r['miss_rate'])} | {r['new_experts_per_layer_token']:.2f} "
+                 f"| {r['read_MiB_per_token']:.3f} | - |")
+    if "top_p" not in out:
+        return "\n".join(L)
     L += ["", "| expert top-p | experts kept / layer / token | MiB read / token (25% cache) | hit rate | perplexity "
           "| increase |", "|---|---|---|---|---|---|"]
     for r in out["top_p"]:
