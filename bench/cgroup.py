@@ -161,10 +161,13 @@ class MemoryCgroup:
     def stats(self) -> dict:
         oom = dict(line.split() for line in self._r("memory.oom_control").splitlines() if line.strip())
         memsw = os.path.join(self.path, "memory.memsw.failcnt")
-        return dict(max_usage_bytes=int(self._r("memory.max_usage_in_bytes")),
-                    failcnt=int(self._r("memory.failcnt")) + (int(self._r("memory.memsw.failcnt"))
-                                                               if os.path.exists(memsw) else 0),
-                    oom_kill_count=int(oom.get("oom_kill", 0)), under_oom=int(oom.get("under_oom", 0)))
+        return dict(
+            max_usage_bytes=int(self._r("memory.max_usage_in_bytes")),
+            failcnt=int(self._r("memory.failcnt"))
+            + (int(self._r("memory.memsw.failcnt")) if os.path.exists(memsw) else 0),
+            oom_kill_count=int(oom.get("oom_kill", 0)),
+            under_oom=int(oom.get("under_oom", 0)),
+        )
 
     def remove(self) -> None:
         if not os.path.isdir(self.path):
@@ -219,8 +222,9 @@ def _run_measured(argv: list[str], res: CappedRun, capture: bool, timeout: float
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE) if capture else {}
     t0 = time.perf_counter()
     try:
-        p = subprocess.Popen([WRAPPER_PYTHON, "-S", "-c", _WAIT4, ru_path, *argv], env=env,
-                             start_new_session=True, **kw)
+        p = subprocess.Popen(
+            [WRAPPER_PYTHON, "-S", "-c", _WAIT4, ru_path, *argv], env=env, start_new_session=True, **kw
+        )
         out: dict[str, bytes] = {}
         readers = []
         if capture:
@@ -256,8 +260,13 @@ def _run_measured(argv: list[str], res: CappedRun, capture: bool, timeout: float
     res.rusage_user_s, res.rusage_sys_s = ru["user_s"], ru["sys_s"]
 
 
-def run_capped(cmd: list[str], limit_bytes: int | str | None, capture: bool = True,
-               timeout: float | None = None, env: dict | None = None) -> CappedRun:
+def run_capped(
+    cmd: list[str],
+    limit_bytes: int | str | None,
+    capture: bool = True,
+    timeout: float | None = None,
+    env: dict | None = None,
+) -> CappedRun:
     """Run cmd (optionally inside a fresh memory cgroup with this limit); report usage, OOM kills and the
     child's own peak RSS and disk reads (wait4 rusage).
 

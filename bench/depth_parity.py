@@ -49,6 +49,7 @@ def q8k(x: np.ndarray) -> np.ndarray:
 class Oracle:
     def __init__(self, path: str, emulate_ggml: bool = False):
         from gguf import GGUFReader
+
         r = GGUFReader(path)
         a = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
 
@@ -75,6 +76,7 @@ class Oracle:
     def w(self, name, idx=None):
         """Dequantized float64 tensor; idx selects rows (2-D) or one expert's slab (3-D)."""
         from gguf.quants import dequantize
+
         t, shp = self.t[name], self.shape(name)
         data = np.asarray(t.data) if idx is None else np.asarray(t.data)[idx]
         out = dequantize(data, t.tensor_type).astype(np.float64)
@@ -100,6 +102,7 @@ class Oracle:
         mask = np.triu(np.full((n, n), -np.inf), 1)
         routes = []
         for i in range(self.n_layer):
+
             def W(s, i=i):
                 return self.w(f"blk.{i}.{s}")
 
@@ -120,7 +123,7 @@ class Oracle:
             rl = h @ W("ffn_gate_inp.weight").T  # F32 router: ggml does not round its input
             p = np.exp(rl - rl.max(1, keepdims=True))
             p /= p.sum(1, keepdims=True)
-            ids = np.argsort(-p, axis=1, kind="stable")[:, :self.k] if forced is None else forced[i]
+            ids = np.argsort(-p, axis=1, kind="stable")[:, : self.k] if forced is None else forced[i]
             routes.append(ids)
             wts = np.take_along_axis(p, ids, 1)
             wts /= wts.sum(1, keepdims=True)
@@ -135,7 +138,7 @@ class Oracle:
         V = self.shape("output.weight")[0]
         lo = np.empty((n, V))
         for s in range(0, V, 16384):  # the head in slabs: its float64 copy would be 2.5 GB
-            lo[:, s:s + 16384] = xn @ self.w("output.weight", np.arange(s, min(V, s + 16384))).T
+            lo[:, s : s + 16384] = xn @ self.w("output.weight", np.arange(s, min(V, s + 16384))).T
         return lo, np.array(routes)
 
 
@@ -146,8 +149,10 @@ def stream_run_logits(path, tokens, threads, forced=None):
     import streamer.moe as moe
     from streamer.options import StreamOptions
     from streamer.session import open_model
-    s = open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=len(tokens) + 16,
-                   threads=threads)
+
+    s = open_model(
+        path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=len(tokens) + 16, threads=threads
+    )
     L, orig, calls, rec = s.cfg.n_layer, moe.route, [0], []
 
     def route(logits, k, top_p=1.0):
@@ -173,8 +178,17 @@ def stream_run_logits(path, tokens, threads, forced=None):
 
 
 def llama_logits(path, tokens, args, out):
-    cmd = [args.llama_python, str(HERE / "llama_run.py"), str(path), "--threads", str(args.threads),
-           "--logits-tokens", ",".join(map(str, tokens)), "--logits-out", out] + (["--no-repack"] if args.no_repack else [])
+    cmd = [
+        args.llama_python,
+        str(HERE / "llama_run.py"),
+        str(path),
+        "--threads",
+        str(args.threads),
+        "--logits-tokens",
+        ",".join(map(str, tokens)),
+        "--logits-out",
+        out,
+    ] + (["--no-repack"] if args.no_repack else [])
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"llama.cpp failed (rc {p.returncode}): {p.stderr[-800:]}")
@@ -184,8 +198,11 @@ def llama_logits(path, tokens, args, out):
 # ---------------------------------------------------------------- report
 def agreement(a, b) -> dict:
     cos = np.sum(a * b, 1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return {"cos_min": float(cos.min()), "cos_median": float(np.median(cos)),
-            "top1": float((a.argmax(1) == b.argmax(1)).mean())}
+    return {
+        "cos_min": float(cos.min()),
+        "cos_median": float(np.median(cos)),
+        "top1": float((a.argmax(1) == b.argmax(1)).mean()),
+    }
 
 
 def set_flips(a, b) -> list[int]:
@@ -226,8 +243,9 @@ def main(argv=None) -> int:
         try:
             t0 = time.perf_counter()
             from streamer.gguf_file import GGUFFile
+
             n_vocab = GGUFFile(str(path)).tensors["token_embd.weight"].shape[0]
-            tokens = [int(t) for t in prompt_tokens(n_vocab, 128)[:args.n_tokens]]
+            tokens = [int(t) for t in prompt_tokens(n_vocab, 128)[: args.n_tokens]]
             sr, sr_ids = stream_run_logits(str(path), tokens, args.threads)
             with tempfile.TemporaryDirectory() as d:
                 ll = llama_logits(path, tokens, args, os.path.join(d, "llama.npy"))
@@ -242,8 +260,9 @@ def main(argv=None) -> int:
                     logits["emu"], emu_ids = Oracle(str(path), emulate_ggml=True).logits(tokens)
                     row["flips_emu_vs_f64"] = set_flips(emu_ids, f64_ids)
             pairs = [("sr", "llama"), ("sr", "f64"), ("llama", "f64"), ("srF", "f64"), ("emu", "f64"), ("emu", "llama")]
-            row["agreement"] = {f"{a} vs {b}": agreement(logits[a], logits[b]) for a, b in pairs
-                                if a in logits and b in logits}
+            row["agreement"] = {
+                f"{a} vs {b}": agreement(logits[a], logits[b]) for a, b in pairs if a in logits and b in logits
+            }
             row["seconds"] = round(time.perf_counter() - t0, 1)
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "agreement"}), file=sys.stderr)
@@ -256,8 +275,13 @@ def main(argv=None) -> int:
     print("| layers | " + " | ".join(pairs) + " | token-layers with other top-k than f64: sr | emu |")
     print("|---" * (len(pairs) + 3) + "|")
     for r in results:
-        cells = [f"{m['cos_min']:.5f} / {m['cos_median']:.5f} / {100 * m['top1']:.0f}%" for m in r["agreement"].values()]
-        fl = [f"{sum(r[k])} of {len(r[k]) * args.n_tokens}" if k in r else "-" for k in ("flips_sr_vs_f64", "flips_emu_vs_f64")]
+        cells = [
+            f"{m['cos_min']:.5f} / {m['cos_median']:.5f} / {100 * m['top1']:.0f}%" for m in r["agreement"].values()
+        ]
+        fl = [
+            f"{sum(r[k])} of {len(r[k]) * args.n_tokens}" if k in r else "-"
+            for k in ("flips_sr_vs_f64", "flips_emu_vs_f64")
+        ]
         print(f"| {r['layers']} | " + " | ".join(cells + fl) + " |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))

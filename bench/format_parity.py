@@ -9,6 +9,7 @@ one per recipe, split sets (next to a single-file copy for the reference), then 
 logits_all) on the same token sequence, and prints one JSON line per model: the largest |logit - reference|
 of each tool, relative to the reference's largest |logit|. Correctness only (no timing); never run in CI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 TOKENS = [3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64, 7, 300, 11, 250]
-FORMATS = ["Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-           "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
+FORMATS = [
+    "Q2_K",
+    "Q3_K",
+    "IQ4_XS",
+    "IQ4_NL",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "MXFP4",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+]
 RECIPES = ["Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "IQ2_XXS", "IQ1_S"]
 LLAMA = """
 import sys
@@ -72,9 +88,10 @@ def main() -> None:
         want = Reference(str(single)).logits(np.array(TOKENS))
         scale = float(np.abs(want).max())
         row: dict = {"model": name}
-        for tool, cmd in (("stream-run", [str(exe), "run", str(path), "--tokens", toks, "--no-stream",
-                                          "--logits-out"]),
-                          ("llama.cpp", [args.llama_python, "-c", LLAMA, str(path), toks])):
+        for tool, cmd in (
+            ("stream-run", [str(exe), "run", str(path), "--tokens", toks, "--no-stream", "--logits-out"]),
+            ("llama.cpp", [args.llama_python, "-c", LLAMA, str(path), toks]),
+        ):
             out = args.dir / name / f"{tool}.npy"
             r = subprocess.run(cmd + [str(out)], capture_output=True, text=True)
             if r.returncode:

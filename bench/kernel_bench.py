@@ -5,6 +5,7 @@
 Prints weight-bytes throughput in GB/s (what decode speed is bound by) and GFLOP/s for matmul,
 best and median of repeated calls. Weights are random valid blocks with sane f16 scales.
 """
+
 import argparse
 import datetime
 import platform
@@ -17,13 +18,47 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from streamer.kernels import QMatrix, set_threads
 
-FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1",
-           "Q5_0", "Q5_1", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-           "IQ1_S", "IQ1_M"]
+FORMATS = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "Q2_K",
+    "Q3_K",
+    "IQ4_XS",
+    "IQ4_NL",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "MXFP4",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+]
 SHAPES = ["1024x3072", "3072x1024", "151936x1024"]  # n_out x n_in: ffn_down, ffn_up/gate, head
-SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82),
-                T.Q3_K: (108,), T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
-                **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)}}
+SCALE_FIELDS = {
+    T.Q8_0: (0,),
+    T.Q4_0: (0,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)},
+}
 
 
 def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
@@ -36,6 +71,7 @@ def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
         return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     if qtype == T.IQ1_M:  # its f16 scale is split into nibbles: the synthetic writer places it
         from streamer.synth.writer import random_weight as synth_weight
+
         return synth_weight((n_out, n_in), qtype, 0.05, rng)
     block, size = GGML_QUANT_SIZES[qtype]
     nb = n_in // block
@@ -44,7 +80,7 @@ def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
         raw[:, :, 0] = rng.integers(110, 126, (n_out, nb))  # E8M0 scales 2^-18..2^-2
     for off in SCALE_FIELDS.get(qtype, ()):
         d = (rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb))).astype(np.float16)
-        raw[:, :, off:off + 2] = d.view(np.uint8)[..., None].reshape(n_out, nb, 2)
+        raw[:, :, off : off + 2] = d.view(np.uint8)[..., None].reshape(n_out, nb, 2)
     return raw.reshape(n_out, nb * size)
 
 
@@ -71,10 +107,14 @@ def main() -> None:
     args = ap.parse_args()
     set_threads(args.threads)
     rng = np.random.default_rng(0)
-    print(f"# kernel_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  "
-          f"{platform.processor() or platform.machine()}  numba {numba.__version__}")
-    print(f"{'format':6} {'shape':>12} {'MB':>7} | {'matvec GB/s best':>16} {'med':>6} {'us':>8} | "
-          f"{f'matmul m={args.m} GB/s':>16} {'GFLOP/s':>8} {'med':>6}")
+    print(
+        f"# kernel_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  "
+        f"{platform.processor() or platform.machine()}  numba {numba.__version__}"
+    )
+    print(
+        f"{'format':6} {'shape':>12} {'MB':>7} | {'matvec GB/s best':>16} {'med':>6} {'us':>8} | "
+        f"{f'matmul m={args.m} GB/s':>16} {'GFLOP/s':>8} {'med':>6}"
+    )
     for shape in args.shapes.split(","):
         n_out, n_in = map(int, shape.split("x"))
         x = rng.standard_normal(n_in, dtype=np.float32)

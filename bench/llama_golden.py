@@ -58,11 +58,13 @@ def sha256_file(path, start: int = 0) -> str:
 
 def tensor_data_offset(path) -> int:
     import gguf
+
     return int(gguf.GGUFReader(path).data_offset)
 
 
 def write(path, args: dict) -> str:
     from streamer.synth.writer import spec_for, write_model
+
     a = dict(args)
     return write_model(path, spec_for(a.pop("preset"), a.pop("qtype"), a.pop("layers", None), real_vocab=False, **a))
 
@@ -70,8 +72,17 @@ def write(path, args: dict) -> str:
 def llama_logits(llama_python: str, model, tokens) -> tuple[np.ndarray, dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "logits.npy")
-        cmd = [llama_python, str(LLAMA_RUN), str(model), "--threads", "2",
-               "--logits-tokens", ",".join(map(str, tokens)), "--logits-out", out]
+        cmd = [
+            llama_python,
+            str(LLAMA_RUN),
+            str(model),
+            "--threads",
+            "2",
+            "--logits-tokens",
+            ",".join(map(str, tokens)),
+            "--logits-out",
+            out,
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"llama.cpp failed on {model}:\n{p.stderr[-3000:]}")
@@ -81,15 +92,22 @@ def llama_logits(llama_python: str, model, tokens) -> tuple[np.ndarray, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-python", default=DEFAULT_LLAMA_PYTHON, help="Python with llama-cpp-python "
-                    "(default $LLAMA_PYTHON or /opt/llamavenv/bin/python)")
+    ap.add_argument(
+        "--llama-python",
+        default=DEFAULT_LLAMA_PYTHON,
+        help="Python with llama-cpp-python (default $LLAMA_PYTHON or /opt/llamavenv/bin/python)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--keep", type=Path, help="keep the written models in this directory")
     args = ap.parse_args(argv)
 
     arrays: dict[str, np.ndarray] = {"tokens": np.asarray(TOKENS, np.int32)}
-    meta: dict = {"created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  "script": "bench/llama_golden.py", "tokens": TOKENS, "models": {}}
+    meta: dict = {
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "script": "bench/llama_golden.py",
+        "tokens": TOKENS,
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         d = args.keep or Path(tmp)
         d.mkdir(parents=True, exist_ok=True)
@@ -98,8 +116,13 @@ def main(argv=None) -> int:
             write(path, wargs)
             logits, info = llama_logits(args.llama_python, path, TOKENS)
             assert logits.shape == (len(TOKENS), info["n_vocab"]) and np.isfinite(logits).all(), name
-            meta["llama"] = {"versions": info["versions"], "n_threads": info["n_threads"],
-                             "use_mmap": info["use_mmap"], "logits_all": True, "one_eval": True}
+            meta["llama"] = {
+                "versions": info["versions"],
+                "n_threads": info["n_threads"],
+                "use_mmap": info["use_mmap"],
+                "logits_all": True,
+                "one_eval": True,
+            }
             meta["models"][name] = {
                 "writer_args": {**wargs, "real_vocab": False},
                 "sha256": sha256_file(path),

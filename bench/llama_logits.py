@@ -33,13 +33,21 @@ def main() -> None:
 
     w = np.load(a.windows)
     n_win, n_ctx = w.shape
-    m = Llama(a.model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, n_threads=a.threads,
-              n_threads_batch=a.threads, verbose=False)
+    m = Llama(
+        a.model,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
+        n_ubatch=n_ctx,
+        logits_all=True,
+        n_threads=a.threads,
+        n_threads_batch=a.threads,
+        verbose=False,
+    )
     out = np.empty((n_win, n_ctx - 1 - a.first, m.n_vocab()), np.float32)
     for i in range(n_win):
         m.reset()
         m.eval(w[i].tolist())
-        out[i] = np.asarray(m.scores[a.first:n_ctx - 1], dtype=np.float32)
+        out[i] = np.asarray(m.scores[a.first : n_ctx - 1], dtype=np.float32)
     np.save(a.out, out)
     info = {"windows": n_win, "n_ctx": n_ctx, "n_vocab": m.n_vocab(), "add_bos": m._model.add_bos_token()}
     if a.text:

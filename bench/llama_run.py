@@ -68,6 +68,7 @@ class LogCapture:
 
     def __init__(self, verbose: bool):
         import llama_cpp
+
         self.lines: list[str] = []
         self.verbose = verbose
         self._partial = ""
@@ -89,6 +90,7 @@ class LogCapture:
 
 def versions() -> dict:
     import llama_cpp
+
     out = {"llama_cpp_python": llama_cpp.__version__, "llama_cpp": llama_cpp.llama_version().decode()}
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
@@ -117,9 +119,18 @@ def load(path: str, args, n_ctx: int, logits_all: bool):
 
     C.llama_model_default_params = params
     try:
-        m = llama_cpp.Llama(path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=n_ctx,
-                            n_batch=args.n_batch, n_ubatch=args.n_batch, logits_all=logits_all,
-                            use_mmap=not args.no_mmap, verbose=args.verbose, seed=0)
+        m = llama_cpp.Llama(
+            path,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            n_ctx=n_ctx,
+            n_batch=args.n_batch,
+            n_ubatch=args.n_batch,
+            logits_all=logits_all,
+            use_mmap=not args.no_mmap,
+            verbose=args.verbose,
+            seed=0,
+        )
     finally:
         C.llama_model_default_params = orig
     return m
@@ -127,6 +138,7 @@ def load(path: str, args, n_ctx: int, logits_all: bool):
 
 def argmax_last(m) -> int:
     import llama_cpp
+
     ptr = llama_cpp.llama_get_logits_ith(m.ctx, -1)
     return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),))))
 
@@ -144,8 +156,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", help="comma-separated prompt ids (default: stream-run bench's prompt)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up; ttft_s then covers the pp prefill")
     ap.add_argument("--no-repack", action="store_true", help="llama_model_params.use_extra_bufts=False")
-    ap.add_argument("--lazy-mode", choices=["default", *LAZY_MODES], default="default",
-                    help="llama_model_params.lazy_mode (default: leave llama.cpp's default, AUTO)")
+    ap.add_argument(
+        "--lazy-mode",
+        choices=["default", *LAZY_MODES],
+        default="default",
+        help="llama_model_params.lazy_mode (default: leave llama.cpp's default, AUTO)",
+    )
     ap.add_argument("--no-mmap", action="store_true", help="use_mmap=False (read the whole file into RAM)")
     ap.add_argument("--n-ctx", type=int, default=0, help="context size (default: pp+tg+32, rounded up to 256)")
     ap.add_argument("--n-batch", type=int, default=512, help="n_batch = n_ubatch")
@@ -156,10 +172,16 @@ def main(argv=None) -> int:
 
     proc = psutil.Process()
     log = LogCapture(args.verbose)
-    res: dict = {"tool": "llama.cpp", "model": os.path.abspath(args.model),
-                 "model_bytes": os.path.getsize(args.model), "n_threads": args.threads,
-                 "repack": not args.no_repack, "lazy_mode": args.lazy_mode, "use_mmap": not args.no_mmap,
-                 "versions": versions()}
+    res: dict = {
+        "tool": "llama.cpp",
+        "model": os.path.abspath(args.model),
+        "model_bytes": os.path.getsize(args.model),
+        "n_threads": args.threads,
+        "repack": not args.no_repack,
+        "lazy_mode": args.lazy_mode,
+        "use_mmap": not args.no_mmap,
+        "versions": versions(),
+    }
     rb0 = read_bytes(proc)
 
     if args.logits_tokens:
@@ -175,8 +197,14 @@ def main(argv=None) -> int:
         logits = np.array(m.scores[: len(ids)], dtype=np.float32)
         if args.logits_out:
             np.save(args.logits_out, logits)
-        res.update(n_ctx=n_ctx, n_tokens=len(ids), n_vocab=m.n_vocab(), logits_out=args.logits_out,
-                   use_extra_bufts=bool(m.model_params.use_extra_bufts), lazy_mode_value=int(m.model_params.lazy_mode))
+        res.update(
+            n_ctx=n_ctx,
+            n_tokens=len(ids),
+            n_vocab=m.n_vocab(),
+            logits_out=args.logits_out,
+            use_extra_bufts=bool(m.model_params.use_extra_bufts),
+            lazy_mode_value=int(m.model_params.lazy_mode),
+        )
     else:
         n_ctx = args.n_ctx or -(-(args.pp + args.tg + 32) // 256) * 256
         t0 = time.perf_counter()
@@ -212,14 +240,24 @@ def main(argv=None) -> int:
         rb_tg = read_bytes(proc)
         n_dec = max(args.tg - 1, 0)
         res.update(
-            pp=len(prompt), tg=args.tg, n_ctx=n_ctx, n_batch=args.n_batch, n_vocab=n_vocab,
-            pp_s=t2 - t1, pp_tok_s=len(prompt) / (t2 - t1),
-            tg_s=t3 - t2, tg_decode_steps=n_dec, tg_tok_s=(n_dec / (t3 - t2)) if n_dec else None,
+            pp=len(prompt),
+            tg=args.tg,
+            n_ctx=n_ctx,
+            n_batch=args.n_batch,
+            n_vocab=n_vocab,
+            pp_s=t2 - t1,
+            pp_tok_s=len(prompt) / (t2 - t1),
+            tg_s=t3 - t2,
+            tg_decode_steps=n_dec,
+            tg_tok_s=(n_dec / (t3 - t2)) if n_dec else None,
             tokens=toks,
-            read_bytes_load=rb_load - rb0, read_bytes_warmup=rb_warm - rb_load,
-            read_bytes_pp=rb_pp - rb_warm, read_bytes_tg=rb_tg - rb_pp,
+            read_bytes_load=rb_load - rb0,
+            read_bytes_warmup=rb_warm - rb_load,
+            read_bytes_pp=rb_pp - rb_warm,
+            read_bytes_tg=rb_tg - rb_pp,
             read_bytes_per_token=(rb_tg - rb_pp) / n_dec if n_dec else None,
-            use_extra_bufts=bool(m.model_params.use_extra_bufts), lazy_mode_value=int(m.model_params.lazy_mode),
+            use_extra_bufts=bool(m.model_params.use_extra_bufts),
+            lazy_mode_value=int(m.model_params.lazy_mode),
         )
     res["disk_read_bytes"] = read_bytes(proc) - rb0
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

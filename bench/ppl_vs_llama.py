@@ -46,35 +46,61 @@ def compare(path: Path, n_ctx: int, chunks: int, llama_python: str) -> dict:
         top_ours = []
         for w in wins:  # teacher-forced logits of every scored position
             c = s.model.new_cache()
-            top_ours.append(s.model.forward(w[:n_ctx - 1], c, all_logits=True)[first:].argmax(1))
+            top_ours.append(s.model.forward(w[: n_ctx - 1], c, all_logits=True)[first:].argmax(1))
         streamed = None
         if s.cfg.is_moe:
             lay = ExpertLayout(s.gf, s.cfg)
-            with open_model(path, StreamOptions(learn=False, expert_cache_bytes=lay.total_bytes // 4), n_ctx=n_ctx,
-                            threads=1) as st:
+            with open_model(
+                path, StreamOptions(learn=False, expert_cache_bytes=lay.total_bytes // 4), n_ctx=n_ctx, threads=1
+            ) as st:
                 assert st.streaming
                 streamed = perplexity(st.model, ids, n_ctx, chunks, bos_id=bos)
     with tempfile.TemporaryDirectory() as d:
         np.save(f"{d}/w.npy", wins)
-        p = subprocess.run([llama_python, str(REPO / "bench" / "llama_logits.py"), str(path), "--windows",
-                            f"{d}/w.npy", "--first", str(first), "--out", f"{d}/l.npy", "--text", str(HELDOUT),
-                            "--tokens-out", f"{d}/t.npy"], capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                llama_python,
+                str(REPO / "bench" / "llama_logits.py"),
+                str(path),
+                "--windows",
+                f"{d}/w.npy",
+                "--first",
+                str(first),
+                "--out",
+                f"{d}/l.npy",
+                "--text",
+                str(HELDOUT),
+                "--tokens-out",
+                f"{d}/t.npy",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
             raise SystemExit(f"llama.cpp run failed:\n{p.stderr[-3000:]}")
         info = json.loads(p.stdout.strip().splitlines()[-1])
         logits = np.load(f"{d}/l.npy")
         llama_ids = np.load(f"{d}/t.npy")
-    nll = np.concatenate([token_nll(logits[i], wins[i, first + 1:]) for i in range(n_chunk)])
+    nll = np.concatenate([token_nll(logits[i], wins[i, first + 1 :]) for i in range(n_chunk)])
     ppl_llama = float(np.exp(nll.mean()))
     agree = np.mean(np.concatenate([logits[i].argmax(1) == top_ours[i] for i in range(n_chunk)]))
-    return {"model": path.name, "n_ctx": n_ctx, "chunks": n_chunk, "tokens_scored": int(nll.size),
-            "tokenizers_agree": bool(len(llama_ids) == len(ids) and np.array_equal(llama_ids, ids)),
-            "llama_add_bos": info["add_bos"], "ppl_stream_run": ours.ppl, "ppl_stderr": ours.stderr,
-            "ppl_llama_cpp": ppl_llama, "rel_diff": ours.ppl / ppl_llama - 1,
-            "ppl_streamed_25pct": None if streamed is None else streamed.ppl,
-            "streamed_equals_resident": None if streamed is None
-            else (streamed.nll, streamed.running) == (ours.nll, ours.running),
-            "top1_agreement": float(agree)}
+    return {
+        "model": path.name,
+        "n_ctx": n_ctx,
+        "chunks": n_chunk,
+        "tokens_scored": int(nll.size),
+        "tokenizers_agree": bool(len(llama_ids) == len(ids) and np.array_equal(llama_ids, ids)),
+        "llama_add_bos": info["add_bos"],
+        "ppl_stream_run": ours.ppl,
+        "ppl_stderr": ours.stderr,
+        "ppl_llama_cpp": ppl_llama,
+        "rel_diff": ours.ppl / ppl_llama - 1,
+        "ppl_streamed_25pct": None if streamed is None else streamed.ppl,
+        "streamed_equals_resident": None
+        if streamed is None
+        else (streamed.nll, streamed.running) == (ours.nll, ours.running),
+        "top1_agreement": float(agree),
+    }
 
 
 def main() -> None:
@@ -87,13 +113,17 @@ def main() -> None:
     rows = [compare(m, a.ctx, a.chunks, a.llama_python) for m in a.models]
     for r in rows:
         print(json.dumps(r))
-    print("\n| model | windows x scored | stream-run PPL | llama.cpp PPL | difference | streamed 25% == resident "
-          "| top-1 agreement | tokenizers agree |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | windows x scored | stream-run PPL | llama.cpp PPL | difference | streamed 25% == resident "
+        "| top-1 agreement | tokenizers agree |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
         same = "-" if r["streamed_equals_resident"] is None else ("yes" if r["streamed_equals_resident"] else "NO")
-        print(f"| {r['model']} | {r['chunks']} x {r['tokens_scored'] // r['chunks']} | {r['ppl_stream_run']:.4f} "
-              f"+/- {r['ppl_stderr']:.4f} | {r['ppl_llama_cpp']:.4f} | {100 * r['rel_diff']:+.3f}% | {same} "
-              f"| {100 * r['top1_agreement']:.2f}% | {'yes' if r['tokenizers_agree'] else 'NO'} |")
+        print(
+            f"| {r['model']} | {r['chunks']} x {r['tokens_scored'] // r['chunks']} | {r['ppl_stream_run']:.4f} "
+            f"+/- {r['ppl_stderr']:.4f} | {r['ppl_llama_cpp']:.4f} | {100 * r['rel_diff']:+.3f}% | {same} "
+            f"| {100 * r['top1_agreement']:.2f}% | {'yes' if r['tokenizers_agree'] else 'NO'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,15 @@ class Server:
     """`stream-run serve MODEL ARGS` on a free loopback port; with cap, inside a fresh memory cgroup whose
     limit counts page cache (the model file is evicted first, so the run starts cold)."""
 
-    def __init__(self, model: str, args: list[str], cap: str | None = None, evict: bool = True,
-                 log: str | None = None, ready_timeout: float = 600):
+    def __init__(
+        self,
+        model: str,
+        args: list[str],
+        cap: str | None = None,
+        evict: bool = True,
+        log: str | None = None,
+        ready_timeout: float = 600,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if evict:

@@ -76,11 +76,20 @@ def client(k: int, a, base: str, deadline: float, out: list, lock) -> None:
                     out.append({"status": "not-sent (time bound)"})
                 continue
             kind = (k + i) % 4  # 0, 1: stream to the end; 2: one JSON body; 3: stream, hang up midway
-            body = {"messages": [{"role": "system", "content": "be brief"},
-                                 {"role": "user", "content": f"client {k}, request {i}: tell me about "
-                                                             f"{TOPICS[(k + i) % len(TOPICS)]} /no_think"}],
-                    "max_tokens": a.max_tokens, "temperature": 0.7, "seed": 1000 * k + i, "ignore_eos": True,
-                    "stream": kind != 2}
+            body = {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {
+                        "role": "user",
+                        "content": f"client {k}, request {i}: tell me about {TOPICS[(k + i) % len(TOPICS)]} /no_think",
+                    },
+                ],
+                "max_tokens": a.max_tokens,
+                "temperature": 0.7,
+                "seed": 1000 * k + i,
+                "ignore_eos": True,
+                "stream": kind != 2,
+            }
             rec = one_request(c, body, a.max_tokens // 2 if kind == 3 else None)
             rec.update(client=k, request=i)
             with lock:
@@ -92,12 +101,20 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=25, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=16,
-                    help="per request (30B-A3B under 8 GiB decodes ~1.8 tok/s: 200 x 16 tokens is ~30 min)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="per request (30B-A3B under 8 GiB decodes ~1.8 tok/s: 200 x 16 tokens is ~30 min)",
+    )
     ap.add_argument("--ram-budget", default=None, help="passed to serve; RSS is checked against it")
     ap.add_argument("--cap", default=None, help="run the server in a memory cgroup with this limit (root)")
-    ap.add_argument("--queue", type=int, default=4, help="serve --queue: with fewer slots than clients, some "
-                    "requests are refused with 503, which the run counts")
+    ap.add_argument(
+        "--queue",
+        type=int,
+        default=4,
+        help="serve --queue: with fewer slots than clients, some requests are refused with 503, which the run counts",
+    )
     ap.add_argument("-c", "--ctx-size", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=1800, help="seconds after which no request is sent")
     ap.add_argument("--request-timeout", type=float, default=600)
@@ -113,8 +130,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     deadline = time.monotonic() + a.time_limit
     try:
-        threads = [threading.Thread(target=client, args=(k, a, srv.url, deadline, out, lock))
-                   for k in range(a.clients)]
+        threads = [threading.Thread(target=client, args=(k, a, srv.url, deadline, out, lock)) for k in range(a.clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -136,34 +152,55 @@ def main(argv=None) -> int:
     slots = {k.split('"')[1]: v for k, v in m.items() if k.startswith("streamrun_expert_slots")}
     budget = parse_size(a.ram_budget) if a.ram_budget else None
     report = {
-        "model": a.model, "clients": a.clients, "requests_per_client": a.requests, "max_tokens": a.max_tokens,
-        "ram_budget": a.ram_budget, "cap": a.cap, "load_s": srv.ready_s, "wall_s": wall,
-        "sent": len([r for r in out if "latency_s" in r]), "answered": len(done), "disconnected_midway": len(cut),
-        "refused_503": len(refused), "errors": len(errors), "not_sent": len(out) - len([r for r in out
-                                                                                      if "latency_s" in r]),
+        "model": a.model,
+        "clients": a.clients,
+        "requests_per_client": a.requests,
+        "max_tokens": a.max_tokens,
+        "ram_budget": a.ram_budget,
+        "cap": a.cap,
+        "load_s": srv.ready_s,
+        "wall_s": wall,
+        "sent": len([r for r in out if "latency_s" in r]),
+        "answered": len(done),
+        "disconnected_midway": len(cut),
+        "refused_503": len(refused),
+        "errors": len(errors),
+        "not_sent": len(out) - len([r for r in out if "latency_s" in r]),
         "error_samples": [r["status"] for r in errors[:5]],
-        "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-        "completion_tokens_answered": tokens, "throughput_tok_s": tokens / wall if wall > 0 else None,
+        "latency_p50_s": percentile(lat, 50),
+        "latency_p95_s": percentile(lat, 95),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "completion_tokens_answered": tokens,
+        "throughput_tok_s": tokens / wall if wall > 0 else None,
         "decode_tok_s_p50": percentile([r["decode_tps"] for r in done if "decode_tps" in r], 50),
         "cached_prompt_tokens": m.get("streamrun_prompt_tokens_cached_total"),
         "prefilled_prompt_tokens": m.get("streamrun_prompt_tokens_total"),
         "server_requests": {k.split('"')[1]: v for k, v in m.items() if k.startswith("streamrun_requests_total")},
-        "expert_slots_after": slots, "leaked_slots": slots.get("in_use", 0) + slots.get("reading", 0),
-        "server_alive_after": alive, "server_peak_rss_bytes": peak_rss,
+        "expert_slots_after": slots,
+        "leaked_slots": slots.get("in_use", 0) + slots.get("reading", 0),
+        "server_alive_after": alive,
+        "server_peak_rss_bytes": peak_rss,
         "rss_within_budget": None if budget is None else peak_rss <= budget,
         "server_exit": stopped,
     }
-    ok = (alive and report["errors"] == 0 and report["leaked_slots"] == 0
-          and report["answered"] + len(cut) + len(refused) == report["sent"]
-          and report["rss_within_budget"] is not False and not stopped.get("oom_kill_count"))
+    ok = (
+        alive
+        and report["errors"] == 0
+        and report["leaked_slots"] == 0
+        and report["answered"] + len(cut) + len(refused) == report["sent"]
+        and report["rss_within_budget"] is not False
+        and not stopped.get("oom_kill_count")
+    )
     report["ok"] = ok
     print(json.dumps(report, indent=1))
-    print(f"answered {len(done)}, disconnected {len(cut)}, 503 {len(refused)}, errors {len(errors)} | latency p50 "
-          f"{report['latency_p50_s'] or 0:.2f} s p95 {report['latency_p95_s'] or 0:.2f} s | ttft p50 "
-          f"{report['ttft_p50_s'] or 0:.2f} s | {report['throughput_tok_s'] or 0:.2f} tok/s overall | leaked slots "
-          f"{report['leaked_slots']:.0f} | peak RSS {peak_rss / 2**30:.2f} GiB | {'OK' if ok else 'FAILED'}",
-          file=sys.stderr)
+    print(
+        f"answered {len(done)}, disconnected {len(cut)}, 503 {len(refused)}, errors {len(errors)} | latency p50 "
+        f"{report['latency_p50_s'] or 0:.2f} s p95 {report['latency_p95_s'] or 0:.2f} s | ttft p50 "
+        f"{report['ttft_p50_s'] or 0:.2f} s | {report['throughput_tok_s'] or 0:.2f} tok/s overall | leaked slots "
+        f"{report['leaked_slots']:.0f} | peak RSS {peak_rss / 2**30:.2f} GiB | {'OK' if ok else 'FAILED'}",
+        file=sys.stderr,
+    )
     return 0 if ok else 1
 
 

@@ -27,10 +27,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cgroup import evict_all, run_capped  # noqa: E402
 from serve_common import STREAM_RUN, Server  # noqa: E402
 
-QUESTIONS = ["Tell me about the sea.", "And about mountains?", "Which of the two is older?",
-             "Write a short poem about both.", "Summarise our conversation."]
-SPEED = re.compile(r"prompt: (\d+) tok in ([\d.]+) s \(([\d.]+) tok/s\) \| generation: (\d+) tok in ([\d.]+) s "
-                   r"\(([\d.]+) tok/s\)")
+QUESTIONS = [
+    "Tell me about the sea.",
+    "And about mountains?",
+    "Which of the two is older?",
+    "Write a short poem about both.",
+    "Summarise our conversation.",
+]
+SPEED = re.compile(
+    r"prompt: (\d+) tok in ([\d.]+) s \(([\d.]+) tok/s\) \| generation: (\d+) tok in ([\d.]+) s "
+    r"\(([\d.]+) tok/s\)"
+)
 
 
 def server_turns(a) -> tuple[list[dict], list[dict], dict]:
@@ -45,15 +52,25 @@ def server_turns(a) -> tuple[list[dict], list[dict], dict]:
             for i in range(a.turns):
                 msgs.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]})
                 t0 = time.perf_counter()
-                r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": a.max_tokens,
-                                                         "temperature": 0, "ignore_eos": True})
+                r = c.post(
+                    "/v1/chat/completions",
+                    json={"messages": msgs, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True},
+                )
                 r.raise_for_status()
                 j = r.json()
                 t, u = j["timings"], j["usage"]
-                rows.append({"turn": i + 1, "prompt_tokens": u["prompt_tokens"], "cached": t["cache_n"],
-                             "prefilled": t["prompt_n"], "prefill_tok_s": t["prompt_per_second"],
-                             "generated": t["predicted_n"], "decode_tok_s": t["predicted_per_second"],
-                             "latency_s": time.perf_counter() - t0})
+                rows.append(
+                    {
+                        "turn": i + 1,
+                        "prompt_tokens": u["prompt_tokens"],
+                        "cached": t["cache_n"],
+                        "prefilled": t["prompt_n"],
+                        "prefill_tok_s": t["prompt_per_second"],
+                        "generated": t["predicted_n"],
+                        "decode_tok_s": t["predicted_per_second"],
+                        "latency_s": time.perf_counter() - t0,
+                    }
+                )
                 msgs.append({"role": "assistant", "content": j["choices"][0]["message"]["content"]})
         rss = srv.peak_rss()
     finally:
@@ -69,22 +86,44 @@ def run_turns(a, msgs: list[dict]) -> list[dict]:
     replies = {m["content"]: EMPTY_THINK + m["content"] for m in msgs if m["role"] == "assistant"}
     users = [k for k, m in enumerate(msgs) if m["role"] == "user"]
     for i, k in enumerate(users):
-        prompt = render_chat(msgs[:k + 1], think=False, replies=replies)  # what the server was asked
+        prompt = render_chat(msgs[: k + 1], think=False, replies=replies)  # what the server was asked
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
             f.write(prompt)
-        cmd = [STREAM_RUN, "run", a.model, "-f", f.name, "-n", str(a.max_tokens), "--ignore-eos",
-               "--no-display-prompt", "--no-learn", "-c", str(a.ctx_size), *a.server_arg]
+        cmd = [
+            STREAM_RUN,
+            "run",
+            a.model,
+            "-f",
+            f.name,
+            "-n",
+            str(a.max_tokens),
+            "--ignore-eos",
+            "--no-display-prompt",
+            "--no-learn",
+            "-c",
+            str(a.ctx_size),
+            *a.server_arg,
+        ]
         if a.ram_budget:
             cmd += ["--ram-budget", a.ram_budget]
         evict_all([a.model])
         res = run_capped(cmd, a.cap, timeout=3600)
         Path(f.name).unlink()
         m = SPEED.search(res.stderr)
-        row = {"turn": i + 1, "returncode": res.returncode, "wall_s": res.wall_s,
-               "peak_bytes": res.max_usage_bytes or res.rusage_maxrss_bytes, "oom_killed": res.oom_killed}
+        row = {
+            "turn": i + 1,
+            "returncode": res.returncode,
+            "wall_s": res.wall_s,
+            "peak_bytes": res.max_usage_bytes or res.rusage_maxrss_bytes,
+            "oom_killed": res.oom_killed,
+        }
         if m:
-            row.update(prefilled=int(m.group(1)), prefill_tok_s=float(m.group(3)), generated=int(m.group(4)),
-                       decode_tok_s=float(m.group(6)))
+            row.update(
+                prefilled=int(m.group(1)),
+                prefill_tok_s=float(m.group(3)),
+                generated=int(m.group(4)),
+                decode_tok_s=float(m.group(6)),
+            )
         else:
             row["stderr_tail"] = res.stderr[-500:]
         rows.append(row)
@@ -105,21 +144,35 @@ def main(argv=None) -> int:
 
     srv_rows, msgs, srv_info = server_turns(a)
     run_rows = run_turns(a, msgs)
-    report = {"model": a.model, "turns": a.turns, "max_tokens": a.max_tokens, "ram_budget": a.ram_budget,
-              "cap": a.cap, "server": {"turns": srv_rows, **srv_info}, "run": run_rows}
+    report = {
+        "model": a.model,
+        "turns": a.turns,
+        "max_tokens": a.max_tokens,
+        "ram_budget": a.ram_budget,
+        "cap": a.cap,
+        "server": {"turns": srv_rows, **srv_info},
+        "run": run_rows,
+    }
     print(json.dumps(report, indent=1))
-    print(f"{'turn':>4} | {'server: prefilled':>17} {'cached':>7} {'prefill t/s':>11} {'decode t/s':>10} "
-          f"{'latency s':>9} | {'run: prefilled':>14} {'prefill t/s':>11} {'decode t/s':>10} {'wall s':>7}",
-          file=sys.stderr)
+    print(
+        f"{'turn':>4} | {'server: prefilled':>17} {'cached':>7} {'prefill t/s':>11} {'decode t/s':>10} "
+        f"{'latency s':>9} | {'run: prefilled':>14} {'prefill t/s':>11} {'decode t/s':>10} {'wall s':>7}",
+        file=sys.stderr,
+    )
     for s, r in zip(srv_rows, run_rows):
-        print(f"{s['turn']:>4} | {s['prefilled']:>17} {s['cached']:>7} {s['prefill_tok_s']:>11.2f} "
-              f"{s['decode_tok_s']:>10.2f} {s['latency_s']:>9.2f} | {r.get('prefilled', '-'):>14} "
-              f"{r.get('prefill_tok_s', 0):>11.2f} {r.get('decode_tok_s', 0):>10.2f} {r['wall_s']:>7.2f}",
-              file=sys.stderr)
+        print(
+            f"{s['turn']:>4} | {s['prefilled']:>17} {s['cached']:>7} {s['prefill_tok_s']:>11.2f} "
+            f"{s['decode_tok_s']:>10.2f} {s['latency_s']:>9.2f} | {r.get('prefilled', '-'):>14} "
+            f"{r.get('prefill_tok_s', 0):>11.2f} {r.get('decode_tok_s', 0):>10.2f} {r['wall_s']:>7.2f}",
+            file=sys.stderr,
+        )
     peak = max([r["peak_bytes"] for r in run_rows] or [0])
     srv_peak = srv_info.get("max_usage_bytes") or srv_info["peak_rss_bytes"]
-    print(f"server: load {srv_info['load_s']:.1f} s, peak {srv_peak} bytes{' (cgroup)' if a.cap else ' (RSS)'}; "
-          f"runs: peak {peak} bytes", file=sys.stderr)
+    print(
+        f"server: load {srv_info['load_s']:.1f} s, peak {srv_peak} bytes{' (cgroup)' if a.cap else ' (RSS)'}; "
+        f"runs: peak {peak} bytes",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -23,9 +23,15 @@ def bench(
     ctx_size: CtxSize = None,
     threads: Threads = None,
     options: Optional[StreamOptions] = None,  # the memory/streaming flags, --learn and --preset (with_stream_options)
-    random_decode: Annotated[bool, typer.Option("--random-decode", help="Feed each decode step a random token "
-                                                "instead of the greedy one: routing never repeats (worst case for "
-                                                "the expert cache).")] = False,
+    random_decode: Annotated[
+        bool,
+        typer.Option(
+            "--random-decode",
+            help="Feed each decode step a random token "
+            "instead of the greedy one: routing never repeats (worst case for "
+            "the expert cache).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
     trace: TraceOut = None,
 ) -> None:
@@ -57,8 +63,14 @@ def profile(
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the full profile as JSON.")] = None,
     trace: TraceOut = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: expert usage heatmap (layer x expert) "
-                                                 "and per-layer bytes and stall (needs the [plot] extra).")] = None,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot",
+            help="Write a PNG: expert usage heatmap (layer x expert) "
+            "and per-layer bytes and stall (needs the [plot] extra).",
+        ),
+    ] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
     from streamer.errors import StreamerError
@@ -69,6 +81,7 @@ def profile(
 
     if plot is not None:
         from streamer.plots import require_matplotlib
+
         require_matplotlib()
     check_output_path(json_out, "--json-out")
     check_output_path(trace, "--trace")
@@ -91,6 +104,7 @@ def profile(
         counts = s.moe.usage.counts.copy()
     if plot is not None:
         from streamer.plots import plot_profile
+
         plot_profile(report, counts, plot, title=f"{model.name}: ")
         print(f"wrote {plot}", file=sys.stderr)
     if json_out is not None:

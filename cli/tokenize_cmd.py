@@ -12,7 +12,9 @@ import typer
 
 def tokenize(
     model: Path = typer.Argument(..., help="GGUF file whose tokenizer.* metadata to use.", show_default=False),
-    file: Optional[Path] = typer.Argument(None, help="UTF-8 text file to tokenize (or use --text).", show_default=False),
+    file: Optional[Path] = typer.Argument(
+        None, help="UTF-8 text file to tokenize (or use --text).", show_default=False
+    ),
     text: Optional[str] = typer.Option(None, "--text", help="Text to tokenize instead of FILE."),
 ) -> None:
     """Print the token ids of FILE (or --text), one per line, as llama-tokenize counts them."""
@@ -30,7 +32,9 @@ def tokenize(
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise StreamerError(f"{file} is not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+            raise StreamerError(
+                f"{file} is not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at offset {e.start})"
+            ) from None
     tok = Tokenizer.from_gguf(GGUFFile(model))
     ids = tok.encode_raw(text)
     if ids:

@@ -21,11 +21,18 @@ def warmup() -> None:
         print(f"{g.name:>8}: {len(g.kernels)} kernels ...", end="", file=sys.stderr, flush=True)
 
     def after(r) -> None:
-        how = ("from cache" if r.compiled == 0 else "compiled" if r.compiled == r.n_kernels
-               else f"compiled {r.compiled}, {r.n_kernels - r.compiled} from cache")
+        how = (
+            "from cache"
+            if r.compiled == 0
+            else "compiled"
+            if r.compiled == r.n_kernels
+            else f"compiled {r.compiled}, {r.n_kernels - r.compiled} from cache"
+        )
         print(f" {how} in {r.seconds:.1f} s", file=sys.stderr, flush=True)
 
     reports = kw.warmup(before, after)
     n, compiled = sum(r.n_kernels for r in reports), sum(r.compiled for r in reports)
-    print(f"warmup: {n} kernels ready ({compiled} compiled, {n - compiled} from cache) in "
-          f"{time.perf_counter() - t0:.1f} s; numba cache: {kw.cache_dir()}")
+    print(
+        f"warmup: {n} kernels ready ({compiled} compiled, {n - compiled} from cache) in "
+        f"{time.perf_counter() - t0:.1f} s; numba cache: {kw.cache_dir()}"
+    )

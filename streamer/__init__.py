@@ -18,8 +18,9 @@ def _source_checkout_names() -> None:
         init = here.parent / folder / "__init__.py"
         if (here / name).exists() or f"{__name__}.{name}" in sys.modules or not init.is_file():
             continue
-        spec = importlib.util.spec_from_file_location(f"{__name__}.{name}", init,
-                                                      submodule_search_locations=[str(init.parent)])
+        spec = importlib.util.spec_from_file_location(
+            f"{__name__}.{name}", init, submodule_search_locations=[str(init.parent)]
+        )
         module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         setattr(sys.modules[__name__], name, module)

@@ -65,7 +65,11 @@ def run_bench(session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_
     routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
     wbytes = weight_bytes_per_token(session, routed)
     return {
-        "pp": pp, "tg": tg, "random_decode": random_decode, "load_s": load_s, "warmup_s": warmup_s,
+        "pp": pp,
+        "tg": tg,
+        "random_decode": random_decode,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
         "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
         "tg_tok_s": tg_tok_s,
         "weight_bytes_per_token": wbytes,
@@ -89,15 +93,17 @@ def format_bench(r: dict) -> str:
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
 
-    return "\n".join([
-        f"load     {r['load_s']:.2f} s (open, budget plan, kernels), warm-up {r['warmup_s']:.2f} s (weights into RAM)",
-        f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
-        f"decode   {r['tg']} tokens{' (random inputs)' if r['random_decode'] else ''}: {r['tg_tok_s']:.2f} tok/s "
-        f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",
-        f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)"
-        + (f", {r['disk_per_expert_byte']:.3f}x the expert bytes requested" if r["disk_per_expert_byte"] else ""),
-        f"experts  hit rate {pct(r['expert_hit_rate'])}, prefetched {pct(r['prefetched_rate'])}, demand reads "
-        f"{pct(r['demand_miss_rate'])}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read per "
-        f"decoded token, prefetch recall {pct(r['prefetch_recall'])}, I/O stall {pct(r['io_stall_share'])}",
-        f"memory   peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
-    ])
+    return "\n".join(
+        [
+            f"load     {r['load_s']:.2f} s (open, budget plan, kernels), warm-up {r['warmup_s']:.2f} s (weights into RAM)",
+            f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
+            f"decode   {r['tg']} tokens{' (random inputs)' if r['random_decode'] else ''}: {r['tg_tok_s']:.2f} tok/s "
+            f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",
+            f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)"
+            + (f", {r['disk_per_expert_byte']:.3f}x the expert bytes requested" if r["disk_per_expert_byte"] else ""),
+            f"experts  hit rate {pct(r['expert_hit_rate'])}, prefetched {pct(r['prefetched_rate'])}, demand reads "
+            f"{pct(r['demand_miss_rate'])}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read per "
+            f"decoded token, prefetch recall {pct(r['prefetch_recall'])}, I/O stall {pct(r['io_stall_share'])}",
+            f"memory   peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+        ]
+    )

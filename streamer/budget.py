@@ -75,9 +75,11 @@ class Plan:
         return self.expert_cache >= self.expert_total
 
     def line(self) -> str:
-        return (f"RAM budget {human(self.budget)}: process {human(self.baseline)}, non-expert weights "
-                f"{human(self.nonexpert)}, KV cache {human(self.kv)}, scratch {human(self.scratch)}, margin "
-                f"{human(self.margin)} -> expert cache {human(max(self.expert_cache, 0))} of {human(self.expert_total)}")
+        return (
+            f"RAM budget {human(self.budget)}: process {human(self.baseline)}, non-expert weights "
+            f"{human(self.nonexpert)}, KV cache {human(self.kv)}, scratch {human(self.scratch)}, margin "
+            f"{human(self.margin)} -> expert cache {human(max(self.expert_cache, 0))} of {human(self.expert_total)}"
+        )
 
 
 MARGIN_FIXED, MARGIN_DIV = 64 * 2**20, 32
@@ -95,8 +97,9 @@ def scratch_bytes(cfg, ubatch: int = 512) -> int:
     return 32 * 2**20 + ubatch * 12 * widest * 4 + cfg.n_vocab * 4 * 2
 
 
-def plan_at(budget: int, baseline: int, nonexpert: int, kv: int, scratch: int, expert_total: int,
-            slot_bytes: int) -> Plan:
+def plan_at(
+    budget: int, baseline: int, nonexpert: int, kv: int, scratch: int, expert_total: int, slot_bytes: int
+) -> Plan:
     """The plan for `budget` given everything else it pays for (the trace replay re-plans recorded runs with it)."""
     return Plan(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
 
@@ -104,21 +107,26 @@ def plan_at(budget: int, baseline: int, nonexpert: int, kv: int, scratch: int, e
 def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    plan = plan_at(b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total,
-                   slot_bytes)
+    plan = plan_at(
+        b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes
+    )
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget
         rest = plan.baseline + nonexpert + kv_bytes + plan.scratch + need_cache
         need = -(-(rest + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
-        raise StreamerError(f"--ram-budget {human(b)} is too small for this model: it needs at least {human(need)} "
-                            f"(process {human(plan.baseline)} + non-expert weights {human(nonexpert)} + KV cache "
-                            f"{human(kv_bytes)} + scratch {human(plan.scratch)} + one layer's {cfg.n_expert_used} "
-                            f"experts {human(need_cache)}, plus a margin of 64 MiB + 1/32 of the budget); "
-                            f"lower -c/--ctx-size or raise the budget")
+        raise StreamerError(
+            f"--ram-budget {human(b)} is too small for this model: it needs at least {human(need)} "
+            f"(process {human(plan.baseline)} + non-expert weights {human(nonexpert)} + KV cache "
+            f"{human(kv_bytes)} + scratch {human(plan.scratch)} + one layer's {cfg.n_expert_used} "
+            f"experts {human(need_cache)}, plus a margin of 64 MiB + 1/32 of the budget); "
+            f"lower -c/--ctx-size or raise the budget"
+        )
     can_have = plan.baseline + available_memory()
     if b > can_have and not plan.fits_resident:
-        logger.warning(f"--ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
-                       f"holds plus the memory available, cgroup limit included); the expert cache would outgrow "
-                       f"RAM and the run may be OOM-killed")
+        logger.warning(
+            f"--ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
+            f"holds plus the memory available, cgroup limit included); the expert cache would outgrow "
+            f"RAM and the run may be OOM-killed"
+        )
     return plan

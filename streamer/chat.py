@@ -37,8 +37,15 @@ def is_chatml(template: str | None) -> bool:
 
 
 class Conversation:
-    def __init__(self, gen: Generator, tokenizer, system: str | None = None, think: bool = True,
-                 n_predict: int = -1, arch: str = "qwen3"):
+    def __init__(
+        self,
+        gen: Generator,
+        tokenizer,
+        system: str | None = None,
+        think: bool = True,
+        n_predict: int = -1,
+        arch: str = "qwen3",
+    ):
         if not is_chatml(tokenizer.chat_template):
             logger.warning("the model's chat template is not ChatML; using ChatML anyway")
         self.gen, self.tok = gen, tokenizer
@@ -68,7 +75,7 @@ class Conversation:
     def _turn_starts(self) -> list[int]:
         """Where each user turn ('<|im_start|>user\\n') begins in the token history."""
         h, m = self.gen.history, self.user_marker
-        return [i for i in range(len(h) - len(m) + 1) if h[i] == m[0] and h[i:i + len(m)] == m]
+        return [i for i in range(len(h) - len(m) + 1) if h[i] == m[0] and h[i : i + len(m)] == m]
 
     def _prompt(self, user: str) -> list[int]:
         """The tokens to prefill for this turn. When they and room for the reply do not fit after what the
@@ -85,15 +92,17 @@ class Conversation:
         starts = self._turn_starts()
         if not starts:
             return closing + body  # nothing to drop: the turn alone is too long (forward says so)
-        head, hist = gen.history[:starts[0]], gen.history
+        head, hist = gen.history[: starts[0]], gen.history
         n_drop, kept = len(starts), head  # every earlier turn, with the reply that closing and pending end
         for k in range(1, len(starts)):
             if len(head) + len(hist) - starts[k] + len(pend) + len(closing) + len(body) <= n_ctx // 2:
-                n_drop, kept = k, head + hist[starts[k]:] + pend + closing
+                n_drop, kept = k, head + hist[starts[k] :] + pend + closing
                 break
         if len(kept) + len(body) > n_ctx:  # refuse before touching the cache: the conversation survives
-            raise StreamerError(f"context overflow: this turn ({len(body)} tokens) does not fit in the context "
-                                f"size {n_ctx} (raise it with -c/--ctx-size)")
+            raise StreamerError(
+                f"context overflow: this turn ({len(body)} tokens) does not fit in the context "
+                f"size {n_ctx} (raise it with -c/--ctx-size)"
+            )
         logger.info(f"(context full: dropped the oldest {n_drop} turn(s); re-reading the {len(kept)} tokens kept)")
         gen.reset()
         return kept + body

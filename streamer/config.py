@@ -61,8 +61,10 @@ class ModelConfig:
         need = n_ctx * (self.kv_bytes_per_token + 16 * self.head_dim)
         avail = available_memory()
         if need > avail:
-            raise StreamerError(f"a context of {n_ctx} tokens needs {human(need)} for its KV cache and RoPE tables, "
-                                f"more than the {human(avail)} of memory available (set a smaller -c/--ctx-size)")
+            raise StreamerError(
+                f"a context of {n_ctx} tokens needs {human(need)} for its KV cache and RoPE tables, "
+                f"more than the {human(avail)} of memory available (set a smaller -c/--ctx-size)"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -108,18 +110,23 @@ class ModelConfig:
         )
         cfg._check_geometry(gf.path)
         if cfg.n_layer > len(gf.tensors):  # checked before expected_shapes() lists every layer's tensors
-            raise StreamerError(f"{gf.path}: {arch}.block_count is {cfg.n_layer}, but the file has only "
-                                f"{len(gf.tensors)} tensors")
+            raise StreamerError(
+                f"{gf.path}: {arch}.block_count is {cfg.n_layer}, but the file has only {len(gf.tensors)} tensors"
+            )
         cfg.check_tensors(gf)
         n_tokens = gf.array_len(Keys.Tokenizer.LIST)
         if n_tokens is not None and n_tokens != cfg.n_vocab:
-            raise StreamerError(f"{gf.path}: the vocabulary has {n_tokens} tokens but 'token_embd.weight' has "
-                                f"{cfg.n_vocab} rows")
+            raise StreamerError(
+                f"{gf.path}: the vocabulary has {n_tokens} tokens but 'token_embd.weight' has {cfg.n_vocab} rows"
+            )
         return cfg
 
     def _check_geometry(self, path: str) -> None:
-        bad = [n for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_ctx_train")
-               if getattr(self, n) <= 0]
+        bad = [
+            n
+            for n in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_ctx_train")
+            if getattr(self, n) <= 0
+        ]
         # the kernels divide by sqrt(mean(x^2) + eps): eps must be positive; RoPE needs theta^(-2j/d) finite
         for n in ("rms_eps", "rope_theta"):
             if not 0.0 < getattr(self, n) < math.inf:
@@ -144,33 +151,44 @@ class ModelConfig:
             s["output.weight"] = (self.n_vocab, E)
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            s.update({
-                b + "attn_norm.weight": (E,),
-                b + "attn_q.weight": (self.n_head * hd, E),
-                b + "attn_k.weight": (self.n_head_kv * hd, E),
-                b + "attn_v.weight": (self.n_head_kv * hd, E),
-                b + "attn_output.weight": (E, self.n_head * hd),
-                b + "ffn_norm.weight": (E,),
-            })
+            s.update(
+                {
+                    b + "attn_norm.weight": (E,),
+                    b + "attn_q.weight": (self.n_head * hd, E),
+                    b + "attn_k.weight": (self.n_head_kv * hd, E),
+                    b + "attn_v.weight": (self.n_head_kv * hd, E),
+                    b + "attn_output.weight": (E, self.n_head * hd),
+                    b + "ffn_norm.weight": (E,),
+                }
+            )
             if self.arch == "qwen2":  # q/k/v biases, no per-head q/k norm
-                s.update({b + "attn_q.bias": (self.n_head * hd,), b + "attn_k.bias": (self.n_head_kv * hd,),
-                          b + "attn_v.bias": (self.n_head_kv * hd,)})
+                s.update(
+                    {
+                        b + "attn_q.bias": (self.n_head * hd,),
+                        b + "attn_k.bias": (self.n_head_kv * hd,),
+                        b + "attn_v.bias": (self.n_head_kv * hd,),
+                    }
+                )
             else:
                 s.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
             if self.is_moe:
                 X, F = self.n_expert, self.n_ff_exp
-                s.update({
-                    b + "ffn_gate_inp.weight": (X, E),
-                    b + "ffn_gate_exps.weight": (X, F, E),
-                    b + "ffn_up_exps.weight": (X, F, E),
-                    b + "ffn_down_exps.weight": (X, E, F),
-                })
+                s.update(
+                    {
+                        b + "ffn_gate_inp.weight": (X, E),
+                        b + "ffn_gate_exps.weight": (X, F, E),
+                        b + "ffn_up_exps.weight": (X, F, E),
+                        b + "ffn_down_exps.weight": (X, E, F),
+                    }
+                )
             else:
-                s.update({
-                    b + "ffn_gate.weight": (self.n_ff, E),
-                    b + "ffn_up.weight": (self.n_ff, E),
-                    b + "ffn_down.weight": (E, self.n_ff),
-                })
+                s.update(
+                    {
+                        b + "ffn_gate.weight": (self.n_ff, E),
+                        b + "ffn_up.weight": (self.n_ff, E),
+                        b + "ffn_down.weight": (E, self.n_ff),
+                    }
+                )
         return s
 
     def check_tensors(self, gf: GGUFFile) -> None:
@@ -179,11 +197,15 @@ class ModelConfig:
             if t is None:
                 raise StreamerError(f"{gf.path}: missing tensor '{name}'")
             if t.qtype not in FORMATS:
-                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support "
-                                    f"(supported: {NAMES})")
+                raise StreamerError(
+                    f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support (supported: {NAMES})"
+                )
             if len(shape) == 1 and t.qtype != T.F32:  # norm weights and biases are used as float32 arrays in place
-                raise StreamerError(f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 "
-                                    f"(biases too)")
+                raise StreamerError(
+                    f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 (biases too)"
+                )
             if t.shape != shape:
-                raise StreamerError(f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
-                                    f"expected {list(shape)} from the model's metadata")
+                raise StreamerError(
+                    f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
+                    f"expected {list(shape)} from the model's metadata"
+                )

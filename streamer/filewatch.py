@@ -38,8 +38,10 @@ class FileWatch:
         for path, fd, (size, mtime) in zip(self.paths, self.fds, self.seen):
             st = os.fstat(fd)
             if st.st_size != size:
-                raise ModelFileChanged(f"{path} changed size while in use ({size} -> {st.st_size} bytes); "
-                                       f"stopping (restart on the new file)")
+                raise ModelFileChanged(
+                    f"{path} changed size while in use ({size} -> {st.st_size} bytes); "
+                    f"stopping (restart on the new file)"
+                )
             if st.st_mtime_ns != mtime:
                 raise ModelFileChanged(f"{path} was rewritten while in use; stopping (restart on the new file)")
 
@@ -72,8 +74,9 @@ def _compile_handler(path: str):
     import llvmlite.binding as llvm
     from llvmlite import ir
 
-    msg = (f"error: {path} was truncated or changed while in use (bus error reading its mapping)\n"
-           .encode("utf-8", "replace"))
+    msg = f"error: {path} was truncated or changed while in use (bus error reading its mapping)\n".encode(
+        "utf-8", "replace"
+    )
     i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
     mod = ir.Module(name="stream_run_sigbus")
     text = ir.GlobalVariable(mod, ir.ArrayType(i8, len(msg)), "msg")

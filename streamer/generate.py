@@ -26,8 +26,10 @@ class Stats:
     def line(self) -> str:
         pr = self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
         gr = self.gen_tokens / self.gen_s if self.gen_s > 0 else 0.0
-        return (f"prompt: {self.prompt_tokens} tok in {self.prompt_s:.2f} s ({pr:.2f} tok/s) | "
-                f"generation: {self.gen_tokens} tok in {self.gen_s:.2f} s ({gr:.2f} tok/s)")
+        return (
+            f"prompt: {self.prompt_tokens} tok in {self.prompt_s:.2f} s ({pr:.2f} tok/s) | "
+            f"generation: {self.gen_tokens} tok in {self.gen_s:.2f} s ({gr:.2f} tok/s)"
+        )
 
 
 @dataclass

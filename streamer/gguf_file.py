@@ -21,10 +21,32 @@ from streamer.errors import StreamerError
 from streamer.mapping import madvise, map_files
 
 # GGUFValueType -> (struct code, size) for scalars; 8 = STRING, 9 = ARRAY.
-_SCALAR = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4),
-           6: ("f", 4), 7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-       6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_SCALAR = {
+    0: ("B", 1),
+    1: ("b", 1),
+    2: ("H", 2),
+    3: ("h", 2),
+    4: ("I", 4),
+    5: ("i", 4),
+    6: ("f", 4),
+    7: ("?", 1),
+    10: ("Q", 8),
+    11: ("q", 8),
+    12: ("d", 8),
+}
+_NP = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 _MAX_DEPTH = 8  # arrays of arrays: no model uses them, gguf-py reads any depth; deeper is refused, not recursed
 _MIN_KV = 8 + 4 + 1  # smallest metadata entry: empty key, value type, a 1-byte value
@@ -78,7 +100,7 @@ class _Header:
 
     def __init__(self, path: str, mm: np.ndarray, base: int, size: int, shard: int = 0):
         self.path, self.mm, self.base, self.size, self.shard = path, mm, base, size, shard
-        self._buf = memoryview(mm[base:base + size])
+        self._buf = memoryview(mm[base : base + size])
         self.fields: dict[str, object] = {}
         self.types: dict[str, int] = {}  # GGUF value type of each key
         self.tensors: dict[str, TensorInfo] = {}
@@ -86,8 +108,9 @@ class _Header:
         try:
             self._parse()
         except struct.error:
-            raise StreamerError(f"{self.path} is truncated: the GGUF header runs past the end of the file "
-                                f"(reading {self._where})") from None
+            raise StreamerError(
+                f"{self.path} is truncated: the GGUF header runs past the end of the file (reading {self._where})"
+            ) from None
         finally:
             self._buf.release()
 
@@ -101,8 +124,10 @@ class _Header:
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
         for what, n, least in (("tensors", n_tensors, _MIN_TENSOR_INFO), ("metadata keys", n_kv, _MIN_KV)):
             if n * least > self.size:
-                raise StreamerError(f"{self.path} is truncated or not a valid GGUF file (its header claims {n} "
-                                    f"{what}, more than its {self.size} bytes can hold)")
+                raise StreamerError(
+                    f"{self.path} is truncated or not a valid GGUF file (its header claims {n} "
+                    f"{what}, more than its {self.size} bytes can hold)"
+                )
         off = 24
         for i in range(n_kv):
             self._where = f"metadata key #{i}"
@@ -123,8 +148,7 @@ class _Header:
             names.add(name)
             (n_dims,), off = struct.unpack_from("<I", buf, off), off + 4
             if not 1 <= n_dims <= 4:
-                raise StreamerError(f"{self.path}: tensor '{_show(name)}' has {n_dims} dimensions "
-                                    f"(GGUF allows 1 to 4)")
+                raise StreamerError(f"{self.path}: tensor '{_show(name)}' has {n_dims} dimensions (GGUF allows 1 to 4)")
             ne = struct.unpack_from(f"<{n_dims}Q", buf, off)
             off += 8 * n_dims
             ttype, rel = struct.unpack_from("<IQ", buf, off)
@@ -136,8 +160,10 @@ class _Header:
         data_start = -(-off // align) * align
         for name, ne, ttype, rel in infos:
             if rel % align:
-                raise StreamerError(f"{self.path}: tensor '{_show(name)}' has data offset {rel}, "
-                                    f"not a multiple of the alignment {align}")
+                raise StreamerError(
+                    f"{self.path}: tensor '{_show(name)}' has data offset {rel}, "
+                    f"not a multiple of the alignment {align}"
+                )
             self.tensors[name] = self._tensor_info(name, ne, ttype, data_start + rel)
         self.data_start = data_start
 
@@ -150,12 +176,15 @@ class _Header:
             raise StreamerError(f"tensor '{_show(name)}' has a dimension of {max(ne)} (at most 2**63-1)")
         block, type_size = GGML_QUANT_SIZES[qtype]
         if ne[0] % block:
-            raise StreamerError(f"tensor '{_show(name)}' ({qtype.name}): row length {ne[0]} "
-                                f"is not a multiple of the block size {block}")
+            raise StreamerError(
+                f"tensor '{_show(name)}' ({qtype.name}): row length {ne[0]} is not a multiple of the block size {block}"
+            )
         nbytes = math.prod(ne) // block * type_size
         if offset + nbytes > self.size:
-            raise StreamerError(f"{self.path} is truncated: tensor '{_show(name)}' ends at byte {offset + nbytes} "
-                                f"but the file has {self.size} bytes")
+            raise StreamerError(
+                f"{self.path} is truncated: tensor '{_show(name)}' ends at byte {offset + nbytes} "
+                f"but the file has {self.size} bytes"
+            )
         return TensorInfo(name, qtype, tuple(int(d) for d in reversed(ne)), self.base + offset, nbytes, self.shard)
 
     def _str(self, off: int) -> tuple[str, int]:
@@ -163,7 +192,7 @@ class _Header:
         end = off + 8 + n
         if end > self.size:
             raise struct.error("string past EOF")
-        return bytes(self._buf[off + 8:end]).decode("utf-8", errors="replace"), end
+        return bytes(self._buf[off + 8 : end]).decode("utf-8", errors="replace"), end
 
     def _value(self, vtype: int, off: int, key: str, depth: int = 0):
         if vtype in _SCALAR:
@@ -174,14 +203,15 @@ class _Header:
         if vtype != _ARRAY:
             raise StreamerError(f"{self.path}: metadata key '{_show(key)}' has unknown GGUF value type {vtype}")
         if depth == _MAX_DEPTH:
-            raise StreamerError(f"{self.path}: metadata key '{_show(key)}' nests arrays more than "
-                                f"{_MAX_DEPTH} deep")
+            raise StreamerError(f"{self.path}: metadata key '{_show(key)}' nests arrays more than {_MAX_DEPTH} deep")
         etype, count = struct.unpack_from("<IQ", self._buf, off)
         off += 12
         least = np.dtype(_NP[etype]).itemsize if etype in _NP else 8 if etype == _STRING else 12
         if count * least > self.size - off:
-            raise StreamerError(f"{self.path} is truncated or corrupt: metadata key '{_show(key)}' claims {count} "
-                                f"array elements, more than the rest of the file can hold")
+            raise StreamerError(
+                f"{self.path} is truncated or corrupt: metadata key '{_show(key)}' claims {count} "
+                f"array elements, more than the rest of the file can hold"
+            )
         if etype in _NP:
             dt = np.dtype(_NP[etype])
             return np.frombuffer(self.mm, dtype=dt, count=count, offset=self.base + off), off + count * dt.itemsize
@@ -201,10 +231,10 @@ class _Header:
         raise StreamerError(f"{self.path}: metadata key '{_show(key)}' is an array of unknown GGUF value type {etype}")
 
 
-
 @dataclass(frozen=True)
 class Shard:
     """One file of a model: where it sits in GGUFFile.mm (base), its size and tensor count."""
+
     path: str
     base: int
     size: int
@@ -214,8 +244,21 @@ class Shard:
 
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 _SPLIT_TYPES = {SPLIT_NO: (2, "u16"), SPLIT_COUNT: (2, "u16"), SPLIT_TENSORS: (5, "i32")}  # as llama.cpp reads them
-_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "string",
-               9: "array", 10: "u64", 11: "i64", 12: "f64"}
+_TYPE_NAMES = {
+    0: "u8",
+    1: "i8",
+    2: "u16",
+    3: "i16",
+    4: "u32",
+    5: "i32",
+    6: "f32",
+    7: "bool",
+    8: "string",
+    9: "array",
+    10: "u64",
+    11: "i64",
+    12: "f64",
+}
 
 
 def shard_name(prefix: str, no: int, count: int) -> str:
@@ -226,7 +269,7 @@ def shard_name(prefix: str, no: int, count: int) -> str:
 def split_prefix(path: str, no: int, count: int) -> str | None:
     """The common prefix of a shard set from one shard's path, None if the name is not shard `no` of `count`."""
     suffix = shard_name("", no, count)
-    return path[:-len(suffix)] if path.endswith(suffix) and len(path) > len(suffix) else None
+    return path[: -len(suffix)] if path.endswith(suffix) and len(path) > len(suffix) else None
 
 
 def _open_file(path: str) -> tuple[int, int]:
@@ -249,8 +292,9 @@ def _map(paths: list[str], fds: list[int], sizes: list[int]) -> tuple[np.ndarray
     try:
         return map_files(fds, sizes)
     except OSError as e:
-        raise StreamerError(f"cannot map {paths[0]}{' and its shards' if len(paths) > 1 else ''}: "
-                            f"{e.strerror or e}") from None
+        raise StreamerError(
+            f"cannot map {paths[0]}{' and its shards' if len(paths) > 1 else ''}: {e.strerror or e}"
+        ) from None
 
 
 class GGUFFile:
@@ -290,14 +334,17 @@ class GGUFFile:
                 self._check_shard(h, count)
             for name, t in h.tensors.items():
                 if name in self.tensors:
-                    raise StreamerError(f"{h.path}: tensor '{_show(name)}' is also in "
-                                        f"{headers[self.tensors[name].shard].path} (a tensor in two shards)")
+                    raise StreamerError(
+                        f"{h.path}: tensor '{_show(name)}' is also in "
+                        f"{headers[self.tensors[name].shard].path} (a tensor in two shards)"
+                    )
                 self.tensors[name] = t
         if len(headers) > 1:
             want = self.fields.get(SPLIT_TENSORS)
             if want != len(self.tensors):
-                raise StreamerError(f"{self.path}: {SPLIT_TENSORS} is {want}, but its {count} shards hold "
-                                    f"{len(self.tensors)} tensors")
+                raise StreamerError(
+                    f"{self.path}: {SPLIT_TENSORS} is {want}, but its {count} shards hold {len(self.tensors)} tensors"
+                )
         self.shards = [Shard(h.path, h.base, h.size, h.data_start, len(h.tensors)) for h in headers]
         self.size = sum(h.size for h in headers)
         self.data_start = headers[0].data_start
@@ -316,8 +363,9 @@ class GGUFFile:
             return None
         code, tname = _SPLIT_TYPES[key]
         if h.types[key] != code:
-            raise StreamerError(f"{h.path}: metadata key '{key}' is a {_TYPE_NAMES.get(h.types[key], '?')}, "
-                                f"expected a {tname}")
+            raise StreamerError(
+                f"{h.path}: metadata key '{key}' is a {_TYPE_NAMES.get(h.types[key], '?')}, expected a {tname}"
+            )
         return h.fields[key]
 
     def _split_count(self, first: _Header) -> int:
@@ -335,8 +383,10 @@ class GGUFFile:
     def _shard_paths(self, count: int) -> list[str]:
         prefix = split_prefix(self.path, 0, count)
         if prefix is None:
-            raise StreamerError(f"{self.path} is the first of {count} shards, but its name does not end in "
-                                f"{shard_name('', 0, count)}, so the others cannot be found (keep gguf-split's names)")
+            raise StreamerError(
+                f"{self.path} is the first of {count} shards, but its name does not end in "
+                f"{shard_name('', 0, count)}, so the others cannot be found (keep gguf-split's names)"
+            )
         return [shard_name(prefix, i, count) for i in range(count)]
 
     @staticmethod
@@ -348,8 +398,10 @@ class GGUFFile:
     def _check_shard(self, h: _Header, count: int) -> None:
         no, n = self._split_key(h, SPLIT_NO), self._split_key(h, SPLIT_COUNT)
         if no != h.shard or n != count:
-            raise StreamerError(f"{h.path}: its split.no/split.count say shard {no + 1} of {n}, but by name it is "
-                                f"shard {h.shard + 1} of {count} of {self.path}")
+            raise StreamerError(
+                f"{h.path}: its split.no/split.count say shard {no + 1} of {n}, but by name it is "
+                f"shard {h.shard + 1} of {count} of {self.path}"
+            )
 
     # ---- metadata ----
     @property
@@ -377,8 +429,9 @@ class GGUFFile:
         else:
             ok = isinstance(val, kind)
         if not ok:
-            raise StreamerError(f"{self.path}: metadata key '{_show(key)}' is {_describe(val)}, "
-                                f"expected {_KINDS[kind]}")
+            raise StreamerError(
+                f"{self.path}: metadata key '{_show(key)}' is {_describe(val)}, expected {_KINDS[kind]}"
+            )
         return kind(val)
 
     def array(self, key: str, kind: type) -> np.ndarray | None:
@@ -387,16 +440,19 @@ class GGUFFile:
         if val is None:
             return None
         if not isinstance(val, np.ndarray) or val.dtype.kind not in ("iu" if kind is int else "iuf"):
-            raise StreamerError(f"{self.path}: metadata key '{_show(key)}' is {_describe(val)}, "
-                                f"expected an array of {'integers' if kind is int else 'numbers'}")
+            raise StreamerError(
+                f"{self.path}: metadata key '{_show(key)}' is {_describe(val)}, "
+                f"expected an array of {'integers' if kind is int else 'numbers'}"
+            )
         return val
 
     def string_count(self, key: str) -> int:
         """How many strings the string array `key` holds (without decoding them)."""
         arr = self.fields.get(key)
         if not isinstance(arr, _StringArray):
-            raise StreamerError(f"{self.path}: metadata key '{_show(key)}' is {_describe(arr)}, "
-                                f"expected an array of strings")
+            raise StreamerError(
+                f"{self.path}: metadata key '{_show(key)}' is {_describe(arr)}, expected an array of strings"
+            )
         return arr.count
 
     def get_strings(self, key: str, errors: str = "strict") -> list[str]:
@@ -410,7 +466,7 @@ class GGUFFile:
         unpack = struct.Struct("<Q").unpack_from
         for _ in range(arr.count):
             (n,) = unpack(buf, off)
-            out.append(buf[off + 8:off + 8 + n].tobytes())
+            out.append(buf[off + 8 : off + 8 + n].tobytes())
             off += 8 + n
         return out
 
@@ -424,7 +480,7 @@ class GGUFFile:
     def view(self, name: str) -> np.ndarray:
         """Zero-copy view: float types as (…, n) of their dtype, quantized types as uint8 (…, row_bytes)."""
         t = self.tensors[name]
-        raw = self.mm[t.offset:t.offset + t.nbytes]
+        raw = self.mm[t.offset : t.offset + t.nbytes]
         if t.qtype == GGMLQuantizationType.F32:
             return raw.view(np.float32).reshape(t.shape)
         if t.qtype == GGMLQuantizationType.F16:
@@ -444,7 +500,7 @@ class GGUFFile:
         sequential readahead on (so the kernel reads in large requests); the ranges are left MADV_NORMAL."""
         self.advise(ranges, mmap.MADV_SEQUENTIAL)
         for start, n in ranges:
-            int(self.mm[start:start + n:mmap.PAGESIZE].sum(dtype=np.uint64))
+            int(self.mm[start : start + n : mmap.PAGESIZE].sum(dtype=np.uint64))
         self.advise(ranges, mmap.MADV_NORMAL)
 
     def close(self) -> None:

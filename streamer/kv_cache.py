@@ -13,8 +13,9 @@ from streamer.errors import StreamerError
 def check_room(n: int, m: int, n_ctx: int) -> None:
     """m more tokens after n must fit a context of n_ctx."""
     if n + m > n_ctx:
-        raise StreamerError(f"context overflow: {n} + {m} tokens exceed the context size {n_ctx} "
-                            f"(raise it with -c/--ctx-size)")
+        raise StreamerError(
+            f"context overflow: {n} + {m} tokens exceed the context size {n_ctx} (raise it with -c/--ctx-size)"
+        )
 
 
 class KVCache:
@@ -40,8 +41,8 @@ class KVCache:
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
         m = k.shape[0]
-        self.k[layer, :, pos0:pos0 + m, :] = k.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
-        self.v[layer, :, pos0:pos0 + m, :] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+        self.k[layer, :, pos0 : pos0 + m, :] = k.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+        self.v[layer, :, pos0 : pos0 + m, :] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (their slots are simply overwritten later)."""

@@ -95,8 +95,14 @@ class Layer:
 
 
 class Model:
-    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ffn: FFN | None = None, n_ctx: int | None = None,
-                 watch: FileWatch | None = None):
+    def __init__(
+        self,
+        gf: GGUFFile,
+        cfg: ModelConfig,
+        ffn: FFN | None = None,
+        n_ctx: int | None = None,
+        watch: FileWatch | None = None,
+    ):
         """watch: checked before each forward (the file must not change under the mapping)."""
         self.gf, self.cfg, self.watch = gf, cfg, watch
         self.layers = [Layer(gf, i) for i in range(cfg.n_layer)]
@@ -139,8 +145,9 @@ class Model:
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
 
-    def forward(self, ids, cache: KVCache, all_logits: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def forward(
+        self, ids, cache: KVCache, all_logits: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> np.ndarray:
         """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all.
         Tokens go in chunks of `ubatch` (prefill); progress(done, total) follows each one when there are several."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -153,7 +160,7 @@ class Model:
         cache.check_room(len(ids))
         outs = []
         for s in range(0, len(ids), self.ubatch):
-            chunk = ids[s:s + self.ubatch]
+            chunk = ids[s : s + self.ubatch]
             last = s + self.ubatch >= len(ids)
             x = self._layers(chunk, cache)
             if all_logits:

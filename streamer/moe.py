@@ -98,8 +98,17 @@ def fused_plan(parts) -> FusedPlan | None:
 
 
 class MoEFFN:
-    def __init__(self, gf, cfg, source, profiler, usage=None, expert_top_p: float = 1.0, prefetch: bool = True,
-                 plan: Plan | None = None):
+    def __init__(
+        self,
+        gf,
+        cfg,
+        source,
+        profiler,
+        usage=None,
+        expert_top_p: float = 1.0,
+        prefetch: bool = True,
+        plan: Plan | None = None,
+    ):
         """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming)."""
         self.gf, self.cfg, self.source, self.prof, self.usage = gf, cfg, source, profiler, usage
         self.prefetch, self.plan = prefetch, plan
@@ -138,11 +147,22 @@ class MoEFFN:
         if m == 1 and self.fused[layer] is not None:  # decode: as many experts per kernel call as are ready
             order = np.argsort(ids[0])  # expert weights in ascending id order, dropped (-1) first
             wts = w[0][order][ids[0][order] >= 0].astype(np.float32)
-            serve(self.source, layer, experts, lambda start, group, mats: self._fused(
-                layer, group, wts[start:start + len(group)], h[0], out[0]), prefetch_next=nxt)
+            serve(
+                self.source,
+                layer,
+                experts,
+                lambda start, group, mats: self._fused(layer, group, wts[start : start + len(group)], h[0], out[0]),
+                prefetch_next=nxt,
+            )
         else:  # one expert at a time, in ascending id order, reads up to the window ahead
-            serve(self.source, layer, experts, lambda start, group, mats: self._expert(mats[0], group[0], h, ids, w,
-                                                                                      out), self.window, nxt)
+            serve(
+                self.source,
+                layer,
+                experts,
+                lambda start, group, mats: self._expert(mats[0], group[0], h, ids, w, out),
+                self.window,
+                nxt,
+            )
         return out
 
     def _fused(self, layer, group, wts, x, out) -> None:
@@ -151,11 +171,28 @@ class MoEFFN:
         base, g = locs[0][0], len(group)
         offs = np.array([o[0] for _, o in locs] + [o[1] for _, o in locs] + [o[2] for _, o in locs], np.int64)
         gu = np.empty((2 * g, self.cfg.n_ff_exp), np.float32)
-        experts_matvec(plan.gate_up_format, base, offs[:2 * g], plan.gate_up_row_bytes, x, gu,
-                       self.scratch_x.xq[0], self.scratch_x.aux[0])
+        experts_matvec(
+            plan.gate_up_format,
+            base,
+            offs[: 2 * g],
+            plan.gate_up_row_bytes,
+            x,
+            gu,
+            self.scratch_x.xq[0],
+            self.scratch_x.aux[0],
+        )
         a = ops.swiglu(gu[:g], gu[g:], gu[:g])
-        experts_down(plan.down_format, base, offs[2 * g:], plan.down_row_bytes, a, wts, out, self.scratch_a.xq,
-                     self.scratch_a.aux)
+        experts_down(
+            plan.down_format,
+            base,
+            offs[2 * g :],
+            plan.down_row_bytes,
+            a,
+            wts,
+            out,
+            self.scratch_a.xq,
+            self.scratch_a.aux,
+        )
 
     @staticmethod
     def _expert(mats, e, h, ids, w, out) -> None:
@@ -174,8 +211,11 @@ class MoEFFN:
 
     def matrices(self) -> list:
         """Routers, and one expert of each layer straight from the mmap (for kernel warm-up only)."""
-        return self.router.mats + [qmatrix(self.gf, f"blk.{i}.ffn_{p}_exps.weight", 0)
-                                   for i in range(self.cfg.n_layer) for p in ("gate", "up", "down")]
+        return self.router.mats + [
+            qmatrix(self.gf, f"blk.{i}.ffn_{p}_exps.weight", 0)
+            for i in range(self.cfg.n_layer)
+            for p in ("gate", "up", "down")
+        ]
 
     def close(self) -> None:
         self.source.close()

@@ -47,16 +47,22 @@ class StreamOptions:
     def __post_init__(self) -> None:
         if isinstance(self.ram_budget, str):
             from streamer.io import parse_size  # numpy: not on the --help path
+
             object.__setattr__(self, "ram_budget", parse_size(self.ram_budget))
         if self.io not in set(IoMode):
             raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
         object.__setattr__(self, "io", IoMode(self.io))
-        checks = ((self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),
-                  (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too
-                  (self.readers < 1, "readers must be at least 1", self.readers),
-                  (not 0.0 <= self.pin_share <= 1.0, "pin_share must be in [0, 1]", self.pin_share),
-                  (self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0,
-                   "the expert cache size must be positive", self.expert_cache_bytes))
+        checks = (
+            (self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),
+            (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too
+            (self.readers < 1, "readers must be at least 1", self.readers),
+            (not 0.0 <= self.pin_share <= 1.0, "pin_share must be in [0, 1]", self.pin_share),
+            (
+                self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0,
+                "the expert cache size must be positive",
+                self.expert_cache_bytes,
+            ),
+        )
         for bad, message, value in checks:
             if bad:
                 raise StreamerError(f"{message}, got {value}")
@@ -71,13 +77,21 @@ class StreamOptions:
         fraction = values.pop("budget_fraction", None)
         if fraction is not None and "ram_budget" not in given:
             from streamer.budget import available_memory
+
             values["ram_budget"] = int(fraction * available_memory())
         return cls(**{**values, **given})
 
 
 # preset keys -> the TOML types they take (a preset sets these options only; description is for listings)
-PRESET_KEYS = {"description": (str,), "ram_budget": (str, int), "budget_fraction": (float, int), "prefetch": (bool,),
-               "expert_top_p": (float, int), "pin_share": (float, int), "readers": (int,)}
+PRESET_KEYS = {
+    "description": (str,),
+    "ram_budget": (str, int),
+    "budget_fraction": (float, int),
+    "prefetch": (bool,),
+    "expert_top_p": (float, int),
+    "pin_share": (float, int),
+    "readers": (int,),
+}
 
 
 def available_presets() -> list[str]:
@@ -90,8 +104,9 @@ def load_preset(name: str) -> dict:
     if not path.suffix:
         res = resources.files("streamer.presets") / f"{name}.toml"
         if not res.is_file():
-            raise StreamerError(f"unknown preset '{name}' (built-in: {', '.join(available_presets())}; "
-                                "or give a .toml file)")
+            raise StreamerError(
+                f"unknown preset '{name}' (built-in: {', '.join(available_presets())}; or give a .toml file)"
+            )
         text, where = res.read_text(), f"preset '{name}'"
     else:
         try:

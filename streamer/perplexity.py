@@ -50,9 +50,18 @@ class PerplexityResult:
         return self.ppl * math.sqrt(var / (self.count - 1)) if var > 0 and self.count > 1 else float("nan")
 
     def to_dict(self) -> dict:
-        return {"ppl": self.ppl, "ppl_stderr": self.stderr, "nll_mean": self.nll / self.count,
-                "n_ctx": self.n_ctx, "chunks": self.n_chunk, "tokens": self.n_tokens, "tokens_scored": self.count,
-                "add_bos": self.add_bos, "running_ppl": self.running, "seconds": round(self.seconds, 3)}
+        return {
+            "ppl": self.ppl,
+            "ppl_stderr": self.stderr,
+            "nll_mean": self.nll / self.count,
+            "n_ctx": self.n_ctx,
+            "chunks": self.n_chunk,
+            "tokens": self.n_tokens,
+            "tokens_scored": self.count,
+            "add_bos": self.add_bos,
+            "running_ppl": self.running,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def plan(n_tokens: int, n_ctx: int, chunks: int | None) -> int:
@@ -62,8 +71,10 @@ def plan(n_tokens: int, n_ctx: int, chunks: int | None) -> int:
     if chunks is not None and chunks < 1:
         raise StreamerError(f"--chunks must be at least 1, got {chunks}")
     if n_tokens < 2 * n_ctx:
-        raise StreamerError(f"the text has {n_tokens} tokens; perplexity with a context of {n_ctx} needs at least "
-                            f"{2 * n_ctx} (llama-perplexity's rule; use a smaller -c/--ctx-size or a longer file)")
+        raise StreamerError(
+            f"the text has {n_tokens} tokens; perplexity with a context of {n_ctx} needs at least "
+            f"{2 * n_ctx} (llama-perplexity's rule; use a smaller -c/--ctx-size or a longer file)"
+        )
     n = n_tokens // n_ctx
     return n if chunks is None else min(chunks, n)
 
@@ -77,14 +88,20 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def window_tokens(tokens: np.ndarray, i: int, n_ctx: int, bos_id: int | None) -> np.ndarray:
-    w = np.array(tokens[i * n_ctx:(i + 1) * n_ctx], dtype=np.int64)
+    w = np.array(tokens[i * n_ctx : (i + 1) * n_ctx], dtype=np.int64)
     if bos_id is not None:
         w[0] = bos_id
     return w
 
 
-def perplexity(model, tokens, n_ctx: int, chunks: int | None = None, bos_id: int | None = None,
-               on_chunk: Callable[[int, PerplexityResult, float], None] | None = None) -> PerplexityResult:
+def perplexity(
+    model,
+    tokens,
+    n_ctx: int,
+    chunks: int | None = None,
+    bos_id: int | None = None,
+    on_chunk: Callable[[int, PerplexityResult, float], None] | None = None,
+) -> PerplexityResult:
     """Run llama-perplexity's method over `tokens` with `model` (a streamer.model.Model whose context holds at
     least n_ctx). bos_id: replace each window's first token by it (models that add BOS). on_chunk(i, result,
     seconds of this window) after each window."""
@@ -106,7 +123,7 @@ def perplexity(model, tokens, n_ctx: int, chunks: int | None = None, bos_id: int
         # positions first .. n_ctx - 2 predict tokens first + 1 .. n_ctx - 1; the last position has no target
         for s in range(first, n_ctx - 1, step):
             e = min(s + step, n_ctx - 1)
-            nll = token_nll(model.forward(w[s:e], cache, all_logits=True), w[s + 1:e + 1])
+            nll = token_nll(model.forward(w[s:e], cache, all_logits=True), w[s + 1 : e + 1])
             res.nll += float(nll.sum())
             res.nll2 += float((nll * nll).sum())
             res.count += len(nll)

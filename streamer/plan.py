@@ -46,6 +46,7 @@ class PlanOptions:
 
 # ---- the disk probe ----
 
+
 def device_id(path) -> str:
     st = os.stat(path)
     return f"{os.major(st.st_dev)}-{os.minor(st.st_dev)}"
@@ -99,9 +100,17 @@ def probe_disk(gf, layout, seconds: float, n_threads: int, progress=None) -> dic
         nbytes = sum(b for _, b in res)
     finally:
         reader.close()
-    return {"format": PROBE_FORMAT, "device": device_id(gf.path), "direct": reader.direct, "latency_s": latency,
-            "throughput_Bps": nbytes / elapsed, "threads": n_threads, "reads": n1 + sum(n for n, _ in res),
-            "read_bytes": int(np.mean(layout_sizes(layout))), "when": time.time()}
+    return {
+        "format": PROBE_FORMAT,
+        "device": device_id(gf.path),
+        "direct": reader.direct,
+        "latency_s": latency,
+        "throughput_Bps": nbytes / elapsed,
+        "threads": n_threads,
+        "reads": n1 + sum(n for n, _ in res),
+        "read_bytes": int(np.mean(layout_sizes(layout))),
+        "when": time.time(),
+    }
 
 
 def layout_sizes(layout) -> list[int]:
@@ -121,8 +130,12 @@ def disk_figures(gf, layout, opts: PlanOptions, progress=None) -> dict:
     if not opts.reprobe and where.exists():
         try:
             d = json.loads(where.read_text())
-            if (d.get("format") == PROBE_FORMAT and d.get("threads") == opts.n_readers
-                    and 0.5 <= d.get("read_bytes", 0) / size <= 2.0 and d["throughput_Bps"] > 0):
+            if (
+                d.get("format") == PROBE_FORMAT
+                and d.get("threads") == opts.n_readers
+                and 0.5 <= d.get("read_bytes", 0) / size <= 2.0
+                and d["throughput_Bps"] > 0
+            ):
                 d["cached"] = str(where)
                 return d
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
@@ -136,14 +149,14 @@ def disk_figures(gf, layout, opts: PlanOptions, progress=None) -> dict:
 
 # ---- compute ----
 
+
 def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
     """Seconds of one warm decode step (the median): the same token at position 0 run once cold, then `repeats`
     times warm (same routing, so every weight it uses is already in memory)."""
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
-    with open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=n_ctx,
-                    threads=threads) as s:
+    with open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=n_ctx, threads=threads) as s:
         tok = np.array([min(1000, s.cfg.n_vocab - 1)], np.int64)
         s.model.forward(tok, s.model.new_cache())
         times = []
@@ -156,6 +169,7 @@ def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
 
 
 # ---- the prediction ----
+
 
 def machine_memory() -> int:
     import psutil
@@ -178,13 +192,16 @@ def budget_ladder(plan_parts: dict, geometry: dict, top: int) -> list[int]:
     resident = -(-(rest + p["expert_total"] + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
     cands = {lo, top} | {g * 2**30 for g in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)}
     # and the budgets whose expert cache holds 10%, 25%, 50% and 75% of the experts
-    cands |= {-(-(rest + int(s * p["expert_total"]) + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
-              for s in (0.1, 0.25, 0.5, 0.75)}
+    cands |= {
+        -(-(rest + int(s * p["expert_total"]) + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
+        for s in (0.1, 0.25, 0.5, 0.75)
+    }
     cands |= {resident} if resident <= top else set()
     out = []
     for b in sorted(c for c in cands if lo <= c <= top):
-        fits = plan_at(b, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"],
-                       p["slot_bytes"]).fits_resident
+        fits = plan_at(
+            b, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"]
+        ).fits_resident
         out.append(b)
         if fits and b != top:
             out += [top] if top > b else []
@@ -202,8 +219,9 @@ def distinct_experts(prompt_tokens: int, geometry: dict) -> float:
     return geometry["n_layer"] * e * (1 - (1 - k / e) ** prompt_tokens)
 
 
-def predict(parts: dict, geometry: dict, budgets, step_s: float, disk: dict, prompt_tokens: int,
-            replayed: dict | None) -> list[dict]:
+def predict(
+    parts: dict, geometry: dict, budgets, step_s: float, disk: dict, prompt_tokens: int, replayed: dict | None
+) -> list[dict]:
     """One row per budget (and per policy, with a replay): hit rate, bytes per token, tok/s, TTFT."""
     from streamer.replay import slots_at
 
@@ -231,11 +249,20 @@ def predict(parts: dict, geometry: dict, budgets, step_s: float, disk: dict, pro
             # Reads overlap compute: the router lookahead reads layer L+1's experts while layer L computes, and
             # the readers work beside the compute thread. Measured on the 30B-A3B file under cgroup caps of 6, 8
             # and 12 GiB, this was within 12% of the real speed; compute + reads in series was 28-32% slow.
-            rows.append({"budget": b, "policy": pol, "state": state, "n_slots": n_slots, "hit_rate": hit,
-                         "read_bytes_per_token": per_tok, "decode_tok_s": 1.0 / max(step_s, per_tok / bw),
-                         "ttft_s": ttft,
-                         # the pessimistic bound: no overlap at all (e.g. --no-prefetch with every read a demand read)
-                         "decode_tok_s_serial": 1.0 / (step_s + per_tok / bw)})
+            rows.append(
+                {
+                    "budget": b,
+                    "policy": pol,
+                    "state": state,
+                    "n_slots": n_slots,
+                    "hit_rate": hit,
+                    "read_bytes_per_token": per_tok,
+                    "decode_tok_s": 1.0 / max(step_s, per_tok / bw),
+                    "ttft_s": ttft,
+                    # the pessimistic bound: no overlap at all (e.g. --no-prefetch with every read a demand read)
+                    "decode_tok_s_serial": 1.0 / (step_s + per_tok / bw),
+                }
+            )
     return rows
 
 
@@ -260,8 +287,10 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     gf = GGUFFile(model)
     cfg = ModelConfig.from_gguf(gf)
     if not cfg.is_moe:
-        raise StreamerError(f"{model} is a dense model: it has no experts to stream, so its decode speed does not "
-                            f"depend on the budget (`stream-run bench` measures it)")
+        raise StreamerError(
+            f"{model} is a dense model: it has no experts to stream, so its decode speed does not "
+            f"depend on the budget (`stream-run bench` measures it)"
+        )
     trace = None
     if opts.trace is not None:
         from streamer.trace import check_model, load_trace
@@ -269,17 +298,28 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
         trace = load_trace(opts.trace)
         check_model(trace, gf)
     layout = ExpertLayout(gf, cfg)
-    geometry = {"n_layer": cfg.n_layer, "n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used,
-                "expert_bytes": layout_sizes(layout), "slot_bytes": layout.slot_bytes}
+    geometry = {
+        "n_layer": cfg.n_layer,
+        "n_expert": cfg.n_expert,
+        "n_expert_used": cfg.n_expert_used,
+        "expert_bytes": layout_sizes(layout),
+        "slot_bytes": layout.slot_bytes,
+    }
     if trace is not None:
         parts = dict(trace.header["plan"])
     else:
         import streamer.experts.build  # noqa: F401  the baseline counts what a run has imported when it plans
         import streamer.model  # noqa: F401
-        parts = {"budget": None, "baseline": psutil.Process().memory_info().rss,
-                 "nonexpert": sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name),
-                 "kv": cfg.kv_bytes_per_token * cfg.context(opts.n_ctx), "scratch": scratch_bytes(cfg),
-                 "expert_total": layout.total_bytes, "slot_bytes": layout.slot_bytes}
+
+        parts = {
+            "budget": None,
+            "baseline": psutil.Process().memory_info().rss,
+            "nonexpert": sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name),
+            "kv": cfg.kv_bytes_per_token * cfg.context(opts.n_ctx),
+            "scratch": scratch_bytes(cfg),
+            "expert_total": layout.total_bytes,
+            "slot_bytes": layout.slot_bytes,
+        }
     top = machine_memory()
     budgets = list(opts.budgets) if opts.budgets else budget_ladder(parts, geometry, top)
     say(f"disk probe: random {np.mean(geometry['expert_bytes']) / 2**20:.1f} MiB expert reads of {Path(model).name}")
@@ -296,10 +336,21 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     from streamer.replay import recorded_policy
 
     policy = "uniform" if trace is None else recorded_policy(trace)
-    return {"model": str(model), "model_bytes": gf.size, "geometry": geometry, "plan_parts": parts,
-            "machine_memory": top, "disk": disk, "decode_step_s": step_s, "prompt_tokens": opts.prompt_tokens,
-            "hit_model": "uniform routing bound" if trace is None else f"replay of {trace.path.name}",
-            "policy": policy, "rows": rows, "recommended": recommend(rows, policy), "replay": replayed}
+    return {
+        "model": str(model),
+        "model_bytes": gf.size,
+        "geometry": geometry,
+        "plan_parts": parts,
+        "machine_memory": top,
+        "disk": disk,
+        "decode_step_s": step_s,
+        "prompt_tokens": opts.prompt_tokens,
+        "hit_model": "uniform routing bound" if trace is None else f"replay of {trace.path.name}",
+        "policy": policy,
+        "rows": rows,
+        "recommended": recommend(rows, policy),
+        "replay": replayed,
+    }
 
 
 def format_plan(r: dict) -> str:
@@ -311,14 +362,18 @@ def format_plan(r: dict) -> str:
     lines = [
         f"model    {r['model']} ({human(r['model_bytes'])}): {g['n_layer']} layers x {g['n_expert']} experts, "
         f"{g['n_expert_used']} used; expert size {size_txt}; non-expert weights {human(r['plan_parts']['nonexpert'])}",
-        (f"disk     {d['throughput_Bps'] / 1e9:.2f} GB/s with {d['threads']} readers, {1e3 * d['latency_s']:.1f} ms "
-         f"per expert read alone ({'O_DIRECT' if d['direct'] else 'buffered: the page cache may serve some reads'}; "
-         + (f"cached probe {d['cached']}" if d.get("cached") else "probed now") + ")"),
+        (
+            f"disk     {d['throughput_Bps'] / 1e9:.2f} GB/s with {d['threads']} readers, {1e3 * d['latency_s']:.1f} ms "
+            f"per expert read alone ({'O_DIRECT' if d['direct'] else 'buffered: the page cache may serve some reads'}; "
+            + (f"cached probe {d['cached']}" if d.get("cached") else "probed now")
+            + ")"
+        ),
         f"compute  {1e3 * r['decode_step_s']:.0f} ms per decode step (measured: one warm step, weights in memory)",
         f"hits     {r['hit_model']} (decode steps{', ' + r['policy'] + ' policy' if r['policy'] != 'uniform' else ''})",
         f"memory   {human(r['machine_memory'])} on this machine (cgroup limit included)",
         f"{'budget':>10} {'slots':>6} {'hit':>6} {'MiB/tok':>8} {'tok/s':>7} {'TTFT s':>7}"
-        + (f" {'Belady tok/s':>12}" if r["policy"] != "uniform" else "") + f"   ({r['policy']} policy)",
+        + (f" {'Belady tok/s':>12}" if r["policy"] != "uniform" else "")
+        + f"   ({r['policy']} policy)",
     ]
     ceiling = {row["budget"]: row for row in r["rows"] if row["policy"] == "belady"}
     for row in r["rows"]:
@@ -330,13 +385,19 @@ def format_plan(r: dict) -> str:
             continue
         slots = "all" if row["state"] == "resident" else str(row["n_slots"])
         best = ceiling.get(row["budget"])
-        lines.append(f"{b:>10} {slots:>6} {100 * row['hit_rate']:5.1f}% {row['read_bytes_per_token'] / 2**20:8.1f} "
-                     f"{row['decode_tok_s']:7.2f} {row['ttft_s']:7.1f}"
-                     + (f" {best['decode_tok_s']:12.2f}" if best is not None else ""))
+        lines.append(
+            f"{b:>10} {slots:>6} {100 * row['hit_rate']:5.1f}% {row['read_bytes_per_token'] / 2**20:8.1f} "
+            f"{row['decode_tok_s']:7.2f} {row['ttft_s']:7.1f}"
+            + (f" {best['decode_tok_s']:12.2f}" if best is not None else "")
+        )
     rec = r["recommended"]
-    lines.append(f"TTFT: a {r['prompt_tokens']}-token prompt from a cold start (non-expert weights and the prompt's "
-                 f"experts read, one decode step of compute per prompt token)")
+    lines.append(
+        f"TTFT: a {r['prompt_tokens']}-token prompt from a cold start (non-expert weights and the prompt's "
+        f"experts read, one decode step of compute per prompt token)"
+    )
     if rec is not None:
-        lines.append(f"recommended: --ram-budget {human(rec['budget'])} (predicted {rec['decode_tok_s']:.2f} tok/s, "
-                     f"the smallest budget within 10% of the fastest)")
+        lines.append(
+            f"recommended: --ram-budget {human(rec['budget'])} (predicted {rec['decode_tok_s']:.2f} tok/s, "
+            f"the smallest budget within 10% of the fastest)"
+        )
     return "\n".join(lines)

@@ -10,8 +10,13 @@ import numpy as np
 from streamer.errors import StreamerError
 from streamer.io import atomic_write, human
 
-STYLE = {"lru": ("tab:blue", "-"), "lfu": ("tab:orange", "-"), "pinned-lru": ("tab:green", ":"),
-         "belady": ("black", "--"), "uniform": ("tab:purple", "-")}
+STYLE = {
+    "lru": ("tab:blue", "-"),
+    "lfu": ("tab:orange", "-"),
+    "pinned-lru": ("tab:green", ":"),
+    "belady": ("black", "--"),
+    "uniform": ("tab:purple", "-"),
+}
 MARKER = {"lru": "o", "lfu": "s", "pinned-lru": "^", "belady": "D", "uniform": "o"}
 
 
@@ -20,8 +25,9 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise StreamerError("--plot needs matplotlib: pip install 'stream-run[plot]' (or pip install matplotlib)") \
-            from None
+        raise StreamerError(
+            "--plot needs matplotlib: pip install 'stream-run[plot]' (or pip install matplotlib)"
+        ) from None
 
 
 def _figure(rows: int, height: float):
@@ -47,8 +53,14 @@ def plot_profile(report: dict, counts: np.ndarray, path, title: str = "") -> Non
     plt, fig, (ax_h, ax_b) = _figure(2, 9.5)
     n_layer, n_expert = counts.shape
     share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
-    im = ax_h.imshow(share * n_expert, aspect="auto", cmap="magma", interpolation="nearest",
-                     vmin=0, vmax=max(2.0, float(np.percentile(share * n_expert, 99.5))))
+    im = ax_h.imshow(
+        share * n_expert,
+        aspect="auto",
+        cmap="magma",
+        interpolation="nearest",
+        vmin=0,
+        vmax=max(2.0, float(np.percentile(share * n_expert, 99.5))),
+    )
     ax_h.set_xlabel("expert id")
     ax_h.set_ylabel("layer")
     ax_h.set_title(f"{title}expert usage: routed share of each layer's tokens, x{n_expert} (1 = uniform)")
@@ -63,8 +75,9 @@ def plot_profile(report: dict, counts: np.ndarray, path, title: str = "") -> Non
     ax2 = ax_b.twinx()
     ax2.bar(x + 0.2, stall, width=0.4, color="tab:red", label="I/O stall (s)")
     ax2.set_ylabel("stall s", color="tab:red")
-    ax_b.set_title(f"per layer: bytes read (blue, left) and time waiting for reads (red, right); "
-                   f"{report['tokens']} tokens")
+    ax_b.set_title(
+        f"per layer: bytes read (blue, left) and time waiting for reads (red, right); {report['tokens']} tokens"
+    )
     ax_b.set_xlim(-0.7, n_layer - 0.3)
     _save(plt, fig, path)
 
@@ -84,9 +97,16 @@ def _budget_lines(ax, rows, key):
     for pol, pts in by.items():
         pts = [(b, v) for b, v in sorted(pts) if v is not None]
         color, ls = STYLE.get(pol, ("gray", "-"))
-        ax.plot([b for b, _ in pts], [v for _, v in pts], ls, color=color, marker=MARKER.get(pol, "o"),
-                ms=6 if pol == "pinned-lru" else 4, mfc="none" if pol == "pinned-lru" else color,
-                label=pol + (" (offline optimal)" if pol == "belady" else ""))
+        ax.plot(
+            [b for b, _ in pts],
+            [v for _, v in pts],
+            ls,
+            color=color,
+            marker=MARKER.get(pol, "o"),
+            ms=6 if pol == "pinned-lru" else 4,
+            mfc="none" if pol == "pinned-lru" else color,
+            label=pol + (" (offline optimal)" if pol == "belady" else ""),
+        )
     ax.set_xlabel(f"RAM budget ({unit})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -95,8 +115,11 @@ def _budget_lines(ax, rows, key):
 def plot_replay(r: dict, path) -> None:
     """Hit rate and MiB read per token (decode steps) against budget, one line per policy, Belady dashed."""
     plt, fig, (ax1, ax2) = _figure(2, 7.5)
-    rows = [dict(x, hit=x["decode"]["hit_rate"], mib=x["decode"]["read_bytes_per_token"] / 2**20)
-            for x in r["results"] if x.get("state") != "too small"]
+    rows = [
+        dict(x, hit=x["decode"]["hit_rate"], mib=x["decode"]["read_bytes_per_token"] / 2**20)
+        for x in r["results"]
+        if x.get("state") != "too small"
+    ]
     if not any(x["budget"] is not None for x in rows):  # only the recorded cache: bars per policy
         pols = [x["policy"] for x in rows]
         for ax, key, label in ((ax1, "hit", "hit rate (%)"), (ax2, "mib", "MiB read per token")):
@@ -132,12 +155,18 @@ def plot_plan(r: dict, path) -> None:
     rec = r.get("recommended")
     if rec is not None:
         ax1.axvline(rec["budget"] / div, color="gray", ls=":", lw=1)
-        ax1.annotate(f"recommended {human(rec['budget'])}", (rec["budget"] / div, rec["decode_tok_s"]),
-                     textcoords="offset points", xytext=(6, -14), fontsize=8)
+        ax1.annotate(
+            f"recommended {human(rec['budget'])}",
+            (rec["budget"] / div, rec["decode_tok_s"]),
+            textcoords="offset points",
+            xytext=(6, -14),
+            fontsize=8,
+        )
     if r["machine_memory"] <= 1.05 * max(x["budget"] for x in rows):
         ax1.axvline(r["machine_memory"] / div, color="red", ls=":", lw=1)
-    ax1.set_title(f"plan for {r['model'].rsplit('/', 1)[-1]}: predicted decode speed\n(hits: {r['hit_model']}"
-                  f"{note})", fontsize=9)
+    ax1.set_title(
+        f"plan for {r['model'].rsplit('/', 1)[-1]}: predicted decode speed\n(hits: {r['hit_model']}{note})", fontsize=9
+    )
     _budget_lines(ax2, rows, "hit_pct")
     ax2.set_ylabel("hit rate, decode (%)")
     ax2.set_title("expert cache hit rate the prediction uses")

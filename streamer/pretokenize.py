@@ -20,8 +20,9 @@ from functools import lru_cache
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2")  # names llama.cpp maps to QWEN2
 
 # Unicode White_Space (PropList.txt), as in llama.cpp's gen-unicode-data.py.
-WHITESPACE = frozenset([*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
-                        0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
+WHITESPACE = frozenset(
+    [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F, 0x205F, 0x3000]
+)
 
 # Python's `re` tests BMP class members with a bitmap but walks astral ranges one by one, which made the
 # split 8x slower. So the classes hold BMP code points only, and astral characters (emoji, CJK Ext. B ...)
@@ -35,10 +36,22 @@ _OTHER = "\u00a6"
 # All are astral, so only the stand-in lookup needs them. Characters added in Unicode 16 are unassigned
 # for llama.cpp (HF tokenizers' oniguruma already knows them, so HF and llama.cpp differ there).
 UNICODE_15_1_LN = (
-    (0x1123F, 0x11240, "L"), (0x11F02, 0x11F02, "L"), (0x11F04, 0x11F10, "L"), (0x11F12, 0x11F33, "L"),
-    (0x11F50, 0x11F59, "N"), (0x1342F, 0x1342F, "L"), (0x13441, 0x13446, "L"), (0x1B132, 0x1B132, "L"),
-    (0x1B155, 0x1B155, "L"), (0x1D2C0, 0x1D2D3, "N"), (0x1DF25, 0x1DF2A, "L"), (0x1E030, 0x1E06D, "L"),
-    (0x1E4D0, 0x1E4EB, "L"), (0x1E4F0, 0x1E4F9, "N"), (0x2B739, 0x2B739, "L"), (0x2EBF0, 0x2EE5D, "L"),
+    (0x1123F, 0x11240, "L"),
+    (0x11F02, 0x11F02, "L"),
+    (0x11F04, 0x11F10, "L"),
+    (0x11F12, 0x11F33, "L"),
+    (0x11F50, 0x11F59, "N"),
+    (0x1342F, 0x1342F, "L"),
+    (0x13441, 0x13446, "L"),
+    (0x1B132, 0x1B132, "L"),
+    (0x1B155, 0x1B155, "L"),
+    (0x1D2C0, 0x1D2D3, "N"),
+    (0x1DF25, 0x1DF2A, "L"),
+    (0x1E030, 0x1E06D, "L"),
+    (0x1E4D0, 0x1E4EB, "L"),
+    (0x1E4F0, 0x1E4F9, "N"),
+    (0x2B739, 0x2B739, "L"),
+    (0x2EBF0, 0x2EE5D, "L"),
     (0x31350, 0x323AF, "L"),
 )
 
@@ -100,7 +113,7 @@ def split_words(text: str) -> list[str]:
     if not _ASTRAL.search(text):
         return pat.findall(text)
     collapsed = _ASTRAL.sub(lambda m: _stand_in(m.group()), text)
-    return [text[m.start():m.end()] for m in pat.finditer(collapsed)]
+    return [text[m.start() : m.end()] for m in pat.finditer(collapsed)]
 
 
 def partition_specials(text: str, specials: list[tuple[str, int]]) -> list[str | int]:

@@ -98,25 +98,32 @@ class Profiler:
 
     def summary(self) -> str:
         r = self.report()
+
         def pct(v):
             return "n/a" if v is None else f"{100 * v:.1f}%"
 
         rec = pct(r["prefetch_recall"])
-        return (f"experts: hit rate {pct(r['hit_rate'])} (prefetched {pct(r['prefetched_rate'])}, demand reads "
-                f"{pct(r['miss_rate'])}), {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
-                f"(disk {r['disk_read_bytes'] / 2**20:.0f} MiB total), prefetch recall {rec}, "
-                f"I/O stall {100 * r['stall_share']:.0f}% of wall time")
+        return (
+            f"experts: hit rate {pct(r['hit_rate'])} (prefetched {pct(r['prefetched_rate'])}, demand reads "
+            f"{pct(r['miss_rate'])}), {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
+            f"(disk {r['disk_read_bytes'] / 2**20:.0f} MiB total), prefetch recall {rec}, "
+            f"I/O stall {100 * r['stall_share']:.0f}% of wall time"
+        )
 
     def table(self) -> str:
         """routed: (token, expert) uses; reqs: distinct experts asked for per layer call, which are served as
         pinned / LRU hits, prefetched, or demand-read (miss)."""
-        head = (f"{'layer':>5} {'routed':>7} {'reqs':>6} {'pinned':>7} {'lru':>7} {'prefet':>7} {'miss':>7} {'drop':>6} "
-                f"{'MiB read':>9} {'pf iss':>7} {'pf used':>7} {'recall':>7} {'stall s':>8}")
+        head = (
+            f"{'layer':>5} {'routed':>7} {'reqs':>6} {'pinned':>7} {'lru':>7} {'prefet':>7} {'miss':>7} {'drop':>6} "
+            f"{'MiB read':>9} {'pf iss':>7} {'pf used':>7} {'recall':>7} {'stall s':>8}"
+        )
         rows = [head]
         for i, s in enumerate(self.layers + [self.totals()]):
             rec = f"{100 * s.recall_hit / s.recall_total:6.1f}%" if s.recall_total else f"{'-':>7}"
             name = "all" if i == len(self.layers) else str(i)
-            rows.append(f"{name:>5} {s.routed:>7} {s.requests:>6} {s.hit_pinned:>7} {s.hit_lru:>7} {s.hit_prefetched:>7} {s.miss:>7} "
-                        f"{s.dropped:>6} {(s.read_bytes + s.prefetch_bytes) / 2**20:>9.1f} {s.prefetch_issued:>7} "
-                        f"{s.prefetch_used:>7} {rec} {s.stall_s:>8.3f}")
+            rows.append(
+                f"{name:>5} {s.routed:>7} {s.requests:>6} {s.hit_pinned:>7} {s.hit_lru:>7} {s.hit_prefetched:>7} {s.miss:>7} "
+                f"{s.dropped:>6} {(s.read_bytes + s.prefetch_bytes) / 2**20:>9.1f} {s.prefetch_issued:>7} "
+                f"{s.prefetch_used:>7} {rec} {s.stall_s:>8.3f}"
+            )
         return "\n".join(rows)

@@ -48,6 +48,7 @@ class ReplayOptions:
 
 # ---- the simulated cache and source ----
 
+
 class _SimFuture:
     __slots__ = ("land", "landed")
 
@@ -172,11 +173,12 @@ def _no_compute(start, group, mats) -> None:
 
 # ---- routing under a top-p ----
 
+
 def routed(trace: Trace, top_p: float) -> list:
     """Per call: (ids, w) after expert top-p `top_p`, recomputed from the recorded top-k weights."""
     rows = trace.call_rows()
     ids, w = apply_top_p(trace.a["r_ids"].astype(np.int64), trace.a["r_w"], top_p)
-    return [(ids[rows[i]:rows[i + 1]], w[rows[i]:rows[i + 1]]) for i in range(trace.n_calls)]
+    return [(ids[rows[i] : rows[i + 1]], w[rows[i] : rows[i + 1]]) for i in range(trace.n_calls)]
 
 
 def lookahead_sets(trace: Trace, top_p: float) -> dict:
@@ -246,8 +248,9 @@ def allocate(curves: np.ndarray, n_slots: int, expert_bytes, floor: int) -> list
     return q
 
 
-def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p: float, prefetch: bool,
-             routes=None) -> dict:
+def simulate(
+    trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p: float, prefetch: bool, routes=None
+) -> dict:
     """Replay every recorded layer call through the runtime's cache code; the simulated run's trace arrays."""
     g, o = trace.geometry, trace.header["options"]
     n_layer, k = g["n_layer"], g["n_expert_used"]
@@ -256,9 +259,12 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
     look = lookahead_sets(trace, top_p) if prefetch else {}
     a = trace.a
     landed = a["p_land"] >= 0
-    delays = {(int(c), int(layer), int(e)): int(d) for c, layer, e, d in
-              zip(a["p_call"][landed], a["p_layer"][landed], a["p_expert"][landed],
-                  (a["p_land"] - a["p_issue"])[landed])}
+    delays = {
+        (int(c), int(layer), int(e)): int(d)
+        for c, layer, e, d in zip(
+            a["p_call"][landed], a["p_layer"][landed], a["p_expert"][landed], (a["p_land"] - a["p_issue"])[landed]
+        )
+    }
     default_delay = int(np.median(list(delays.values()))) if delays else 0
     quotas = None
     if policy == "per-layer":
@@ -294,6 +300,7 @@ def simulate(trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p:
 
 # ---- statistics (the same function reads the live trace and a simulated one) ----
 
+
 def traffic(a: dict, n_layer: int, calls: np.ndarray, expert_bytes=None) -> dict:
     """Hit rates and bytes over the layer calls selected by the boolean mask `calls`, overall and per layer."""
     qm = calls[a["q_call"]] if len(a["q_call"]) else np.zeros(0, bool)
@@ -303,8 +310,7 @@ def traffic(a: dict, n_layer: int, calls: np.ndarray, expert_bytes=None) -> dict
     by = np.zeros((n_layer, 4))
     np.add.at(by, (q_layer, tier), 1)
     dem = np.bincount(q_layer, weights=a["q_bytes"][qm].astype(np.float64), minlength=n_layer)
-    pf = np.bincount(a["p_layer"][pm].astype(np.int64), weights=a["p_bytes"][pm].astype(np.float64),
-                     minlength=n_layer)
+    pf = np.bincount(a["p_layer"][pm].astype(np.int64), weights=a["p_bytes"][pm].astype(np.float64), minlength=n_layer)
     stall = np.bincount(q_layer, weights=a["q_stall"][qm].astype(np.float64), minlength=n_layer)
     tokens = int(a["c_m"][calls & (a["c_layer"] == 0)].sum())
     req = by.sum(axis=1)
@@ -314,7 +320,8 @@ def traffic(a: dict, n_layer: int, calls: np.ndarray, expert_bytes=None) -> dict
 
     per_tok = max(tokens, 1)
     return {
-        "tokens": tokens, "requests": int(req.sum()),
+        "tokens": tokens,
+        "requests": int(req.sum()),
         "hit_rate": rate(by[:, PINNED].sum() + by[:, LRU].sum(), req.sum()),
         "prefetched_rate": rate(by[:, PREFETCHED].sum(), req.sum()),
         "miss_rate": rate(by[:, MISS].sum(), req.sum()),
@@ -353,6 +360,7 @@ def _resident(a: dict, n_layer: int) -> dict:
 
 # ---- the replay ----
 
+
 def recorded_policy(trace: Trace) -> str:
     cache = trace.header["cache"]
     return "pinned-lru" if cache and cache["pins"] else "lru"
@@ -366,8 +374,9 @@ def slots_at(p: dict, g: dict, budget: int, pin_share: float = 0.5) -> tuple[int
         return 0, 0, "resident"
     if plan.expert_cache < g["n_expert_used"] * g["slot_bytes"]:
         return 0, 0, "too small"
-    n_slots, pin_cap = cache_slots(plan.expert_cache, g["slot_bytes"], g["n_layer"], g["n_expert"],
-                                   g["n_expert_used"], pin_share)
+    n_slots, pin_cap = cache_slots(
+        plan.expert_cache, g["slot_bytes"], g["n_layer"], g["n_expert"], g["n_expert_used"], pin_share
+    )
     return n_slots, pin_cap, None
 
 
@@ -379,31 +388,52 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
     # a run with every expert resident stops the lookahead once all are touched: its record is partial
     prefetch = (o["prefetch"] and has_look and o["stream"]) if opts.prefetch is None else opts.prefetch
     if prefetch and not has_look:
-        raise StreamerError(f"{trace.path}: the run recorded no lookahead sets (it ran without prefetch or "
-                            f"without streaming), so prefetch cannot be replayed (use --no-prefetch)")
+        raise StreamerError(
+            f"{trace.path}: the run recorded no lookahead sets (it ran without prefetch or "
+            f"without streaming), so prefetch cannot be replayed (use --no-prefetch)"
+        )
     for pol in opts.policies:
         if pol not in POLICIES:
             raise StreamerError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)})")
     routes = routed(trace, top_p)
     counts = trace.usage_saved if trace.usage_saved is not None else usage_counts(trace, routes)
     live = summarize(trace.a, n_layer)
-    out = {"trace": trace.describe(), "header": trace.header, "expert_top_p": top_p, "prefetch": prefetch,
-           "pins_from": "the run's usage profile" if trace.usage_saved is not None else "this trace",
-           "live": live, "recorded": None, "results": []}
+    out = {
+        "trace": trace.describe(),
+        "header": trace.header,
+        "expert_top_p": top_p,
+        "prefetch": prefetch,
+        "pins_from": "the run's usage profile" if trace.usage_saved is not None else "this trace",
+        "live": live,
+        "recorded": None,
+        "results": [],
+    }
     cache = trace.header["cache"]
     if cache is not None:
-        sim = simulate(trace, cache["n_slots"], [tuple(p) for p in cache["pins"]], cache["pin_capacity"],
-                       recorded_policy(trace), top_p, prefetch, routes)
-        out["recorded"] = {"n_slots": cache["n_slots"], "policy": recorded_policy(trace),
-                           "replay": summarize(sim, n_layer)}
+        sim = simulate(
+            trace,
+            cache["n_slots"],
+            [tuple(p) for p in cache["pins"]],
+            cache["pin_capacity"],
+            recorded_policy(trace),
+            top_p,
+            prefetch,
+            routes,
+        )
+        out["recorded"] = {
+            "n_slots": cache["n_slots"],
+            "policy": recorded_policy(trace),
+            "replay": summarize(sim, n_layer),
+        }
     jobs = [(b, pol) for b in opts.budgets for pol in opts.policies]
     for j, (b, pol) in enumerate(jobs):
         if progress is not None:
             progress(j, len(jobs))
         if b is None:
             if cache is None:
-                out["results"].append({"budget": None, "policy": pol, "n_slots": 0, "state": "resident",
-                                       **_resident(trace.a, n_layer)})
+                out["results"].append(
+                    {"budget": None, "policy": pol, "n_slots": 0, "state": "resident", **_resident(trace.a, n_layer)}
+                )
                 continue
             n_slots, pin_cap, state = cache["n_slots"], cache["pin_capacity"], None
         else:
@@ -423,6 +453,7 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
 
 # ---- text ----
 
+
 def _pct(v) -> str:
     return "   n/a" if v is None else f"{100 * v:5.1f}%"
 
@@ -430,9 +461,11 @@ def _pct(v) -> str:
 def format_replay(r: dict, per_layer: bool = False) -> str:
     from streamer.io import human
 
-    how = (f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
-           f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "
-           f"demand reads are not hits); MiB/token counts demand and prefetch reads")
+    how = (
+        f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
+        f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "
+        f"demand reads are not hits); MiB/token counts demand and prefetch reads"
+    )
     lines = [r["trace"], how]
     if r["recorded"] is not None:
         rec = r["recorded"]
@@ -442,10 +475,14 @@ def format_replay(r: dict, per_layer: bool = False) -> str:
             if not lv["requests"]:
                 continue
             mib = f"{lv['read_bytes_per_token'] / 2**20:.2f} vs {rp['read_bytes_per_token'] / 2**20:.2f} MiB/token"
-            lines.append(f"  {scope:<6} hit {_pct(lv['hit_rate'])} vs {_pct(rp['hit_rate'])}, prefetched "
-                         f"{_pct(lv['prefetched_rate'])} vs {_pct(rp['prefetched_rate'])}, {mib}")
-    lines.append(f"{'budget':>10} {'slots':>6} {'policy':<11} {'decode hit':>10} {'pref':>6} {'miss':>6} "
-                 f"{'MiB/tok':>8} {'all hit':>8} {'MiB/tok':>8}")
+            lines.append(
+                f"  {scope:<6} hit {_pct(lv['hit_rate'])} vs {_pct(rp['hit_rate'])}, prefetched "
+                f"{_pct(lv['prefetched_rate'])} vs {_pct(rp['prefetched_rate'])}, {mib}"
+            )
+    lines.append(
+        f"{'budget':>10} {'slots':>6} {'policy':<11} {'decode hit':>10} {'pref':>6} {'miss':>6} "
+        f"{'MiB/tok':>8} {'all hit':>8} {'MiB/tok':>8}"
+    )
     for row in r["results"]:
         b = "recorded" if row["budget"] is None else human(row["budget"])
         if row["state"] == "too small":
@@ -453,14 +490,17 @@ def format_replay(r: dict, per_layer: bool = False) -> str:
             continue
         d, al = row["decode"], row["all"]
         slots = "all" if row["state"] == "resident" else str(row["n_slots"])
-        lines.append(f"{b:>10} {slots:>6} {row['policy']:<11} {_pct(d['hit_rate']):>10} {_pct(d['prefetched_rate'])} "
-                     f"{_pct(d['miss_rate'])} {d['read_bytes_per_token'] / 2**20:8.2f} {_pct(al['hit_rate']):>8} "
-                     f"{al['read_bytes_per_token'] / 2**20:8.2f}")
+        lines.append(
+            f"{b:>10} {slots:>6} {row['policy']:<11} {_pct(d['hit_rate']):>10} {_pct(d['prefetched_rate'])} "
+            f"{_pct(d['miss_rate'])} {d['read_bytes_per_token'] / 2**20:8.2f} {_pct(al['hit_rate']):>8} "
+            f"{al['read_bytes_per_token'] / 2**20:8.2f}"
+        )
     if per_layer:
         rows = [row for row in r["results"] if row["state"] != "too small"]
         n_layer = r["header"]["geometry"]["n_layer"]
-        head = "layer " + " ".join(f"{('rec' if x['budget'] is None else human(x['budget'])) + ' ' + x['policy']:>20}"
-                                   for x in rows)
+        head = "layer " + " ".join(
+            f"{('rec' if x['budget'] is None else human(x['budget'])) + ' ' + x['policy']:>20}" for x in rows
+        )
         lines += ["", "per layer, decode steps: hit rate / MiB read per token", head]
         for i in range(n_layer):
             cells = []

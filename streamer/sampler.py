@@ -34,8 +34,11 @@ class SamplerParams:
 def apply_penalties(logits: np.ndarray, history, p: SamplerParams) -> np.ndarray:
     """Return logits with repetition / frequency / presence penalties for the last repeat_last_n tokens."""
     n = len(history) if p.repeat_last_n < 0 else p.repeat_last_n
-    if n == 0 or len(history) == 0 or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0
-                                       and p.presence_penalty == 0.0):
+    if (
+        n == 0
+        or len(history) == 0
+        or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+    ):
         return logits
     ids, counts = np.unique(np.asarray(history[-n:], dtype=np.int64), return_counts=True)
     out = logits.astype(np.float32, copy=True)

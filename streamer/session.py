@@ -95,6 +95,7 @@ class Session:
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             from streamer.tokenizer import Tokenizer
+
             self._tokenizer = Tokenizer.from_gguf(self.gf)
         return self._tokenizer
 
@@ -134,12 +135,20 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 
     need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if need > budget:
-        logger.warning(f"this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
-                       f"{human(budget)}; it has no experts to stream, so the OS will page its weights")
+        logger.warning(
+            f"this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
+            f"{human(budget)}; it has no experts to stream, so the OS will page its weights"
+        )
 
 
-def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = StreamOptions(), n_ctx: int | None = None,
-               threads: int | None = None, tokenizer: Tokenizer | None = None, trace=None) -> Session:
+def open_model(
+    path: str | os.PathLike | GGUFFile,
+    options: StreamOptions = StreamOptions(),
+    n_ctx: int | None = None,
+    threads: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    trace=None,
+) -> Session:
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
     the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
     routing trace to (streamer/trace.py), written when the session closes."""
@@ -152,9 +161,11 @@ def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = Stre
     moe = None
     if cfg.is_moe:
         from streamer.experts.build import build_moe_ffn
+
         moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace)
     elif trace is not None:
         from streamer.errors import StreamerError
+
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     elif options.ram_budget is not None:
         warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
@@ -165,5 +176,6 @@ def open_model(path: str | os.PathLike | GGUFFile, options: StreamOptions = Stre
         model.warmup()
         if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
             from streamer.warmup import warmup
+
             warmup(only=("experts",))
     return session

@@ -25,27 +25,84 @@ from streamer.gguf_file import GGUFFile
 from streamer.pretokenize import QWEN2_PRE, partition_specials, split_words
 
 K = Keys.Tokenizer
-_NORMAL, _UNKNOWN, _CONTROL, _USER = int(TokenType.NORMAL), int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.USER_DEFINED)
+_NORMAL, _UNKNOWN, _CONTROL, _USER = (
+    int(TokenType.NORMAL),
+    int(TokenType.UNKNOWN),
+    int(TokenType.CONTROL),
+    int(TokenType.USER_DEFINED),
+)
 _NO_RANK = sys.maxsize
 _HEAP_FROM = 64  # words at least this long use the heap merge loop (the list scan is O(n^2))
 _CACHE_MAX = 1 << 18
 
 # Token texts llama.cpp treats as end-of-generation (llama_vocab::impl::load), and the FIM pad / repo /
 # file-separator texts it also adds to its EOG set. It forces all of them to CONTROL.
-EOG_TEXTS = frozenset([
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
-    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>",
-    "<REPO>", "<reponame>", "<|file_sep|>",
-])
+EOG_TEXTS = frozenset(
+    [
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+        "<|fim_pad|>",
+        "<fim-pad>",
+        "<fim_pad>",
+        "<PAD>",
+        "[PAD]",
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+        "<|file_sep|>",
+    ]
+)
 # FIM prefix / suffix / middle texts: llama.cpp forces these to CONTROL too (they are not EOG).
-FIM_TEXTS = frozenset([
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
-    "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-    "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-    "▁<MID>", "<|code_middle|>", "<|middle|>",
-])
+FIM_TEXTS = frozenset(
+    [
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ]
+)
 _warned: set[str] = set()
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -76,10 +133,22 @@ def _warn_once(msg: str) -> None:
 class Tokenizer:
     """Encode/decode with the vocabulary, merges and special-token policy stored in one GGUF file."""
 
-    def __init__(self, tokens: list[str], types, merges, *, bos_id: int | None = None, eos_id: int | None = None,
-                 add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None,
-                 eog_extra: tuple[int | None, ...] = (), model: str = "gpt2", pre: str = "qwen2",
-                 source: str = "tokenizer"):
+    def __init__(
+        self,
+        tokens: list[str],
+        types,
+        merges,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+        eog_extra: tuple[int | None, ...] = (),
+        model: str = "gpt2",
+        pre: str = "qwen2",
+        source: str = "tokenizer",
+    ):
         n = len(tokens)
         if "" in tokens:  # as llama.cpp does
             tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
@@ -115,15 +184,21 @@ class Tokenizer:
         self.eog_ids: frozenset[int] = frozenset(eog)
         special = np.flatnonzero(np.isin(self._types, (_CONTROL, _USER, _UNKNOWN)))
         # llama.cpp sorts by byte length, longest first; ties keep id order here (std::sort leaves them open).
-        self._specials = sorted(((tokens[i], int(i)) for i in special), key=lambda s: -len(s[0].encode("utf-8", "surrogateescape")))
+        self._specials = sorted(
+            ((tokens[i], int(i)) for i in special), key=lambda s: -len(s[0].encode("utf-8", "surrogateescape"))
+        )
         self._bytes: list[bytes | None] = [None] * n
         self._cache: dict[str, tuple[int, ...]] = {}
         if model != "gpt2":
-            _warn_once(f"{source}: tokenizer model {model!r} is not 'gpt2' (byte-level BPE); "
-                       "encoding it as byte-level BPE, parity with llama.cpp is not guaranteed")
+            _warn_once(
+                f"{source}: tokenizer model {model!r} is not 'gpt2' (byte-level BPE); "
+                "encoding it as byte-level BPE, parity with llama.cpp is not guaranteed"
+            )
         elif pre not in QWEN2_PRE:
-            _warn_once(f"{source}: pre-tokenizer {pre!r} is not qwen2; splitting with the qwen2 pattern, "
-                       "parity with llama.cpp is not guaranteed")
+            _warn_once(
+                f"{source}: pre-tokenizer {pre!r} is not qwen2; splitting with the qwen2 pattern, "
+                "parity with llama.cpp is not guaranteed"
+            )
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> Tokenizer:
@@ -144,18 +219,27 @@ class Tokenizer:
                 if gf.mm is None:
                     raise StreamerError(f"{gf.path} was closed before the tokenizer read its merges")
                 return gf.get_strings(K.MERGES, errors="surrogateescape")
+
         model = gf.scalar(K.MODEL, str, "")
         if merges is None:
             if model == "gpt2":
                 raise StreamerError(f"{gf.path} has no BPE merges ({K.MERGES})")
             merges = []
         eog_keys = (K.EOT_ID, K.EOM_ID, K.FIM_PAD_ID, K.FIM_REP_ID, K.FIM_SEP_ID)
-        return cls(tokens, gf.array(K.TOKEN_TYPE, int), merges, bos_id=gf.scalar(K.BOS_ID, int),
-                   eos_id=gf.scalar(K.EOS_ID, int),
-                   add_bos=gf.scalar(K.ADD_BOS, bool, False), add_eos=gf.scalar(K.ADD_EOS, bool, False),
-                   chat_template=gf.scalar(K.CHAT_TEMPLATE, str),
-                   eog_extra=tuple(gf.scalar(k, int) for k in eog_keys),
-                   model=model, pre=gf.scalar(K.PRE, str, ""), source=gf.path)
+        return cls(
+            tokens,
+            gf.array(K.TOKEN_TYPE, int),
+            merges,
+            bos_id=gf.scalar(K.BOS_ID, int),
+            eos_id=gf.scalar(K.EOS_ID, int),
+            add_bos=gf.scalar(K.ADD_BOS, bool, False),
+            add_eos=gf.scalar(K.ADD_EOS, bool, False),
+            chat_template=gf.scalar(K.CHAT_TEMPLATE, str),
+            eog_extra=tuple(gf.scalar(k, int) for k in eog_keys),
+            model=model,
+            pre=gf.scalar(K.PRE, str, ""),
+            source=gf.path,
+        )
 
     # ---- encode ----
     def encode(self, text: str) -> list[int]:
@@ -220,7 +304,7 @@ class Tokenizer:
                 if best == _NO_RANK:
                     break
                 i = pr.index(best)
-                syms[i:i + 2] = [syms[i] + syms[i + 1]]
+                syms[i : i + 2] = [syms[i] + syms[i + 1]]
                 del pr[i]
                 if i < len(pr):
                     pr[i] = get(f"{syms[i]} {syms[i + 1]}", _NO_RANK)

@@ -37,13 +37,28 @@ TIERS = ("pinned", "lru", "prefetched", "miss")  # the codes of streamer.experts
 
 # array name -> (dtype, trailing shape: "k" for n_expert_used columns)
 ARRAYS = {
-    "c_step": ("i4", ()), "c_layer": ("i2", ()), "c_m": ("i4", ()), "c_seg": ("i2", ()),
-    "r_ids": ("i2", ("k",)), "r_w": ("f4", ("k",)), "r_wp": ("f4", ("k",)),
-    "l_step": ("i4", ()), "l_layer": ("i2", ()), "l_ids": ("i2", ("k",)), "l_w": ("f4", ("k",)),
-    "q_call": ("i4", ()), "q_expert": ("i2", ()), "q_tier": ("i1", ()), "q_bytes": ("i8", ()),
+    "c_step": ("i4", ()),
+    "c_layer": ("i2", ()),
+    "c_m": ("i4", ()),
+    "c_seg": ("i2", ()),
+    "r_ids": ("i2", ("k",)),
+    "r_w": ("f4", ("k",)),
+    "r_wp": ("f4", ("k",)),
+    "l_step": ("i4", ()),
+    "l_layer": ("i2", ()),
+    "l_ids": ("i2", ("k",)),
+    "l_w": ("f4", ("k",)),
+    "q_call": ("i4", ()),
+    "q_expert": ("i2", ()),
+    "q_tier": ("i1", ()),
+    "q_bytes": ("i8", ()),
     "q_stall": ("f4", ()),
-    "p_call": ("i4", ()), "p_layer": ("i2", ()), "p_expert": ("i2", ()), "p_bytes": ("i8", ()),
-    "p_issue": ("i8", ()), "p_land": ("i8", ()),
+    "p_call": ("i4", ()),
+    "p_layer": ("i2", ()),
+    "p_expert": ("i2", ()),
+    "p_bytes": ("i8", ()),
+    "p_issue": ("i8", ()),
+    "p_land": ("i8", ()),
 }
 ARRAY_CODES = {"i1": "b", "i2": "h", "i4": "i", "i8": "q", "f4": "f"}  # the array module's type codes
 GROUPS = {"c": "calls", "r": "routes", "l": "lookahead", "q": "requests", "p": "prefetches"}
@@ -62,19 +77,41 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
     # --no-stream) the same parts as the plan would count them now
     base = plan.baseline if plan is not None else psutil.Process().memory_info().rss
     return {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "model": {"file": Path(gf.path).name, "size": gf.size, "key": model_key(gf)},
-        "geometry": {"n_layer": cfg.n_layer, "n_expert": cfg.n_expert, "n_expert_used": cfg.n_expert_used,
-                     "expert_bytes": [layout.expert_bytes(i) for i in range(cfg.n_layer)],
-                     "slot_bytes": layout.slot_bytes, "fused": [f is not None for f in ffn.fused]},
-        "plan": {"budget": plan.budget if plan is not None else None, "baseline": base, "nonexpert": nonexpert,
-                 "kv": kv_bytes, "scratch": scratch_bytes(cfg), "expert_total": layout.total_bytes,
-                 "slot_bytes": layout.slot_bytes},
-        "cache": None if cache is None else {
-            "n_slots": cache.n_slots, "pin_capacity": cache.pin_capacity, "reserve": cache.reserve,
-            "pins": sorted([int(a), int(b)] for a, b in cache.pin_set)},
-        "options": {"expert_top_p": ffn.expert_top_p, "prefetch": bool(ffn.prefetch), "stream": cache is not None,
-                    "pin_share": pin_share, "window": ffn.window},
+        "geometry": {
+            "n_layer": cfg.n_layer,
+            "n_expert": cfg.n_expert,
+            "n_expert_used": cfg.n_expert_used,
+            "expert_bytes": [layout.expert_bytes(i) for i in range(cfg.n_layer)],
+            "slot_bytes": layout.slot_bytes,
+            "fused": [f is not None for f in ffn.fused],
+        },
+        "plan": {
+            "budget": plan.budget if plan is not None else None,
+            "baseline": base,
+            "nonexpert": nonexpert,
+            "kv": kv_bytes,
+            "scratch": scratch_bytes(cfg),
+            "expert_total": layout.total_bytes,
+            "slot_bytes": layout.slot_bytes,
+        },
+        "cache": None
+        if cache is None
+        else {
+            "n_slots": cache.n_slots,
+            "pin_capacity": cache.pin_capacity,
+            "reserve": cache.reserve,
+            "pins": sorted([int(a), int(b)] for a, b in cache.pin_set),
+        },
+        "options": {
+            "expert_top_p": ffn.expert_top_p,
+            "prefetch": bool(ffn.prefetch),
+            "stream": cache is not None,
+            "pin_share": pin_share,
+            "window": ffn.window,
+        },
         "usage_saved": usage.saved is not None,
     }
 
@@ -136,8 +173,14 @@ class TraceRecorder:
         with self.lock:
             b = self.buf
             self.last_pf[(layer, e)] = len(b["p_call"])
-            for name, v in (("p_call", self.call), ("p_layer", layer), ("p_expert", e), ("p_bytes", nbytes),
-                            ("p_issue", clock), ("p_land", -1)):
+            for name, v in (
+                ("p_call", self.call),
+                ("p_layer", layer),
+                ("p_expert", e),
+                ("p_bytes", nbytes),
+                ("p_issue", clock),
+                ("p_land", -1),
+            ):
                 b[name].append(v)
 
     def landed(self, layer: int, e: int, clock: int) -> None:
@@ -201,12 +244,14 @@ class Trace:
     def describe(self) -> str:
         g, m, o = self.geometry, self.header["model"], self.header["options"]
         cache = self.header["cache"]
-        where = (f"{cache['n_slots']} slots, {len(cache['pins'])} pinned" if cache else "experts resident")
+        where = f"{cache['n_slots']} slots, {len(cache['pins'])} pinned" if cache else "experts resident"
         steps = int(self.a["c_step"].max()) + 1 if self.n_calls else 0
-        return (f"trace {self.path.name}: {m['file']} ({m['size']} bytes), {g['n_layer']} layers x {g['n_expert']} "
-                f"experts ({g['n_expert_used']} used); recorded with {where}, prefetch "
-                f"{'on' if o['prefetch'] else 'off'}, expert top-p {o['expert_top_p']:g}; {steps} steps, "
-                f"{len(self.a['q_call'])} expert requests")
+        return (
+            f"trace {self.path.name}: {m['file']} ({m['size']} bytes), {g['n_layer']} layers x {g['n_expert']} "
+            f"experts ({g['n_expert_used']} used); recorded with {where}, prefetch "
+            f"{'on' if o['prefetch'] else 'off'}, expert top-p {o['expert_top_p']:g}; {steps} steps, "
+            f"{len(self.a['q_call'])} expert requests"
+        )
 
 
 def _bad(path, why: str) -> StreamerError:
@@ -229,8 +274,10 @@ def load_trace(path) -> Trace:
             if not isinstance(version, int) or version < 1:
                 raise _bad(path, f"bad version {version!r}")
             if version > VERSION:
-                raise StreamerError(f"{path} is a version {version} trace, written by a newer stream-run; this one "
-                                    f"reads version {VERSION} (upgrade stream-run)")
+                raise StreamerError(
+                    f"{path} is a version {version} trace, written by a newer stream-run; this one "
+                    f"reads version {VERSION} (upgrade stream-run)"
+                )
             missing = [n for n in ARRAYS if n not in z.files]
             if missing:
                 raise _bad(path, f"missing arrays {', '.join(missing)}")
@@ -310,5 +357,7 @@ def check_model(trace: Trace, gf) -> None:
 
     m = trace.header["model"]
     if m.get("key") != model_key(gf) or m.get("size") != gf.size:
-        raise StreamerError(f"{trace.path} is a trace of another model ({m.get('file')}, {m.get('size')} bytes), "
-                            f"not of {Path(gf.path).name}")
+        raise StreamerError(
+            f"{trace.path} is a trace of another model ({m.get('file')}, {m.get('size')} bytes), "
+            f"not of {Path(gf.path).name}"
+        )

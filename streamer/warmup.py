@@ -88,17 +88,26 @@ def _run_experts() -> None:
         out = np.empty((k, N_OUT), np.float32)
         experts.experts_matvec(fmt, w, offs, row_bytes, np.zeros(N_IN, np.float32), out, sx.xq[0], sx.aux[0])
         sa = experts.ExpertScratch(k, N_IN)
-        experts.experts_down(fmt, w, offs, row_bytes, np.zeros((k, N_IN), np.float32),
-                             np.ones(k, np.float32), np.zeros(N_OUT, np.float32), sa.xq, sa.aux)
+        experts.experts_down(
+            fmt,
+            w,
+            offs,
+            row_bytes,
+            np.zeros((k, N_IN), np.float32),
+            np.ones(k, np.float32),
+            np.zeros(N_OUT, np.float32),
+            sa.xq,
+            sa.aux,
+        )
 
 
 def groups() -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
     MoE kernels."""
-    return (_matrix_groups()
-            + [Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu),
-                     _run_ops),
-               Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts)])
+    return _matrix_groups() + [
+        Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu), _run_ops),
+        Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts),
+    ]
 
 
 def entry_points() -> list:
@@ -118,8 +127,9 @@ class Report(NamedTuple):
     seconds: float
 
 
-def warmup(before: Callable[[Group], None] | None = None,
-           after: Callable[[Report], None] | None = None, only=None) -> list[Report]:
+def warmup(
+    before: Callable[[Group], None] | None = None, after: Callable[[Report], None] | None = None, only=None
+) -> list[Report]:
     """Run every group (or those named in `only`); `before` is called with each group as it starts, `after`
     with its report."""
     reports = []

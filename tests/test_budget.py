@@ -59,10 +59,25 @@ def test_generation_under_a_cgroup_cap_equal_to_the_budget(streaming_moe, tmp_pa
 
     from streamer.session import open_model
 
-    open_model(streaming_moe, StreamOptions(learn=False, ram_budget="2G"), n_ctx=64).close()  # numba kernels compiled + cached here
+    open_model(
+        streaming_moe, StreamOptions(learn=False, ram_budget="2G"), n_ctx=64
+    ).close()  # numba kernels compiled + cached here
     evict(streaming_moe)  # start cold: pages cached by the writer were charged to us, not to the capped run
-    cmd = [sys.executable, "-m", "streamer.cli.main", "run", str(streaming_moe), "-p", "hello there", "-n", "12",
-           "--ram-budget", CAP, "-c", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamer.cli.main",
+        "run",
+        str(streaming_moe),
+        "-p",
+        "hello there",
+        "-n",
+        "12",
+        "--ram-budget",
+        CAP,
+        "-c",
+        "64",
+    ]
     env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     res = run_capped(cmd, CAP, timeout=300, env=env)
     assert not res.oom_killed, res.summary()
@@ -103,7 +118,10 @@ def test_kv_cache_is_paid_for_out_of_the_budget(streaming_moe, monkeypatch):
     from streamer.session import open_model
 
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: type("m", (), {"rss": 150 * 2**20})())
-    plans = {n: open_model(streaming_moe, StreamOptions(learn=False, ram_budget="600M"), n_ctx=n).model.ffn.plan for n in (64, 512)}
+    plans = {
+        n: open_model(streaming_moe, StreamOptions(learn=False, ram_budget="600M"), n_ctx=n).model.ffn.plan
+        for n in (64, 512)
+    }
     s = open_model(streaming_moe, StreamOptions(learn=False, stream=False), n_ctx=512)
     kv = {n: s.cfg.kv_bytes_per_token * n for n in (64, 512)}
     cache = s.model.new_cache()
@@ -124,19 +142,38 @@ def test_chat_fills_its_context_under_a_cap_with_a_two_layer_budget(streaming_mo
     from streamer.io import parse_size
 
     env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    base = [sys.executable, "-m", "streamer.cli.main", "chat", str(streaming_moe), "-c", "160", "-n", "16", "--temp", "0"]
+    base = [
+        sys.executable,
+        "-m",
+        "streamer.cli.main",
+        "chat",
+        str(streaming_moe),
+        "-c",
+        "160",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+    ]
     probe = subprocess.run(base + ["--ram-budget", "1M"], input="", capture_output=True, text=True, env=env)
     need = parse_size(re.search(r"needs at least ([\d.]+ [KMG]iB)", probe.stderr).group(1).replace(" ", ""))
     from streamer.experts.store import ExpertLayout
     from streamer.session import open_model
+
     s = open_model(streaming_moe, StreamOptions(learn=False, stream=False))
     slot = ExpertLayout(s.gf, s.cfg).slot_bytes
     budget = need + 8 * slot * 33 // 31 + 2**20  # one more layer's 8 experts, with the margin's 1/32 on top
     evict(streaming_moe)
     turns = "".join(f"hi {i}\n" for i in range(5))
     with MemoryCgroup(budget) as cg:
-        r = subprocess.run(cg.wrap(base + ["--ram-budget", str(budget)]), input=turns, capture_output=True,
-                           text=True, env=env, timeout=600)
+        r = subprocess.run(
+            cg.wrap(base + ["--ram-budget", str(budget)]),
+            input=turns,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         stats = cg.stats()
     assert stats["oom_kill_count"] == 0 and r.returncode == 0, (stats, r.returncode, r.stderr[-2000:])
     assert stats["max_usage_bytes"] <= budget

@@ -31,12 +31,12 @@ def test_full_context_drops_oldest_turns_and_keeps_the_system_prompt(session, ca
         "".join(conv.send(f"question number {i}, please answer"))
         hist = conv.gen.history
         assert conv.gen.cache.n == len(hist) <= conv.gen.cache.n_ctx
-        assert hist[:len(system_ids)] == system_ids  # the system prompt is never dropped
-        if hist[:len(before)] != before:  # a shift happened: what follows the system prompt is a suffix of
+        assert hist[: len(system_ids)] == system_ids  # the system prompt is never dropped
+        if hist[: len(before)] != before:  # a shift happened: what follows the system prompt is a suffix of
             starts = conv._turn_starts()  # the old conversation, starting at a user turn
-            kept_turns = hist[starts[0]:]
-            old = before[len(system_ids):]
-            assert any(old[j:j + 5] == kept_turns[:5] for j in range(len(old))) or len(starts) == 1
+            kept_turns = hist[starts[0] :]
+            old = before[len(system_ids) :]
+            assert any(old[j : j + 5] == kept_turns[:5] for j in range(len(old))) or len(starts) == 1
     err = capsys.readouterr().err
     assert "context full: dropped the oldest" in err
     assert tok.decode(conv.gen.history).count("question number 11") == 1

@@ -13,7 +13,6 @@ from streamer.session import open_model
 runner = CliRunner()
 
 
-
 def invoke(*args, input=None):
     return runner.invoke(app, [str(a) for a in args], input=input)
 
@@ -80,8 +79,16 @@ def test_bench_json_is_one_line_with_the_keys(synth_model):
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
     d = json.loads(lines[0])
-    for k in ("pp_tok_s", "tg_tok_s", "disk_read_bytes", "expert_hit_rate", "read_bytes_per_token",
-              "peak_rss_bytes", "prefetch_recall", "tokens"):
+    for k in (
+        "pp_tok_s",
+        "tg_tok_s",
+        "disk_read_bytes",
+        "expert_hit_rate",
+        "read_bytes_per_token",
+        "peak_rss_bytes",
+        "prefetch_recall",
+        "tokens",
+    ):
         assert k in d
     assert len(d["tokens"]) == 4 and d["pp_tok_s"] > 0 and d["tg_tok_s"] > 0
 
@@ -100,19 +107,22 @@ def test_chat_two_turns_through_a_pipe_prefills_only_the_new_turn(synth_model):
     from streamer.tokenizer import Tokenizer
 
     path = synth_model("tiny", "Q8_0")
-    r = invoke("chat", path, "--no-think", "--system", "be brief", "-n", "5", "--seed", "3",
-               input="hello there\nand again\n")
+    r = invoke(
+        "chat", path, "--no-think", "--system", "be brief", "-n", "5", "--seed", "3", input="hello there\nand again\n"
+    )
     assert r.exit_code == 0, r.output
     prefills = [int(n) for n in re.findall(r"\[prompt: (\d+) tok", r.stderr)]
     assert len(prefills) == 2
     tok = Tokenizer.from_gguf(GGUFFile(path))
-    first = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n"
-             "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    first = (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello there<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert prefills[0] == len(tok.encode_raw(first))
     # the first reply was either cut by -n (its last sampled token is fed now, then the turn closes it)
     # or ended with <|im_end|> (fed now); either way one pending token plus this turn's own text
     second_cut = "<|im_end|>\n<|im_start|>user\nand again<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    second_end = second_cut[len("<|im_end|>"):]
+    second_end = second_cut[len("<|im_end|>") :]
     assert prefills[1] in (1 + len(tok.encode_raw(second_cut)), 1 + len(tok.encode_raw(second_end)))
     assert prefills[1] < prefills[0] + 10
 
@@ -121,13 +131,16 @@ def test_demo_runs():
     r = invoke("demo", "-n", "4")
     assert r.exit_code == 0, r.output
     assert "hit rate" in r.stdout and "layer" in r.stdout
-    assert "trained on the Python standard library" in r.stderr and re.search(r"expert cache .* \(128 slots, 25% of the experts", r.stderr)
+    assert "trained on the Python standard library" in r.stderr and re.search(
+        r"expert cache .* \(128 slots, 25% of the experts", r.stderr
+    )
     assert re.search(r"prefill: \d+ tokens \.\.\. done in [\d.]+ s", r.stderr)
     ids = re.search(r"generated token ids: \[([\d, ]*)\]", r.stdout)
     assert ids and len(ids.group(1).split(",")) <= 4, r.stdout
 
 
 # ---- bad input: one line, exit code 2 ----
+
 
 def test_bad_files(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
@@ -144,7 +157,9 @@ def test_truncated_model(synth_model, tmp_path):
 
 def test_bad_tokens_and_context(synth_model):
     path = synth_model("tiny", "Q8_0")
-    user_error(invoke("run", path, "--tokens", "1,2,999999", "--logits-out", "x.npy"), "token id 999999 is out of range")
+    user_error(
+        invoke("run", path, "--tokens", "1,2,999999", "--logits-out", "x.npy"), "token id 999999 is out of range"
+    )
     user_error(invoke("run", path, "--tokens", "1,a"), "comma-separated integers")
     user_error(invoke("run", path, "-p", "a long prompt that will not fit", "-c", "4"), "context overflow")
     user_error(invoke("run", path, "--logits-out", "x.npy", "-p", "hi"), "--logits-out needs --tokens")
@@ -258,8 +273,13 @@ def test_bad_input_fails_before_any_kernel_is_imported(synth_model, tmp_path):
         (["run", moe, "-p", "x", "--preset", "9000g"], "unknown preset '9000g'"),
     ]
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cold"))
-    p = subprocess.run([sys.executable, "-c", FAIL_FAST_SCRIPT, json.dumps([[str(a) for a in c] for c, _ in cases])],
-                       capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        [sys.executable, "-c", FAIL_FAST_SCRIPT, json.dumps([[str(a) for a in c] for c, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     done = json.loads(p.stdout)
     assert not done["heavy"], done  # nothing compiled: the kernels were never even imported

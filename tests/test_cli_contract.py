@@ -25,8 +25,9 @@ def drop_file_permission_override():
 
 
 def stream_run(*args, preexec=None):
-    return subprocess.run([str(STREAM_RUN), *map(str, args)], capture_output=True, text=True, timeout=300,
-                          preexec_fn=preexec)
+    return subprocess.run(
+        [str(STREAM_RUN), *map(str, args)], capture_output=True, text=True, timeout=300, preexec_fn=preexec
+    )
 
 
 def one_error_line(r, pattern):
@@ -50,7 +51,7 @@ def files(synth_model, tmp_path_factory):
     def llama(data):
         key = b"general.architecture"
         i = data.find(key) + len(key) + 4 + 8
-        data[i:i + 5] = b"llama"
+        data[i : i + 5] = b"llama"
 
     def tq2_0(data):
         i = tensor_info_at(data, "blk.0.attn_q.weight")
@@ -77,8 +78,11 @@ CASES = {
     "context": (["run", "{good}", "-p", "a prompt far longer than the context", "-c", "4"], r"context overflow"),
     "budget": (["run", "{moe}", "-p", "x", "--ram-budget", "64M"], r"too small for this model: it needs at least"),
     "budget unit": (["run", "{moe}", "-p", "x", "--ram-budget", "12X"], r"cannot read size '12X'"),
-    "flag type": (["run", "{good}", "-p", "x", "-n", "lots"], r"Invalid value for '-n' / '--n-predict'.*"
-                                                                r"\(see 'stream-run run --help'\)"),
+    "flag type": (
+        ["run", "{good}", "-p", "x", "-n", "lots"],
+        r"Invalid value for '-n' / '--n-predict'.*"
+        r"\(see 'stream-run run --help'\)",
+    ),
     "unknown flag": (["run", "{good}", "-p", "x", "--turbo"], r"No such option: --turbo"),
     "unknown command": (["frobnicate"], r"No such command 'frobnicate'"),
     "missing model": (["run"], r"Missing argument"),
@@ -94,8 +98,9 @@ def test_user_error_is_one_line_and_exit_code_2(files, case):
     if case == "unreadable" and os.geteuid() == 0:
         preexec = drop_file_permission_override
         # the premise: this file is unreadable to such a process
-        probe = subprocess.run([sys.executable, "-c", f"open({args[1]!r}, 'rb')"], preexec_fn=preexec,
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", f"open({args[1]!r}, 'rb')"], preexec_fn=preexec, capture_output=True, text=True
+        )
         assert "PermissionError" in probe.stderr, probe.stderr
     before = files["good"].read_bytes() if case == "output exists" else None
     one_error_line(stream_run(*args, preexec=preexec), pattern)
@@ -103,12 +108,15 @@ def test_user_error_is_one_line_and_exit_code_2(files, case):
         assert files["good"].read_bytes() == before  # never written in place
 
 
-
 def test_a_reader_that_goes_away_is_not_an_error(files):
     """`stream-run run ... | head -c 5`: the pipe closes; the run stops quietly (exit 141, as a tool killed by
     SIGPIPE), with no error line and no 'Exception ignored' noise from the interpreter's exit."""
-    p = subprocess.Popen([str(STREAM_RUN), "run", str(files["good"]), "-p", "hello", "-n", "-1", "--ignore-eos"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [str(STREAM_RUN), "run", str(files["good"]), "-p", "hello", "-n", "-1", "--ignore-eos"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     p.stdout.read(5)
     p.stdout.close()
     err = p.stderr.read()

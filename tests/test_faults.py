@@ -24,7 +24,6 @@ TOKENS = np.array([3, 77, 120, 9, 201], dtype=np.int64)
 STREAM_RUN = Path(sys.executable).parent / "stream-run"
 
 
-
 def copy_of(path, tmp_path) -> Path:
     dst = tmp_path / "model.gguf"
     shutil.copyfile(path, dst)
@@ -82,10 +81,11 @@ def faulty_preadv(real, mode, fail_after=0):
             return real(fd, buffers, offset)
         mv = buffers[0]
         if mode == "short":
-            half = real(fd, [mv[:len(mv) // 2]], offset)
+            half = real(fd, [mv[: len(mv) // 2]], offset)
             return half
         mv[: len(mv) // 2] = b"\xff" * (len(mv) // 2)
         raise OSError(5, "Input/output error")
+
     return preadv
 
 
@@ -94,7 +94,9 @@ def test_failed_expert_reads_stop_the_step_and_no_partial_expert_is_used(synth_m
     import streamer.experts.store as store
 
     path = synth_model("tiny-moe", "Q8_0")
-    want = open_model(path, StreamOptions(stream=False, learn=False)).model.forward(TOKENS, open_model(path, StreamOptions(stream=False, learn=False)).model.new_cache())
+    want = open_model(path, StreamOptions(stream=False, learn=False)).model.forward(
+        TOKENS, open_model(path, StreamOptions(stream=False, learn=False)).model.new_cache()
+    )
     s = streaming(path)
     cache = s.model.ffn.source.cache
     monkeypatch.setattr(store.os, "preadv", faulty_preadv(os.preadv, mode, fail_after=6))
@@ -126,13 +128,20 @@ print(int(mm.sum()), flush=True)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stdout.splitlines() == ["4096"]
-    assert r.stderr.splitlines() == [f"error: {f} was truncated or changed while in use (bus error reading its mapping)"]
+    assert r.stderr.splitlines() == [
+        f"error: {f} was truncated or changed while in use (bus error reading its mapping)"
+    ]
 
 
 def test_chat_stops_with_one_line_when_the_model_is_truncated_between_turns(synth_model, tmp_path):
     path = copy_of(synth_model("tiny-moe", "Q8_0"), tmp_path)
-    p = subprocess.Popen([str(STREAM_RUN), "chat", str(path), "-n", "3", "--temp", "0", "--ram-budget", "4G"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [str(STREAM_RUN), "chat", str(path), "-n", "3", "--temp", "0", "--ram-budget", "4G"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         p.stdin.write("hello\n")
         p.stdin.flush()
@@ -180,8 +189,11 @@ def test_run_stops_with_one_line_when_the_model_is_truncated_mid_run(synth_model
     """Whatever the run is doing when the file is cut (a step in progress: bus error on the mapping, or a short
     expert read; between steps: the size check), it stops with exit code 2 and one error line."""
     path = copy_of(synth_model("demo", "Q4_K"), tmp_path)
-    p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", "-c", "512",
-                          "--ram-budget", "300M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", "-c", "512", "--ram-budget", "300M"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         p.stdout.read(40)  # generating
         os.truncate(path, int(path.stat().st_size * cut))

@@ -22,7 +22,6 @@ GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 @pytest.fixture
 def ten_gib(monkeypatch):
     """Pretend 10 GiB are available (what budget_fraction is a share of)."""
@@ -34,6 +33,7 @@ def invoke(*args):
 
 
 # ---- profiles ----
+
 
 def test_new_presets_exist_with_descriptions():
     names = set(available_presets())
@@ -172,16 +172,21 @@ def test_warmup_compiles_every_kernel_a_run_uses(synth_model, tmp_path):
 
     runs = [(str(synth_model("tiny", t.name)), {}) for t in SUPPORTED]
     moe = synth_model("tiny-moe", "Q4_K")
-    runs += [(str(moe), {"expert_cache_bytes": 1 << 20}), (str(moe), {"stream": False}),
-             (str(synth_model("tiny-moe", "Q8_0")), {"expert_cache_bytes": 1 << 20})]
-    p = subprocess.run([sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=900)
+    runs += [
+        (str(moe), {"expert_cache_bytes": 1 << 20}),
+        (str(moe), {"stream": False}),
+        (str(synth_model("tiny-moe", "Q8_0")), {"expert_cache_bytes": 1 << 20}),
+    ]
+    p = subprocess.run(
+        [sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     # the command's own report: one line per group (formats sharing kernels share a line), then the total;
     # every format is named in one
     for group in [t.name for t in SUPPORTED] + ["ops", "experts"]:
-        assert re.search(rf"^\s*([\w/]*/)?{group}(/[\w/]*)?: \d+ kernels \.\.\. (compiled|from cache).* in [\d.]+ s$",
-                         p.stderr, re.M), (group, p.stderr)
+        assert re.search(
+            rf"^\s*([\w/]*/)?{group}(/[\w/]*)?: \d+ kernels \.\.\. (compiled|from cache).* in [\d.]+ s$", p.stderr, re.M
+        ), (group, p.stderr)
     assert re.search(r"^warmup: \d+ kernels ready .* in [\d.]+ s; numba cache: ", p.stdout, re.M), p.stdout
     got = json.loads(p.stdout.strip().splitlines()[-1])
     before, after, helpers = got["before"], got["after"], set(got["helpers"])
@@ -226,8 +231,9 @@ def test_help_of_every_command_through_the_real_script_imports_no_numba():
     names = [c.name for c in typer.main.get_command(app).commands.values()]
     assert {"warmup", "presets", "profiles", "demo", "run"} <= set(names)
     # the real entry point, each subcommand's --help in turn, in one process
-    p = subprocess.run([sys.executable, "-c", HELP_SCRIPT, str(script), "", *names], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT, str(script), "", *names], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("Usage:") == len(names) + 1
     # and one whole process, as a user types it

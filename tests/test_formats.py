@@ -12,14 +12,29 @@ from streamer.options import StreamOptions
 from streamer.session import open_model
 
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
-NEW = ["Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-       "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
+NEW = [
+    "Q2_K",
+    "Q3_K",
+    "IQ4_XS",
+    "IQ4_NL",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "MXFP4",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+]
 
 
 def run(session, n_prefill=5):
     c = session.model.new_cache()
     out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(PROMPT[i:i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
+    out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
     return np.concatenate(out)
 
 

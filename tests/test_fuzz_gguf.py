@@ -42,15 +42,37 @@ N_VARIANTS = {"tiny": 240, "tiny-moe": 160}  # 400 seeded mutations
 TIMEOUT_S = 10  # per variant: a hang guard (kernels are warmed up first; a variant takes ~10-50 ms)
 MEM_SLACK = 64 << 20  # a variant may allocate at most this plus twice the file size
 
-INT_ROLES = ("version", "n_tensors", "n_kv", "key_len", "str_len", "count", "elem_len", "value", "name_len",
-             "n_dims", "dim", "toffset")
+INT_ROLES = (
+    "version",
+    "n_tensors",
+    "n_kv",
+    "key_len",
+    "str_len",
+    "count",
+    "elem_len",
+    "value",
+    "name_len",
+    "n_dims",
+    "dim",
+    "toffset",
+)
 EXTREMES = (0, 1, 2, 2**31 - 1, 2**31, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1)
 GGML_TYPES = sorted(int(t) for t in GGMLQuantizationType)
 BAD_GGML_TYPES = (4, 5, 31, 42, 1000, 2**32 - 1)
 VALUE_TYPES = [int(t) for t in V]
-HYPER = ("block_count", "context_length", "embedding_length", "feed_forward_length", "head_count",
-         "head_count_kv", "key_length", "expert_count", "expert_used_count", "expert_feed_forward_length",
-         "token_id")
+HYPER = (
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "head_count",
+    "head_count_kv",
+    "key_length",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "token_id",
+)
 
 
 # ---- the valid file's structure, from gguf-py ----
@@ -249,7 +271,7 @@ class Bench:
             yield self.path
         finally:
             for off, b in patches:
-                os.pwrite(fd, self.orig[off:off + len(b)], off)
+                os.pwrite(fd, self.orig[off : off + len(b)], off)
             os.close(fd)
 
 
@@ -270,8 +292,9 @@ def uint(value: int, size: int) -> bytes:
 # ---- seeded mutations ----
 def mutation(rng: np.random.Generator, lay: Layout, orig: bytes) -> tuple[str, list[tuple[int, bytes]]]:
     """One random mutation: (description, [(offset, new bytes)])."""
-    kind = rng.choice(["int", "hyper", "type", "float", "array", "dup", "flip"],
-                      p=[0.34, 0.14, 0.2, 0.04, 0.06, 0.06, 0.16])
+    kind = rng.choice(
+        ["int", "hyper", "type", "float", "array", "dup", "flip"], p=[0.34, 0.14, 0.2, 0.04, 0.06, 0.06, 0.16]
+    )
     if kind in ("int", "hyper"):
         if kind == "hyper":
             cands = [s for s in lay.of("value") if any(h in s.where for h in HYPER)]
@@ -279,9 +302,16 @@ def mutation(rng: np.random.Generator, lay: Layout, orig: bytes) -> tuple[str, l
             role = INT_ROLES[rng.integers(len(INT_ROLES))]
             cands = lay.of(role) or lay.of("value")
         s = cands[rng.integers(len(cands))]
-        old = int.from_bytes(orig[s.off:s.off + s.size], "little")
-        choices = [*EXTREMES, old + 1, old - 1, old * 2, old // 2, old + lay.alignment,
-                   int(rng.integers(0, 2**63)) * 2 + int(rng.integers(2))]
+        old = int.from_bytes(orig[s.off : s.off + s.size], "little")
+        choices = [
+            *EXTREMES,
+            old + 1,
+            old - 1,
+            old * 2,
+            old // 2,
+            old + lay.alignment,
+            int(rng.integers(0, 2**63)) * 2 + int(rng.integers(2)),
+        ]
         new = choices[rng.integers(len(choices))]
         return f"{s.where} {s.role} @{s.off}: {old} -> {new % (1 << 8 * s.size)}", [(s.off, uint(new, s.size))]
     if kind == "type":
@@ -309,7 +339,7 @@ def mutation(rng: np.random.Generator, lay: Layout, orig: bytes) -> tuple[str, l
         if not same:
             return f"{a.where}: no same-length name to copy", []
         b = same[rng.integers(len(same))]
-        return f"{role} {a.where!r} renamed {b.where!r}", [(a.off, orig[b.off:b.off + b.size])]
+        return f"{role} {a.where!r} renamed {b.where!r}", [(a.off, orig[b.off : b.off + b.size])]
     n = int(rng.integers(1, 9))  # flip: random bytes of the header
     offs = rng.integers(0, lay.infos_end, size=n)
     return f"bytes {sorted(offs.tolist())} randomised", [(int(o), bytes([int(rng.integers(256))])) for o in offs]
@@ -360,8 +390,19 @@ def test_truncation_at_every_boundary(preset, files, harness, tmp_path):
 
 
 # ---- hand-made variants, one per bug class the fuzzer found (and the brief's suspects) ----
-_PACK = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i", V.FLOAT32: "f",
-         V.BOOL: "?", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d"}
+_PACK = {
+    V.UINT8: "B",
+    V.INT8: "b",
+    V.UINT16: "H",
+    V.INT16: "h",
+    V.UINT32: "I",
+    V.INT32: "i",
+    V.FLOAT32: "f",
+    V.BOOL: "?",
+    V.UINT64: "Q",
+    V.INT64: "q",
+    V.FLOAT64: "d",
+}
 
 
 def pack(vtype: int, value) -> bytes:
@@ -386,10 +427,10 @@ def rebuild(lay: Layout, orig: bytes, drop=(), add=()) -> bytes:
     cut = [lay.field(k) for k in drop]
     kept = bytearray(orig[24:kv_end])
     for start, end in sorted(cut, reverse=True):
-        del kept[start - 24:end - 24]
+        del kept[start - 24 : end - 24]
     n_kv = struct.unpack_from("<Q", orig, 16)[0] - len(cut) + len(add)
-    head = orig[:16] + struct.pack("<Q", n_kv) + bytes(kept) + b"".join(add) + orig[kv_end:lay.infos_end]
-    return head + bytes(-len(head) % lay.alignment) + orig[lay.data_start:]
+    head = orig[:16] + struct.pack("<Q", n_kv) + bytes(kept) + b"".join(add) + orig[kv_end : lay.infos_end]
+    return head + bytes(-len(head) % lay.alignment) + orig[lay.data_start :]
 
 
 def replace(key: str, vtype: int, value):
@@ -402,11 +443,13 @@ def append(*entries: bytes):
 
 def patch(role: str, where: str, value: int):
     """Overwrite the first integer slot of `role` in `where` (a key or tensor name)."""
+
     def build(lay, orig):
         s = next(s for s in lay.slots if s.role == role and s.where == where)
         out = bytearray(orig)
-        out[s.off:s.off + s.size] = uint(value, s.size)
+        out[s.off : s.off + s.size] = uint(value, s.size)
         return bytes(out)
+
     return build
 
 
@@ -414,7 +457,8 @@ def rename(tensor: str, to: str):
     def build(lay, orig):
         s = next(s for s in lay.slots if s.role == "name" and s.where == tensor)
         assert len(to) == s.size
-        return orig[:s.off] + to.encode() + orig[s.off + s.size:]
+        return orig[: s.off] + to.encode() + orig[s.off + s.size :]
+
     return build
 
 
@@ -422,13 +466,18 @@ def shift_offset(tensor: str, delta: int):
     def build(lay, orig):
         s = next(s for s in lay.slots if s.role == "toffset" and s.where == tensor)
         return patch("toffset", tensor, struct.unpack_from("<Q", orig, s.off)[0] + delta)(lay, orig)
+
     return build
 
 
 def deep_nest(depth: int) -> bytes:
     """A key holding `depth` levels of one-element arrays around an empty array of uint32."""
-    return (pack(V.STRING, "test.nested") + struct.pack("<I", V.ARRAY) + struct.pack("<IQ", V.ARRAY, 1) * (depth - 1)
-            + struct.pack("<IQ", V.UINT32, 0))
+    return (
+        pack(V.STRING, "test.nested")
+        + struct.pack("<I", V.ARRAY)
+        + struct.pack("<IQ", V.ARRAY, 1) * (depth - 1)
+        + struct.pack("<IQ", V.UINT32, 0)
+    )
 
 
 TOK, N_TOK = "tokenizer.ggml", 381
@@ -436,18 +485,42 @@ BYTE_TOKENS = [chr(c) for c in range(0x100, 0x100 + N_TOK + 1)]  # distinct stri
 EPS, THETA = "qwen3.attention.layer_norm_rms_epsilon", "qwen3.rope.freq_base"
 NEST3 = (V.ARRAY, [(V.ARRAY, [(V.INT32, [1, 2])]), (V.ARRAY, [])])
 CASES = [  # (id, preset, build, expected message regex, or None: loads and runs)
-    ("block_count-string", "tiny", replace("qwen3.block_count", V.STRING, "2"),
-     r"metadata key 'qwen3.block_count' is the string '2', expected an integer"),
-    ("block_count-float", "tiny", replace("qwen3.block_count", V.FLOAT32, 2.0),
-     r"'qwen3.block_count' is 2.0, expected an integer"),
-    ("block_count-array", "tiny", replace("qwen3.block_count", V.ARRAY, (V.UINT32, [2])),
-     r"'qwen3.block_count' is an array of 1 uint32, expected an integer"),
-    ("block_count-2**40", "tiny", replace("qwen3.block_count", V.UINT64, 2**40),
-     r"qwen3.block_count is 1099511627776, but the file has only 25 tensors"),
-    ("head_count-0", "tiny", replace("qwen3.attention.head_count", V.UINT32, 0),
-     r"bad model geometry in metadata: n_head\b"),
-    ("head_count_kv-0", "tiny", replace("qwen3.attention.head_count_kv", V.UINT32, 0),
-     r"geometry in metadata: n_head_kv"),
+    (
+        "block_count-string",
+        "tiny",
+        replace("qwen3.block_count", V.STRING, "2"),
+        r"metadata key 'qwen3.block_count' is the string '2', expected an integer",
+    ),
+    (
+        "block_count-float",
+        "tiny",
+        replace("qwen3.block_count", V.FLOAT32, 2.0),
+        r"'qwen3.block_count' is 2.0, expected an integer",
+    ),
+    (
+        "block_count-array",
+        "tiny",
+        replace("qwen3.block_count", V.ARRAY, (V.UINT32, [2])),
+        r"'qwen3.block_count' is an array of 1 uint32, expected an integer",
+    ),
+    (
+        "block_count-2**40",
+        "tiny",
+        replace("qwen3.block_count", V.UINT64, 2**40),
+        r"qwen3.block_count is 1099511627776, but the file has only 25 tensors",
+    ),
+    (
+        "head_count-0",
+        "tiny",
+        replace("qwen3.attention.head_count", V.UINT32, 0),
+        r"bad model geometry in metadata: n_head\b",
+    ),
+    (
+        "head_count_kv-0",
+        "tiny",
+        replace("qwen3.attention.head_count_kv", V.UINT32, 0),
+        r"geometry in metadata: n_head_kv",
+    ),
     ("key_length-63", "tiny", replace("qwen3.attention.key_length", V.UINT32, 63), r"head_dim \(must be even"),
     ("embedding_length-0", "tiny", replace("qwen3.embedding_length", V.UINT32, 0), r"geometry in metadata: n_embd"),
     ("context_length-0", "tiny", replace("qwen3.context_length", V.UINT32, 0), r"geometry in metadata: n_ctx_train"),
@@ -456,58 +529,142 @@ CASES = [  # (id, preset, build, expected message regex, or None: loads and runs
     ("rms_eps-nan", "tiny", replace(EPS, V.FLOAT32, float("nan")), r"rms_eps nan"),
     ("rope_theta-0", "tiny", replace(THETA, V.FLOAT32, 0.0), r"rope_theta 0\.0"),
     ("rope_theta-int", "tiny", replace(THETA, V.UINT32, 1000000), None),  # an integer is a number
-    ("arch-number", "tiny", replace("general.architecture", V.UINT32, 3),
-     r"metadata key 'general.architecture' is 3, expected a string"),
-    ("alignment-string", "tiny", append(entry("general.alignment", V.STRING, "32")),
-     r"general.alignment is the string '32', not a positive power of two"),
-    ("duplicate-key", "tiny", append(entry("qwen3.block_count", V.UINT32, 2)),
-     r"metadata key 'qwen3.block_count' appears twice"),
-    ("unknown-value-type", "tiny", append(pack(V.STRING, "test.x") + struct.pack("<II", 13, 0)),
-     r"metadata key 'test.x' has unknown GGUF value type 13"),
+    (
+        "arch-number",
+        "tiny",
+        replace("general.architecture", V.UINT32, 3),
+        r"metadata key 'general.architecture' is 3, expected a string",
+    ),
+    (
+        "alignment-string",
+        "tiny",
+        append(entry("general.alignment", V.STRING, "32")),
+        r"general.alignment is the string '32', not a positive power of two",
+    ),
+    (
+        "duplicate-key",
+        "tiny",
+        append(entry("qwen3.block_count", V.UINT32, 2)),
+        r"metadata key 'qwen3.block_count' appears twice",
+    ),
+    (
+        "unknown-value-type",
+        "tiny",
+        append(pack(V.STRING, "test.x") + struct.pack("<II", 13, 0)),
+        r"metadata key 'test.x' has unknown GGUF value type 13",
+    ),
     ("nested-3", "tiny", append(entry("test.nested", V.ARRAY, NEST3)), None),
     ("nested-100000", "tiny", append(deep_nest(100_000)), r"metadata key 'test.nested' nests arrays more than 8 deep"),
-    ("strings-2**62", "tiny", append(pack(V.STRING, "test.s") + struct.pack("<IIQ", V.ARRAY, V.STRING, 2**62)),
-     r"truncated or corrupt: metadata key 'test.s' claims 4611686018427387904 array elements"),
-    ("token_type-short", "tiny", replace(f"{TOK}.token_type", V.ARRAY, (V.INT32, [1] * (N_TOK - 1))),
-     rf"{TOK}.token_type has 380 entries for 381 tokens"),
-    ("token_type-strings", "tiny", replace(f"{TOK}.token_type", V.ARRAY, (V.STRING, ["1"] * N_TOK)),
-     rf"'{TOK}.token_type' is an array of 381 strings, expected an array of integers"),
-    ("scores-long", "tiny", append(entry(f"{TOK}.scores", V.ARRAY, (V.FLOAT32, [0.0] * (N_TOK + 1)))),
-     rf"{TOK}.scores has 382 entries for 381 tokens"),
+    (
+        "strings-2**62",
+        "tiny",
+        append(pack(V.STRING, "test.s") + struct.pack("<IIQ", V.ARRAY, V.STRING, 2**62)),
+        r"truncated or corrupt: metadata key 'test.s' claims 4611686018427387904 array elements",
+    ),
+    (
+        "token_type-short",
+        "tiny",
+        replace(f"{TOK}.token_type", V.ARRAY, (V.INT32, [1] * (N_TOK - 1))),
+        rf"{TOK}.token_type has 380 entries for 381 tokens",
+    ),
+    (
+        "token_type-strings",
+        "tiny",
+        replace(f"{TOK}.token_type", V.ARRAY, (V.STRING, ["1"] * N_TOK)),
+        rf"'{TOK}.token_type' is an array of 381 strings, expected an array of integers",
+    ),
+    (
+        "scores-long",
+        "tiny",
+        append(entry(f"{TOK}.scores", V.ARRAY, (V.FLOAT32, [0.0] * (N_TOK + 1)))),
+        rf"{TOK}.scores has 382 entries for 381 tokens",
+    ),
     ("scores-ok", "tiny", append(entry(f"{TOK}.scores", V.ARRAY, (V.FLOAT32, [0.0] * N_TOK))), None),
-    ("tokens-numbers", "tiny", replace(f"{TOK}.tokens", V.ARRAY, (V.INT32, list(range(N_TOK)))),
-     rf"'{TOK}.tokens' is an array of 381 int32, expected an array of strings"),
-    ("tokens-one-extra", "tiny", replace(f"{TOK}.tokens", V.ARRAY, (V.STRING, BYTE_TOKENS)),
-     r"the vocabulary has 382 tokens but 'token_embd.weight' has 381 rows"),
-    ("merges-malformed", "tiny", replace(f"{TOK}.merges", V.ARRAY, (V.STRING, ["a b", "abc"])),
-     r"BPE merge #1 'abc' is not two symbols separated by a space"),
-    ("merges-numbers", "tiny", replace(f"{TOK}.merges", V.ARRAY, (V.INT32, [1, 2])),
-     rf"'{TOK}.merges' is an array of 2 int32, expected an array of strings"),
+    (
+        "tokens-numbers",
+        "tiny",
+        replace(f"{TOK}.tokens", V.ARRAY, (V.INT32, list(range(N_TOK)))),
+        rf"'{TOK}.tokens' is an array of 381 int32, expected an array of strings",
+    ),
+    (
+        "tokens-one-extra",
+        "tiny",
+        replace(f"{TOK}.tokens", V.ARRAY, (V.STRING, BYTE_TOKENS)),
+        r"the vocabulary has 382 tokens but 'token_embd.weight' has 381 rows",
+    ),
+    (
+        "merges-malformed",
+        "tiny",
+        replace(f"{TOK}.merges", V.ARRAY, (V.STRING, ["a b", "abc"])),
+        r"BPE merge #1 'abc' is not two symbols separated by a space",
+    ),
+    (
+        "merges-numbers",
+        "tiny",
+        replace(f"{TOK}.merges", V.ARRAY, (V.INT32, [1, 2])),
+        rf"'{TOK}.merges' is an array of 2 int32, expected an array of strings",
+    ),
     ("bos-out-of-range", "tiny", replace(f"{TOK}.bos_token_id", V.UINT32, N_TOK), r"bos token id 381 is out of range"),
     ("bos-string", "tiny", replace(f"{TOK}.bos_token_id", V.STRING, "1"), rf"'{TOK}.bos_token_id' is the string '1'"),
-    ("add_bos-uint8", "tiny", replace(f"{TOK}.add_bos_token", V.UINT8, 1),
-     rf"'{TOK}.add_bos_token' is 1, expected a boolean"),
-    ("chat_template-number", "tiny", replace("tokenizer.chat_template", V.INT32, 7),
-     r"'tokenizer.chat_template' is 7, expected a string"),
-    ("tokenizer_model-array", "tiny", replace(f"{TOK}.model", V.ARRAY, (V.STRING, ["gpt2"])),
-     rf"'{TOK}.model' is an array of 1 strings, expected a string"),
+    (
+        "add_bos-uint8",
+        "tiny",
+        replace(f"{TOK}.add_bos_token", V.UINT8, 1),
+        rf"'{TOK}.add_bos_token' is 1, expected a boolean",
+    ),
+    (
+        "chat_template-number",
+        "tiny",
+        replace("tokenizer.chat_template", V.INT32, 7),
+        r"'tokenizer.chat_template' is 7, expected a string",
+    ),
+    (
+        "tokenizer_model-array",
+        "tiny",
+        replace(f"{TOK}.model", V.ARRAY, (V.STRING, ["gpt2"])),
+        rf"'{TOK}.model' is an array of 1 strings, expected a string",
+    ),
     ("eot-out-of-range", "tiny", append(entry(f"{TOK}.eot_token_id", V.UINT32, 10**6)), None),  # ignored, as llama.cpp
-    ("duplicate-tensor", "tiny", rename("blk.0.attn_k.weight", "blk.0.attn_q.weight"),
-     r"tensor 'blk.0.attn_q.weight' appears twice in the tensor table"),
-    ("misaligned-offset", "tiny", shift_offset("blk.1.attn_q.weight", 2),
-     r"tensor 'blk.1.attn_q.weight' has data offset \d+, not a multiple of the alignment 32"),
+    (
+        "duplicate-tensor",
+        "tiny",
+        rename("blk.0.attn_k.weight", "blk.0.attn_q.weight"),
+        r"tensor 'blk.0.attn_q.weight' appears twice in the tensor table",
+    ),
+    (
+        "misaligned-offset",
+        "tiny",
+        shift_offset("blk.1.attn_q.weight", 2),
+        r"tensor 'blk.1.attn_q.weight' has data offset \d+, not a multiple of the alignment 32",
+    ),
     ("n_dims-0", "tiny", patch("n_dims", "output_norm.weight", 0), r"tensor 'output_norm.weight' has 0 dimensions"),
-    ("dim-2**63", "tiny", patch("dim", "token_embd.weight", 2**63),
-     r"tensor 'token_embd.weight' has a dimension of 9223372036854775808"),
+    (
+        "dim-2**63",
+        "tiny",
+        patch("dim", "token_embd.weight", 2**63),
+        r"tensor 'token_embd.weight' has a dimension of 9223372036854775808",
+    ),
     ("key_len-2**63", "tiny", patch("key_len", "qwen3.block_count", 2**63), r"truncated: .*reading metadata key #\d+"),
     ("n_kv-2**60", "tiny", patch("n_kv", "GGUF.kv_count", 2**60), r"claims 1152921504606846976 metadata keys"),
     ("expert_count-0", "tiny-moe", replace("qwen3moe.expert_count", V.UINT32, 0), r"expert_count/expert_used_count"),
-    ("expert_used_count-17", "tiny-moe", replace("qwen3moe.expert_used_count", V.UINT32, 17),
-     r"expert_count/expert_used_count"),
-    ("expert_count-string", "tiny-moe", replace("qwen3moe.expert_count", V.STRING, "16"),
-     r"'qwen3moe.expert_count' is the string '16', expected an integer"),
-    ("expert_count-2**32-1", "tiny-moe", replace("qwen3moe.expert_count", V.UINT32, 2**32 - 1),
-     r"tensor 'blk.0.ffn_gate_inp.weight' has shape \[16, 256\], expected \[4294967295, 256\]"),
+    (
+        "expert_used_count-17",
+        "tiny-moe",
+        replace("qwen3moe.expert_used_count", V.UINT32, 17),
+        r"expert_count/expert_used_count",
+    ),
+    (
+        "expert_count-string",
+        "tiny-moe",
+        replace("qwen3moe.expert_count", V.STRING, "16"),
+        r"'qwen3moe.expert_count' is the string '16', expected an integer",
+    ),
+    (
+        "expert_count-2**32-1",
+        "tiny-moe",
+        replace("qwen3moe.expert_count", V.UINT32, 2**32 - 1),
+        r"tensor 'blk.0.ffn_gate_inp.weight' has shape \[16, 256\], expected \[4294967295, 256\]",
+    ),
     ("block_count-fewer", "tiny-moe", replace("qwen3moe.block_count", V.UINT32, 3), None),  # blk.3.* unused
 ]
 
@@ -540,13 +697,16 @@ def test_cli_prints_one_error_line(files, tmp_path):
     orig = src.read_bytes()
     exe = Path(sys.executable).parent / "stream-run"
     runs = [
-        ("inspect", orig[:lay.of("count", f"{TOK}.tokens")[0].off + 3], r"truncated"),
+        ("inspect", orig[: lay.of("count", f"{TOK}.tokens")[0].off + 3], r"truncated"),
         ("inspect", patch("value", "qwen3.attention.head_count", 0)(lay, orig), r"bad model geometry"),
         ("run", replace("qwen3.block_count", V.STRING, "2")(lay, orig), r"expected an integer"),
         ("run", replace(f"{TOK}.merges", V.ARRAY, (V.STRING, ["a b", "abc"]))(lay, orig), r"BPE merge #1"),
         ("run", append(deep_nest(100_000))(lay, orig), r"nests arrays more than 8 deep"),
-        ("inspect --json", replace(f"{TOK}.bos_token_id", V.ARRAY, (V.UINT32, [1, 2]))(lay, orig),
-         rf"'{TOK}.bos_token_id' is an array"),
+        (
+            "inspect --json",
+            replace(f"{TOK}.bos_token_id", V.ARRAY, (V.UINT32, [1, 2]))(lay, orig),
+            rf"'{TOK}.bos_token_id' is an array",
+        ),
     ]
     for i, (cmd, data, pattern) in enumerate(runs):
         bad = tmp_path / f"bad{i}.gguf"

@@ -48,15 +48,25 @@ def test_metadata_and_tensors_agree_with_gguf_py(good):
     for t in ref.tensors:
         mine = gf.tensors[t.name]
         assert mine.qtype == t.tensor_type and mine.offset == t.data_offset and mine.nbytes == t.n_bytes
-        assert np.array_equal(np.asarray(gf.view(t.name)).reshape(-1).view(np.uint8),
-                              np.asarray(t.data).reshape(-1).view(np.uint8))
+        assert np.array_equal(
+            np.asarray(gf.view(t.name)).reshape(-1).view(np.uint8), np.asarray(t.data).reshape(-1).view(np.uint8)
+        )
     cfg = open_cfg(good)
-    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == \
-        ("qwen3", 2, 256, 4, 2, 64, 512)
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == (
+        "qwen3",
+        2,
+        256,
+        4,
+        2,
+        64,
+        512,
+    )
     assert cfg.rope_theta == 1e6 and cfg.n_ctx_train == 2048 and not cfg.tied and not cfg.is_moe
     tokens = gf.get("tokenizer.ggml.tokens")
-    assert tokens == [str(bytes(ref.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
-                      for i in ref.fields["tokenizer.ggml.tokens"].data]
+    assert tokens == [
+        str(bytes(ref.fields["tokenizer.ggml.tokens"].parts[i]), "utf-8")
+        for i in ref.fields["tokenizer.ggml.tokens"].data
+    ]
 
 
 def test_views_are_zero_copy_and_read_only(good):
@@ -92,16 +102,25 @@ def test_truncated_data_and_header(tmp_path, good):
     with pytest.raises(StreamerError, match=r"is truncated: tensor '.+' ends at byte \d+ but the file has"):
         GGUFFile(p)
     p = broken_copy(good, tmp_path / "h.gguf", truncate=9000)
-    with pytest.raises(StreamerError, match=r"truncated: the GGUF header runs past the end of the file "
-                                            r"\(reading tensor info #8\)"):
+    with pytest.raises(
+        StreamerError,
+        match=r"truncated: the GGUF header runs past the end of the file "
+        r"\(reading tensor info #8\)",
+    ):
         GGUFFile(p)
     p = broken_copy(good, tmp_path / "v.gguf", truncate=2000)
-    with pytest.raises(StreamerError, match=r"v.gguf is truncated or corrupt: metadata key 'tokenizer.ggml.tokens' "
-                                            r"claims 381 array elements, more than the rest of the file can hold"):
+    with pytest.raises(
+        StreamerError,
+        match=r"v.gguf is truncated or corrupt: metadata key 'tokenizer.ggml.tokens' "
+        r"claims 381 array elements, more than the rest of the file can hold",
+    ):
         GGUFFile(p)
     p = broken_copy(good, tmp_path / "s.gguf", truncate=200)  # too short for the counts in its header
-    with pytest.raises(StreamerError, match=r"s.gguf is truncated or not a valid GGUF file \(its header claims "
-                                            r"25 tensors, more than its 200 bytes can hold\)"):
+    with pytest.raises(
+        StreamerError,
+        match=r"s.gguf is truncated or not a valid GGUF file \(its header claims "
+        r"25 tensors, more than its 200 bytes can hold\)",
+    ):
         GGUFFile(p)
 
 
@@ -109,8 +128,8 @@ def test_unsupported_arch(tmp_path, good):
     def patch(d):
         key = b"general.architecture"
         i = d.find(key) + len(key) + 4 + 8  # value type, string length
-        assert d[i:i + 5] == b"qwen3"
-        d[i:i + 5] = b"llama"
+        assert d[i : i + 5] == b"qwen3"
+        d[i : i + 5] = b"llama"
 
     p = broken_copy(good, tmp_path / "a.gguf", patch=patch)
     with pytest.raises(StreamerError, match="unsupported architecture 'llama'"):
@@ -126,8 +145,11 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, good):
         struct.pack_into("<I", d, j, 35)  # TQ2_0: 256-element blocks of 66 bytes: no other check trips
 
     p = broken_copy(good, tmp_path / "q.gguf", patch=patch)
-    with pytest.raises(StreamerError, match=r"tensor 'blk.0.attn_q.weight' has type TQ2_0, which stream-run does "
-                                            r"not support \(supported: F32, F16, BF16, Q8_0"):
+    with pytest.raises(
+        StreamerError,
+        match=r"tensor 'blk.0.attn_q.weight' has type TQ2_0, which stream-run does "
+        r"not support \(supported: F32, F16, BF16, Q8_0",
+    ):
         open_cfg(p)
 
 
@@ -143,7 +165,7 @@ def test_unknown_type_id(tmp_path, good):
 def test_missing_tensor(tmp_path, good):
     def patch(d):
         i = tensor_info_at(d, "blk.1.ffn_up.weight")
-        d[i - 6:i] = b"uq.wei"  # rename to blk.1.ffn_uq.weight
+        d[i - 6 : i] = b"uq.wei"  # rename to blk.1.ffn_uq.weight
 
     with pytest.raises(StreamerError, match="missing tensor 'blk.1.ffn_up.weight'"):
         open_cfg(broken_copy(good, tmp_path / "m.gguf", patch=patch))

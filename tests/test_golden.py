@@ -76,6 +76,7 @@ def _sha256(path: Path, start: int = 0) -> str:
 
 def _write(path: Path, writer_args: dict) -> Path:
     from streamer.synth.writer import spec_for, write_model
+
     a = dict(writer_args)
     write_model(path, spec_for(a.pop("preset"), a.pop("qtype"), a.pop("layers", None), **a))
     return path
@@ -86,12 +87,18 @@ def _check_same_file(path: Path, name: str, rec: dict) -> None:
     if got == rec["sha256"]:
         return
     import gguf
+
     same_tensors = _sha256(path, int(gguf.GGUFReader(path).data_offset)) == rec["tensor_data_sha256"]
-    what = ("the tensor data is identical, only the header/metadata changed (e.g. the byte vocabulary)"
-            if same_tensors else "the tensor data differs too")
-    pytest.fail(f"{name}: the synthetic writer's output changed since the golden logits were made "
-                f"(sha256 {got[:12]} != recorded {rec['sha256'][:12]}; {what}); the golden data no longer "
-                f"describes this file: {REGENERATE}")
+    what = (
+        "the tensor data is identical, only the header/metadata changed (e.g. the byte vocabulary)"
+        if same_tensors
+        else "the tensor data differs too"
+    )
+    pytest.fail(
+        f"{name}: the synthetic writer's output changed since the golden logits were made "
+        f"(sha256 {got[:12]} != recorded {rec['sha256'][:12]}; {what}); the golden data no longer "
+        f"describes this file: {REGENERATE}"
+    )
 
 
 def _cosines(a, b):
@@ -108,23 +115,33 @@ def compare(ours: np.ndarray, theirs: np.ndarray, tol: dict) -> tuple[list[str],
     gap_ours = (ours[rows, a] - ours[rows, b]) / std  # how far our pick is ahead of llama's pick, in our logits
     gap_theirs = (theirs[rows, b] - theirs[rows, a]) / std
     flips = a != b
-    stats = dict(min_cos=float(cos.min()), median_cos=float(np.median(cos)),
-                 frac_cos_0999=float((cos >= 0.999).mean()), max_norm_dev=float(np.abs(norm - 1).max()),
-                 top1=float(1 - flips.mean()),
-                 max_flip_gap=float(max(gap_ours[flips].max(initial=0), gap_theirs[flips].max(initial=0))))
+    stats = dict(
+        min_cos=float(cos.min()),
+        median_cos=float(np.median(cos)),
+        frac_cos_0999=float((cos >= 0.999).mean()),
+        max_norm_dev=float(np.abs(norm - 1).max()),
+        top1=float(1 - flips.mean()),
+        max_flip_gap=float(max(gap_ours[flips].max(initial=0), gap_theirs[flips].max(initial=0))),
+    )
     bad = []
     if stats["min_cos"] < tol["min_cos"]:
         bad.append(f"min cosine {stats['min_cos']:.6f} < {tol['min_cos']} at position {int(cos.argmin())}")
     if stats["frac_cos_0999"] < tol["frac_cos_0999"]:
-        bad.append(f"only {stats['frac_cos_0999']:.0%} of positions have cosine >= 0.999 (want {tol['frac_cos_0999']:.0%})")
+        bad.append(
+            f"only {stats['frac_cos_0999']:.0%} of positions have cosine >= 0.999 (want {tol['frac_cos_0999']:.0%})"
+        )
     if stats["max_norm_dev"] > tol["norm"]:
-        bad.append(f"logit norm differs by {stats['max_norm_dev']:.4f} (> {tol['norm']}) at position "
-                   f"{int(np.abs(norm - 1).argmax())}: a scale error")
+        bad.append(
+            f"logit norm differs by {stats['max_norm_dev']:.4f} (> {tol['norm']}) at position "
+            f"{int(np.abs(norm - 1).argmax())}: a scale error"
+        )
     if stats["top1"] < tol["top1"]:
         bad.append(f"top-1 agreement {stats['top1']:.2f} < {tol['top1']}")
     if stats["max_flip_gap"] > tol["tie"]:
-        bad.append(f"a top-1 disagreement is not a near-tie: gap {stats['max_flip_gap']:.3f} std > {tol['tie']} "
-                   f"(positions {np.nonzero(flips)[0].tolist()})")
+        bad.append(
+            f"a top-1 disagreement is not a near-tie: gap {stats['max_flip_gap']:.3f} std > {tol['tie']} "
+            f"(positions {np.nonzero(flips)[0].tolist()})"
+        )
     return bad, stats
 
 
@@ -140,6 +157,7 @@ def _small_expert_cache(path: Path) -> int:
     """Bytes for ~8 expert slots (gate+up+down of one expert each, with O_DIRECT alignment slack): far fewer
     than the model's n_layer x n_expert, so the streamed path really evicts and re-reads."""
     import gguf
+
     r = gguf.GGUFReader(path)
     n_expert = int(r.fields["qwen3moe.expert_count"].parts[-1][0])
     part = {t.name.split(".")[2]: int(t.n_bytes) // n_expert for t in r.tensors if t.name.startswith("blk.0.ffn_")}
@@ -168,7 +186,11 @@ def _run_and_compare(name, tmp_path_factory, streamed: bool):
 
     path = _write(tmp_path_factory.mktemp("golden") / f"{name}.gguf", args)
     _check_same_file(path, name, rec)
-    s = open_model(path, StreamOptions(expert_cache_bytes=_small_expert_cache(path), learn=False)) if streamed else open_model(path)
+    s = (
+        open_model(path, StreamOptions(expert_cache_bytes=_small_expert_cache(path), learn=False))
+        if streamed
+        else open_model(path)
+    )
     tokens = np.asarray(_META["tokens"], np.int64)
     ours = np.asarray(s.model.forward(tokens, s.model.new_cache(), all_logits=True), np.float32)
     theirs = _Z[f"{name}.logits"]

@@ -33,7 +33,6 @@ def streaming_budget():
     return ("--ram-budget", str(psutil.Process().memory_info().rss + 170 * 2**20), "-c", "512")
 
 
-
 def interrupt_forward(monkeypatch, when):
     """Make Model.forward raise KeyboardInterrupt on the first call `when(ids)` accepts, as SIGINT would."""
     real, fired = Model.forward, []
@@ -57,10 +56,12 @@ def reader_threads():
 def test_run_exits_130_and_stops_its_readers(synth_model, monkeypatch, phase):
     path = synth_model("demo", "Q4_K")
     before = reader_threads()
-    fired = interrupt_forward(monkeypatch, (lambda ids: len(ids) > 1) if phase == "prefill" else
-                              (lambda ids: len(ids) == 1))
-    r = CliRunner().invoke(app, ["run", str(path), "-p", "hello there friend", "-n", "8", "--ignore-eos",
-                                     *streaming_budget()])
+    fired = interrupt_forward(
+        monkeypatch, (lambda ids: len(ids) > 1) if phase == "prefill" else (lambda ids: len(ids) == 1)
+    )
+    r = CliRunner().invoke(
+        app, ["run", str(path), "-p", "hello there friend", "-n", "8", "--ignore-eos", *streaming_budget()]
+    )
     assert fired and r.exit_code == 130, (r.exit_code, r.output)
     assert "stop: interrupted" in r.stderr and "Traceback" not in r.output
     assert "experts: hit rate" in r.stderr  # it was streaming, so it had reader threads
@@ -71,9 +72,12 @@ def test_run_real_sigint_during_decode(synth_model):
     path = synth_model("demo", "Q4_K")
     # a shell runs background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored: restore
     # the default in the child, as an interactive terminal would have it
-    p = subprocess.Popen([str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", *SUBPROCESS_BUDGET],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", *SUBPROCESS_BUDGET],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         p.stdout.read(20)  # generating
         p.send_signal(signal.SIGINT)
@@ -86,14 +90,14 @@ def test_run_real_sigint_during_decode(synth_model):
 
 def converse(session, turns, monkeypatch=None, interrupt=None):
     """Greedy conversation; interrupt = (turn index, 'prefill' | 'decode'). Returns (replies, history)."""
-    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()),
-                    session.tokenizer.eog_ids)
+    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()), session.tokenizer.eog_ids)
     conv = Conversation(gen, session.tokenizer, n_predict=6)
     replies = []
     for i, text in enumerate(turns):
         if interrupt and interrupt[0] == i:
-            fired = interrupt_forward(monkeypatch, (lambda ids: len(ids) > 1) if interrupt[1] == "prefill" else
-                                      (lambda ids: len(ids) == 1))
+            fired = interrupt_forward(
+                monkeypatch, (lambda ids: len(ids) > 1) if interrupt[1] == "prefill" else (lambda ids: len(ids) == 1)
+            )
             pieces = []
             with pytest.raises(KeyboardInterrupt):
                 for piece in conv.send(text):
@@ -159,8 +163,9 @@ def test_chat_repl_returns_to_the_prompt_after_ctrl_c(synth_model, monkeypatch):
         return len(prefills) == 2 and len(ids) > 1
 
     interrupt_forward(monkeypatch, second_prefill)
-    r = CliRunner().invoke(app, ["chat", str(path), "-n", "4", "--temp", "0", "--no-think"],
-                           input="first\nsecond\nthird\n")
+    r = CliRunner().invoke(
+        app, ["chat", str(path), "-n", "4", "--temp", "0", "--no-think"], input="first\nsecond\nthird\n"
+    )
     assert r.exit_code == 0, r.output
     assert r.stdout.count("[interrupted]") == 1 and r.stderr.count("[prompt:") == 3
     assert "Traceback" not in r.output

@@ -12,6 +12,7 @@ The block-format matvecs quantize x to int16 per group of G elements (activation
 x_k ~ xq_k * dx_g with dx_g = max|x in g| / XQ_MAX and |x_k - xq_k dx_g| <= dx_g/2 + 4u|x_k|,
 which adds sum_k A_k (dx_g/2 + 4u|x_k|) to the bound (the matmul tile path uses x exactly).
 """
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -22,12 +23,24 @@ from streamer.errors import StreamerError
 from streamer.kernels import SUPPORTED, QMatrix, set_threads
 from streamer.kernels.activations import XQ_MAX
 
-U = 2.0 ** -24
+U = 2.0**-24
 FORMATS = list(streamer.formats.FORMATS)  # every format stream-run reads: the one table
 # Byte offsets of the f16 scale fields inside one block, per format (the rest of a block is random bytes).
-SCALE_FIELDS = {T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82),
-                T.Q3_K: (108,), T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2),
-                **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)}}
+SCALE_FIELDS = {
+    T.Q8_0: (0,),
+    T.Q4_0: (0,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.IQ4_XS: (0,),
+    T.IQ4_NL: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)},
+}
 
 
 def _f16_values(rng, n, regime):
@@ -36,7 +49,9 @@ def _f16_values(rng, n, regime):
     if regime == "normal":
         return (sign * 10 ** rng.uniform(-4, 0, n)).astype(np.float16)
     if regime == "subnormal":
-        return (rng.integers(1, 0x400, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)).view(np.float16)
+        return (rng.integers(1, 0x400, n, dtype=np.uint16) | (rng.integers(0, 2, n, dtype=np.uint16) << 15)).view(
+            np.float16
+        )
     kind = rng.integers(0, 4, n)
     huge = sign * rng.uniform(1e3, 65504, n)
     tiny = sign * rng.uniform(6.2e-5, 1e-4, n)
@@ -74,7 +89,7 @@ def make_weight(qtype, n_out, n_in, rng, regime="normal"):
         words |= ((d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)) << np.uint16(12)
         raw[:, :, 48:56] = words.view(np.uint8)
     for off in SCALE_FIELDS.get(qtype, ()):
-        raw[:, :, off:off + 2] = _f16_values(rng, n_out * nb, regime).view(np.uint8).reshape(n_out, nb, 2)
+        raw[:, :, off : off + 2] = _f16_values(rng, n_out * nb, regime).view(np.uint8).reshape(n_out, nb, 2)
     raw = raw.reshape(n_out, nb * size)
     return raw, raw
 
@@ -87,7 +102,7 @@ def _magnitude(qtype, raw, deq):
         size = GGML_QUANT_SIZES[qtype][1]
         r = raw.reshape(n_out, -1, size).copy()
         at = SCALE_FIELDS[qtype][0]
-        r[:, :, at:at + 2] = 0
+        r[:, :, at : at + 2] = 0
         mins = np.abs(dequantize(r.reshape(n_out, -1), qtype).astype(np.float64))
         a = np.abs(deq.astype(np.float64) + mins) + mins
     elif qtype in (T.Q4_1, T.Q5_1):  # w = d*q + m, computed as two terms: |d*q| + |m|
@@ -112,7 +127,7 @@ def _tolerance(qtype, raw, deq, X, quantized_x=False):
     n = n_in + n_in // 16 + 8
     a = _magnitude(qtype, raw, deq)
     ax = np.abs(X.astype(np.float64))
-    tol = (n * U / (1 - n * U)) * (ax @ a.T) + n_in * 2.0 ** -149
+    tol = (n * U / (1 - n * U)) * (ax @ a.T) + n_in * 2.0**-149
     group = SUPPORTED[qtype].act_group
     if quantized_x and group:
         dx = ax.reshape(m, -1, group).max(axis=2) / XQ_MAX
@@ -254,11 +269,13 @@ def test_rows_out_of_range_and_threads():
         assert q.matvec(np.ones(32, np.float32)).shape == (4,)
     finally:
         import numba
+
         set_threads(numba.config.NUMBA_NUM_THREADS)
 
 
 def test_activation_quantization_step():
     from streamer.kernels.activations import quantize_groups
+
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(1024) * 10.0 ** rng.integers(-8, 8, 1024)).astype(np.float32)
     x[256:512] = 0  # an all-zero group must give xq = 0, dx = 0

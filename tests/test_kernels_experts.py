@@ -83,4 +83,6 @@ def test_stale_kernel_cache_is_dropped_under_numba_cache_dir(tmp_path, monkeypat
     stamp = (where / "kernels-source.sha").read_text()
     (where / "experts.experts_down-40.py311.nbi").write_bytes(b"current")
     kc.drop_stale_numba_cache()  # sources unchanged since: kept
-    assert (where / "experts.experts_down-40.py311.nbi").exists() and (where / "kernels-source.sha").read_text() == stamp
+    assert (where / "experts.experts_down-40.py311.nbi").exists() and (
+        where / "kernels-source.sha"
+    ).read_text() == stamp

@@ -39,7 +39,7 @@ def test_cached_decode_equals_full_recompute(synth_model, qtype):
     cache = s.model.new_cache()
     # a 4-token prefill, then one token at a time through the cache
     steps = [s.model.forward(PROMPT[:4], cache, all_logits=True)]
-    steps += [s.model.forward(PROMPT[i:i + 1], cache, all_logits=True) for i in range(4, len(PROMPT))]
+    steps += [s.model.forward(PROMPT[i : i + 1], cache, all_logits=True) for i in range(4, len(PROMPT))]
     steps = np.concatenate(steps)
     tol = 1e-3 * np.abs(full).max()  # matvec vs matmul kernels round differently; same math
     assert np.abs(steps - full).max() <= tol
@@ -93,8 +93,12 @@ def test_long_prompt_progress_gives_the_same_results(synth_model):
     more = ids[:700]  # a second prompt after the first: 1800 of 2048 positions
     plain = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()))
     calls = []
-    shown = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()),
-                      on_prefill=lambda done, total: calls.append((done, total)))
+    shown = Generator(
+        s.model,
+        s.model.new_cache(),
+        Sampler(SamplerParams()),
+        on_prefill=lambda done, total: calls.append((done, total)),
+    )
     assert np.array_equal(plain.feed(ids), shown.feed(ids))
     assert calls == [(512, 1100), (1024, 1100), (1100, 1100)]
     n = plain.cache.n
@@ -103,6 +107,7 @@ def test_long_prompt_progress_gives_the_same_results(synth_model):
     def stop(done, total):
         if done == 512:
             raise KeyboardInterrupt
+
     shown.on_prefill = stop
     with pytest.raises(KeyboardInterrupt):
         shown.feed(more)

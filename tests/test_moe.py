@@ -18,7 +18,6 @@ PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int
 N_PREFILL = 5  # then one token at a time (decode path, with lookahead prefetch)
 
 
-
 def cosines(a, b):
     return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
@@ -27,7 +26,7 @@ def run(session, tokens=PROMPT, n_prefill=N_PREFILL):
     """Prefill n_prefill tokens, then decode the rest one by one; all-position logits."""
     c = session.model.new_cache()
     out = [session.model.forward(tokens[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(tokens[i:i + 1], c, all_logits=True) for i in range(n_prefill, len(tokens))]
+    out += [session.model.forward(tokens[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(tokens))]
     return np.concatenate(out)
 
 
@@ -152,7 +151,9 @@ def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model
     path = synth_model("tiny-moe", "Q8_0")
     trace = {}
     want = Reference(str(path)).logits(PROMPT, top_p=0.5, trace=trace)
-    s = open_model(path, StreamOptions(learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path)))
+    s = open_model(
+        path, StreamOptions(learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path))
+    )
     got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)  # one prefill: no prefetch at all
     assert cosines(got, want).min() >= 0.999
     tot = s.model.ffn.prof.totals()

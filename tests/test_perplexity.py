@@ -24,7 +24,7 @@ def reference_ppl(ref: Reference, tokens, n_ctx, n_chunk, bos_id=None, second_ha
     """exp(mean nll) over each window's second half, from float64 logits of the window run from position 0."""
     nll = []
     for i in range(n_chunk):
-        w = np.array(tokens[i * n_ctx:(i + 1) * n_ctx])
+        w = np.array(tokens[i * n_ctx : (i + 1) * n_ctx])
         if bos_id is not None:
             w[0] = bos_id
         logits = ref.logits(w)
@@ -50,7 +50,7 @@ def test_perplexity_matches_float64_reference(synth_model, tokens, preset):
     want, nll = reference_ppl(ref, tokens, N_CTX, 3)
     assert r.ppl == pytest.approx(want, rel=2e-3)
     mean = nll.mean()
-    assert r.stderr == pytest.approx(want * math.sqrt(((nll ** 2).mean() - mean ** 2) / (len(nll) - 1)), rel=2e-2)
+    assert r.stderr == pytest.approx(want * math.sqrt(((nll**2).mean() - mean**2) / (len(nll) - 1)), rel=2e-2)
     # the tolerance separates llama-perplexity's method from its near misses: scoring whole windows, or one
     # long sequence instead of windows restarted at position 0
     whole, _ = reference_ppl(ref, tokens, N_CTX, 3, second_half=False)
@@ -89,8 +89,12 @@ def test_plan_follows_llama_perplexity():
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "streamer.cli.main", "perplexity", *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "streamer.cli.main", "perplexity", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_cli_json_and_errors(synth_model, tmp_path):
@@ -109,11 +113,13 @@ def test_cli_json_and_errors(synth_model, tmp_path):
     assert "[1]" in plain.stdout and "[2]" in plain.stdout
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n")
-    for args, words in (((path, "-f", short, "-c", N_CTX), "needs at least 32"),
-                        ((path, "-f", text, "-c", 2), "at least 4"),
-                        ((path, "-f", text, "-c", N_CTX, "--chunks", 0), "--chunks"),
-                        ((path, "-f", tmp_path / "missing.txt"), "missing.txt"),
-                        ((tmp_path / "nope.gguf", "-f", text), "nope.gguf")):
+    for args, words in (
+        ((path, "-f", short, "-c", N_CTX), "needs at least 32"),
+        ((path, "-f", text, "-c", 2), "at least 4"),
+        ((path, "-f", text, "-c", N_CTX, "--chunks", 0), "--chunks"),
+        ((path, "-f", tmp_path / "missing.txt"), "missing.txt"),
+        ((tmp_path / "nope.gguf", "-f", text), "nope.gguf"),
+    ):
         p = cli(*args)
         err = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0], p.stderr

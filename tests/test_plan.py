@@ -66,8 +66,7 @@ def test_plan_with_a_trace_and_without(synth_model, tmp_path):
 def test_plan_refuses_foreign_traces_dense_models_and_bad_flags(synth_model, tmp_path):
     path = synth_model("tiny-moe", "Q8_0")
     record(path, tmp_path / "t.npz", n_decode=2, learn=False, expert_cache_bytes=10 * slot_bytes(path))
-    user_error(invoke("plan", synth_model("tiny-moe", "Q4_K"), "--trace", tmp_path / "t.npz"),
-               "trace of another model")
+    user_error(invoke("plan", synth_model("tiny-moe", "Q4_K"), "--trace", tmp_path / "t.npz"), "trace of another model")
     user_error(invoke("plan", synth_model("tiny", "Q8_0")), "dense model")
     user_error(invoke("plan", path, "--ram-budget", "lots"), "cannot read size")
     user_error(invoke("plan", path, "--probe-seconds", "0"), "probe-seconds")
@@ -82,8 +81,12 @@ def test_plots_are_written(synth_model, tmp_path):
     assert r.exit_code == 0, r.output
     record(path, tmp_path / "s.npz", learn=False, expert_cache_bytes=10 * sb)
     assert invoke("replay", tmp_path / "s.npz", "--plot", tmp_path / "r.png").exit_code == 0
-    assert invoke("plan", path, "--trace", tmp_path / "s.npz", "--probe-seconds", "0.2",
-                  "--plot", tmp_path / "q.png").exit_code == 0
+    assert (
+        invoke(
+            "plan", path, "--trace", tmp_path / "s.npz", "--probe-seconds", "0.2", "--plot", tmp_path / "q.png"
+        ).exit_code
+        == 0
+    )
     for name in ("p.png", "r.png", "q.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -100,5 +103,7 @@ def test_plot_without_matplotlib_is_one_line(synth_model, tmp_path, monkeypatch)
         return real(name, *args, **kw)
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    user_error(invoke("profile", synth_model("tiny-moe", "Q8_0"), "--plot", tmp_path / "p.png"),
-               r"pip install 'stream-run\[plot\]'")
+    user_error(
+        invoke("profile", synth_model("tiny-moe", "Q8_0"), "--plot", tmp_path / "p.png"),
+        r"pip install 'stream-run\[plot\]'",
+    )

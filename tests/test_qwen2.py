@@ -22,7 +22,7 @@ PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int
 def run(session, n_prefill=5):
     c = session.model.new_cache()
     out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(PROMPT[i:i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
+    out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
     return np.concatenate(out)
 
 
@@ -51,7 +51,7 @@ def test_missing_bias_is_one_error_line(synth_model, tmp_path):
     old = b"blk.1.attn_v.bias"
     i = data.find(struct.pack("<Q", len(old)) + old)
     assert i > 0
-    data[i + 8:i + 8 + len(old)] = b"blk.1.attn_v.xxxx"
+    data[i + 8 : i + 8 + len(old)] = b"blk.1.attn_v.xxxx"
     dst.write_bytes(data)
     with pytest.raises(StreamerError, match=r"missing tensor 'blk.1.attn_v.bias'"):
         ModelConfig.from_gguf(GGUFFile(dst))

@@ -28,15 +28,31 @@ def types_of(preset: str, recipe: str) -> dict[str, T]:
 
 def expected_30b(recipe: str, i: int, part: str) -> T:
     """llama-quant.cpp's choice at the Qwen3-30B-A3B geometry (48 layers, 32/4 heads: n_gqa 8, 128 experts)."""
-    base = {"Q2_K": T.Q2_K, "Q3_K_M": T.Q3_K, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K, "IQ4_XS": T.IQ4_XS,
-            "IQ2_XXS": T.IQ2_XXS, "IQ1_S": T.IQ1_S}[recipe]
+    base = {
+        "Q2_K": T.Q2_K,
+        "Q3_K_M": T.Q3_K,
+        "Q4_K_M": T.Q4_K,
+        "Q5_K_M": T.Q5_K,
+        "IQ4_XS": T.IQ4_XS,
+        "IQ2_XXS": T.IQ2_XXS,
+        "IQ1_S": T.IQ1_S,
+    }[recipe]
     if part == "attn_v":
-        return {"Q2_K": T.Q4_K, "Q3_K_M": T.Q5_K if i < 2 else T.Q4_K, "IQ4_XS": T.Q5_K, "IQ2_XXS": T.Q4_K,
-                "IQ1_S": T.Q4_K}.get(recipe, T.Q6_K if i in MORE_BITS_48 else base)
+        return {
+            "Q2_K": T.Q4_K,
+            "Q3_K_M": T.Q5_K if i < 2 else T.Q4_K,
+            "IQ4_XS": T.Q5_K,
+            "IQ2_XXS": T.Q4_K,
+            "IQ1_S": T.Q4_K,
+        }.get(recipe, T.Q6_K if i in MORE_BITS_48 else base)
     if part == "ffn_down_exps":
-        return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q5_K if i < 3 else T.Q4_K,
-                "IQ4_XS": T.Q5_K if i < 6 else base, "IQ2_XXS": T.Q2_K if i < 6 else base,
-                "IQ1_S": T.Q2_K if i < 6 else base}.get(recipe, T.Q6_K if i in MORE_BITS_48 else base)
+        return {
+            "Q2_K": T.Q3_K,
+            "Q3_K_M": T.Q5_K if i < 3 else T.Q4_K,
+            "IQ4_XS": T.Q5_K if i < 6 else base,
+            "IQ2_XXS": T.Q2_K if i < 6 else base,
+            "IQ1_S": T.Q2_K if i < 6 else base,
+        }.get(recipe, T.Q6_K if i in MORE_BITS_48 else base)
     if part == "attn_output":
         return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "IQ1_S": T.IQ2_XXS}.get(recipe, base)
     return base  # attn_q, attn_k, ffn_gate_exps, ffn_up_exps
@@ -71,8 +87,12 @@ def test_shape_fallback():
     from streamer.synth.recipes import recipe_types
 
     # rows of 96 (not a multiple of 256): Q4_K -> Q5_0, Q6_K -> Q8_0 (output: Q8_0), Q2_K/Q3_K -> Q4_0, IQ -> IQ4_NL
-    ts = [("token_embd.weight", (10, 96), T.F32), ("blk.0.attn_v.weight", (96, 96), T.F32),
-          ("blk.0.ffn_down.weight", (96, 96), T.F32), ("output.weight", (10, 96), T.F32)]
+    ts = [
+        ("token_embd.weight", (10, 96), T.F32),
+        ("blk.0.attn_v.weight", (96, 96), T.F32),
+        ("blk.0.ffn_down.weight", (96, 96), T.F32),
+        ("output.weight", (10, 96), T.F32),
+    ]
     assert recipe_types("Q4_K_M", ts, 1, 4, 1, 0) == [T.Q5_0, T.Q8_0, T.Q8_0, T.Q8_0]
     assert recipe_types("Q2_K", ts, 1, 4, 1, 0) == [T.Q4_0, T.Q5_0, T.Q4_0, T.Q8_0]
     assert recipe_types("IQ4_XS", ts, 1, 4, 1, 0) == [T.IQ4_NL, T.Q5_1, T.IQ4_NL, T.Q8_0]  # 1 layer: no Q5_K down
@@ -85,40 +105,62 @@ def test_mixed_tiny_moe_matches_reference_and_streams_identically(synth_model, r
     assert int(r.fields["general.file_type"].parts[-1][0]) == int(LlamaFileType[f"MOSTLY_{recipe}"])
     s = open_model(path, StreamOptions(stream=False, learn=False))
     layout = ExpertLayout(s.gf, s.cfg)
-    per_layer = [sum(t.n_bytes for t in r.tensors if t.name.startswith(f"blk.{i}.") and "_exps" in t.name) // 16
-                 for i in range(4)]
+    per_layer = [
+        sum(t.n_bytes for t in r.tensors if t.name.startswith(f"blk.{i}.") and "_exps" in t.name) // 16
+        for i in range(4)
+    ]
     if recipe == "Q4_K_M":  # use_more_bits(i, 4): layers 2 and 3 get Q6_K ffn_down_exps, so experts differ in size
         assert per_layer[2] > per_layer[0]
     assert [layout.expert_bytes(i) for i in range(4)] == per_layer
     assert layout.total_bytes == 16 * sum(per_layer)  # what the budget plan is given
-    pages = [sum(-(-(t.n_bytes // 16 + ALIGN - 1) // ALIGN) * ALIGN
-                 for t in r.tensors if t.name.startswith(f"blk.{i}.") and "_exps" in t.name) for i in range(4)]
+    pages = [
+        sum(
+            -(-(t.n_bytes // 16 + ALIGN - 1) // ALIGN) * ALIGN
+            for t in r.tensors
+            if t.name.startswith(f"blk.{i}.") and "_exps" in t.name
+        )
+        for i in range(4)
+    ]
     assert layout.slot_bytes == max(pages)  # one slot holds the largest layer's expert
     c = s.model.new_cache()
-    got = np.concatenate([s.model.forward(PROMPT[:5], c, all_logits=True)]
-                         + [s.model.forward(PROMPT[i:i + 1], c, all_logits=True) for i in range(5, len(PROMPT))])
+    got = np.concatenate(
+        [s.model.forward(PROMPT[:5], c, all_logits=True)]
+        + [s.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(5, len(PROMPT))]
+    )
     want = Reference(str(path)).logits(PROMPT)
     cos = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.999 and np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     st = open_model(path, StreamOptions(learn=False, expert_cache_bytes=5 * layout.slot_bytes))
     c = st.model.new_cache()
-    again = np.concatenate([st.model.forward(PROMPT[:5], c, all_logits=True)]
-                           + [st.model.forward(PROMPT[i:i + 1], c, all_logits=True) for i in range(5, len(PROMPT))])
+    again = np.concatenate(
+        [st.model.forward(PROMPT[:5], c, all_logits=True)]
+        + [st.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(5, len(PROMPT))]
+    )
     assert st.streaming and np.array_equal(again, got)
     st.close()
 
 
 def test_cli_recipe(tmp_path):
     exe = Path(sys.executable).parent / "stream-run"
-    r = subprocess.run([str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "Q4_K_M", "--qtype", "Q8_0"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "Q4_K_M", "--qtype", "Q8_0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "error: --recipe sets every tensor's type: give it without --qtype/--head-qtype"]
-    r = subprocess.run([str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "Q7_K"],
-                       capture_output=True, text=True, timeout=120)
+        "error: --recipe sets every tensor's type: give it without --qtype/--head-qtype"
+    ]
+    r = subprocess.run(
+        [str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "Q7_K"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: unknown recipe 'Q7_K' (choose from ")
-    r = subprocess.run([str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "IQ4_XS", "--preset", "tiny",
-                        "--vocab", "bytes"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(exe), "synth", str(tmp_path / "a.gguf"), "--recipe", "IQ4_XS", "--preset", "tiny", "--vocab", "bytes"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     types = {t.name: t.tensor_type for t in GGUFReader(str(tmp_path / "a.gguf")).tensors}
     assert types["blk.0.attn_q.weight"] == T.IQ4_XS and types["output.weight"] == T.Q6_K

@@ -77,8 +77,9 @@ def greedy(session, ids, n):
 
 
 def chat_prompt(system, user, think=False):
-    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-            + ("" if think else EMPTY_THINK))
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n" + (
+        "" if think else EMPTY_THINK
+    )
 
 
 def slots(m):
@@ -125,19 +126,28 @@ def test_completions_match_generator(oai, resident, prompt):
     r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body=NO_CACHE)
     assert r.choices[0].text == resident.tokenizer.decode(want)
     assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == len(ids)
-    chunks = list(oai.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
-                                         extra_body=NO_CACHE))
+    chunks = list(
+        oai.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True, extra_body=NO_CACHE
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_sampling_is_seeded_and_stop_strings_end_the_text(oai):
-    kw = dict(model="tiny", prompt=[5, 70, 71], max_tokens=16, temperature=0.9, seed=7,
-              extra_body={"top_k": 0, "min_p": 0.0, **NO_CACHE})
+    kw = dict(
+        model="tiny",
+        prompt=[5, 70, 71],
+        max_tokens=16,
+        temperature=0.9,
+        seed=7,
+        extra_body={"top_k": 0, "min_p": 0.0, **NO_CACHE},
+    )
     a, b = (oai.completions.create(**kw).choices[0].text for _ in range(2))
     assert a == b and len(a) >= 8
     stop = a[5:8]
-    cut = a[:a.find(stop)]
+    cut = a[: a.find(stop)]
     r = oai.completions.create(stop=[stop, "\x00never"], **kw)
     assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
     chunks = list(oai.completions.create(stop=stop, stream=True, **kw))
@@ -145,8 +155,13 @@ def test_sampling_is_seeded_and_stop_strings_end_the_text(oai):
 
 
 def test_sse_framing(http):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}, **NO_CACHE}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **NO_CACHE,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -182,8 +197,10 @@ def test_second_turn_prefills_only_its_new_tokens(oai, http, srv, resident, path
     eng = srv.engine
     turn1 = list(eng.gen.history)  # the prompt and all of the reply but its last token (sampled, never fed)
     assert len(turn1) == r1.usage.prompt_tokens + r1.usage.completion_tokens - 1
-    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
-             {"role": "user", "content": "and a second one"}]
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "and a second one"},
+    ]
     eng.gen.model = rec = Recorder(eng.gen.model)
     try:
         r2 = oai.chat.completions.create(messages=msgs, extra_body={"ignore_eos": True}, **kw)
@@ -192,7 +209,7 @@ def test_second_turn_prefills_only_its_new_tokens(oai, http, srv, resident, path
         eng.gen.model = rec.model
     u = r2.usage
     assert u.prompt_tokens_details.cached_tokens == len(turn1)
-    assert eng.gen.history[:len(turn1)] == turn1
+    assert eng.gen.history[: len(turn1)] == turn1
     new = u.prompt_tokens - len(turn1)
     tail = "<|im_end|>\n<|im_start|>user\nand a second one<|im_end|>\n<|im_start|>assistant\n" + EMPTY_THINK
     assert new <= len(resident.tokenizer.encode_raw(tail)) + 2  # the new turn (+ the reply's last token)
@@ -200,7 +217,7 @@ def test_second_turn_prefills_only_its_new_tokens(oai, http, srv, resident, path
     assert r2.model_extra["timings"]["prompt_n"] == new and r2.model_extra["timings"]["cache_n"] == len(turn1)
     # its logits equal a fresh full prefill's (to float32 rounding: the split prefill rounds differently)
     got = rec.calls[0][1]
-    prompt2 = eng.gen.history[:u.prompt_tokens]
+    prompt2 = eng.gen.history[: u.prompt_tokens]
     fresh = resident.model.forward(np.array(prompt2), resident.model.new_cache())
     assert np.dot(got, fresh) / np.linalg.norm(got) / np.linalg.norm(fresh) > 0.99999
     assert np.abs(got - fresh).max() < 1e-3 * np.abs(fresh).max()
@@ -213,12 +230,15 @@ def test_tokenize_detokenize_round_trip(http, resident):
     r = http.post("/tokenize", json={"content": text, "with_pieces": True})
     pieces = r.json()["tokens"]
     ids = [p["id"] for p in pieces]
-    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"])
-                    for p in pieces) == text.encode()
+    assert (
+        b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+        == text.encode()
+    )
     assert http.post("/tokenize", json={"content": text}).json() == {"tokens": ids}
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"content": text}
-    assert http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"] == \
-        [resident.tokenizer.token_id("<|im_start|>")]  # special tokens are parsed, as llama-server
+    assert http.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"] == [
+        resident.tokenizer.token_id("<|im_start|>")
+    ]  # special tokens are parsed, as llama-server
 
 
 BAD = [
@@ -229,24 +249,41 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_role"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "invalid_role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_type"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "unsupported_value"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "unsupported_value",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 9}, 400, "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, 400,
-     "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400,
-     "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
-     "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12}, 400,
-     "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400,
-     "invalid_type"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
-     "invalid_type"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "context_length_exceeded",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "invalid_value"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**12},
+        400,
+        "invalid_value",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"},
+        400,
+        "invalid_type",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+        400,
+        "invalid_type",
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, 400, "invalid_value"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
-     "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": 3}, 400, "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "unsupported_value"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_encoding"),
@@ -335,8 +372,11 @@ def test_queue_full_is_503_and_the_server_recovers(path, resident):
     try:
         srv.wait_loaded()
         body = {"prompt": [5, 6], "max_tokens": 400, "stream": True, **NO_CACHE}
-        with httpx.Client(base_url=srv.url, timeout=60) as a, httpx.Client(base_url=srv.url, timeout=60) as b, \
-                httpx.Client(base_url=srv.url, timeout=60) as c:
+        with (
+            httpx.Client(base_url=srv.url, timeout=60) as a,
+            httpx.Client(base_url=srv.url, timeout=60) as b,
+            httpx.Client(base_url=srv.url, timeout=60) as c,
+        ):
             cm_a, lines_a = open_stream(a, body)
             assert next(lines_a).startswith("data: ")  # running
             cm_b = b.stream("POST", "/v1/completions", json=body)
@@ -400,8 +440,7 @@ def test_concurrent_clients_are_answered_or_refused_and_leak_nothing(http, srv):
     def client(k):
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             for i in range(5):
-                body = {"prompt": [5, 20 + k, 30 + i], "max_tokens": 6 + i, "ignore_eos": True,
-                        "stream": i % 3 != 2}
+                body = {"prompt": [5, 20 + k, 30 + i], "max_tokens": 6 + i, "ignore_eos": True, "stream": i % 3 != 2}
                 if i % 3 == 1:  # disconnect after the first event
                     with c.stream("POST", "/v1/completions", json=body) as r:
                         status = r.status_code
@@ -437,9 +476,25 @@ def free_port() -> int:
 def test_serve_command_end_to_end(path):
     """The installed command: binds, loads, answers with --api-key, stops cleanly on Ctrl-C."""
     port = free_port()
-    p = subprocess.Popen([str(STREAM_RUN), "serve", str(path), "--port", str(port), "--api-key", "k", "-c", "256",
-                          "--alias", "tiny-served", "--no-learn"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [
+            str(STREAM_RUN),
+            "serve",
+            str(path),
+            "--port",
+            str(port),
+            "--api-key",
+            "k",
+            "-c",
+            "256",
+            "--alias",
+            "tiny-served",
+            "--no-learn",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline, status = time.monotonic() + 120, None
         while status != 200:
@@ -470,12 +525,15 @@ def test_serve_command_end_to_end(path):
     assert stopped_in < 10, stopped_in
 
 
-@pytest.mark.parametrize("args,message", [
-    (["/nonexistent/model.gguf"], "error: "),
-    (["MODEL", "--io", "sideways"], "error: --io must be auto, direct or buffered"),
-    (["MODEL", "--max-body", "lots"], "error: cannot read size 'lots'"),
-    (["MODEL", "--queue", "-1"], "error: --queue must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["/nonexistent/model.gguf"], "error: "),
+        (["MODEL", "--io", "sideways"], "error: --io must be auto, direct or buffered"),
+        (["MODEL", "--max-body", "lots"], "error: cannot read size 'lots'"),
+        (["MODEL", "--queue", "-1"], "error: --queue must be >= 0"),
+    ],
+)
 def test_serve_refuses_bad_flags_before_binding(path, args, message):
     args = [str(path) if a == "MODEL" else a for a in args]
     r = CliRunner().invoke(app, ["serve", *args, "--port", str(free_port())])
@@ -484,18 +542,29 @@ def test_serve_refuses_bad_flags_before_binding(path, args, message):
 
 def test_a_model_that_fails_to_load_stops_the_server_with_one_error_line(path):
     """The budget is checked when the model opens, in the background: the server then stops, exit 2."""
-    r = subprocess.run([str(STREAM_RUN), "serve", str(path), "--port", str(free_port()), "--ram-budget", "1M"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(STREAM_RUN), "serve", str(path), "--port", str(free_port()), "--ram-budget", "1M"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     last = r.stderr.splitlines()[-1]
     assert r.returncode == 2 and last.startswith("error: ") and "Traceback" not in r.stderr, r.stderr
 
 
 def test_serve_without_the_extra_says_how_to_install_it(path):
-    code = ("import sys; sys.modules['uvicorn'] = None\n"  # as if the [serve] extra were not installed
-            "from streamer.cli.main import app\n"
-            f"app(['serve', {str(path)!r}])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    code = (
+        "import sys; sys.modules['uvicorn'] = None\n"  # as if the [serve] extra were not installed
+        "from streamer.cli.main import app\n"
+        f"app(['serve', {str(path)!r}])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert r.returncode == 2
     assert r.stderr == "error: stream-run serve needs the server extra: pip install 'stream-run[serve]'\n"
 
@@ -527,8 +596,14 @@ def test_think_block_comes_back_as_reasoning_content(resident):
 
     tok = resident.tokenizer
     script = tok.encode_raw("<think>\nI think so.\n</think>\n\nYes, café.<|im_end|>")
-    fake = SimpleNamespace(model=Scripted(resident.model, script), cfg=resident.cfg, tokenizer=tok, moe=None,
-                           profiler=None, close=lambda: None)
+    fake = SimpleNamespace(
+        model=Scripted(resident.model, script),
+        cfg=resident.cfg,
+        tokenizer=tok,
+        moe=None,
+        profiler=None,
+        close=lambda: None,
+    )
     srv = Running(fake, load=lambda: Engine(fake))
     try:
         srv.wait_loaded()

@@ -26,7 +26,7 @@ EXE = Path(sys.executable).parent / "stream-run"
 def run(session, n_prefill=5):
     c = session.model.new_cache()
     out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(PROMPT[i:i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
+    out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
     return np.concatenate(out)
 
 
@@ -83,7 +83,9 @@ def test_one_layer_spans_shards_and_logits_are_identical(models):
     assert len(set(shards.values())) == 3, shards  # gate, up and down of one layer in three files
     want = run(open_model(single, StreamOptions(stream=False, learn=False)))
     for first in (by_size, small_first):
-        assert np.array_equal(run(open_model(first, StreamOptions(stream=False, learn=False))), want)  # resident, in place
+        assert np.array_equal(
+            run(open_model(first, StreamOptions(stream=False, learn=False))), want
+        )  # resident, in place
         s = open_model(first, StreamOptions(stream=False, learn=False))
         sb = ExpertLayout(s.gf, s.cfg).slot_bytes
         for slots, prefetch, io in ((4, False, "auto"), (9, True, "buffered"), (64, True, "auto")):
@@ -141,7 +143,7 @@ def _patch_value(path: Path, key: str, fmt: str, value) -> None:
     i = data.find(k)
     assert i > 0
     at = i + len(k) + 4
-    data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    data[at : at + struct.calcsize(fmt)] = struct.pack(fmt, value)
     path.write_bytes(data)
 
 
@@ -151,7 +153,7 @@ def _rename_tensor(path: Path, old: str, new: str) -> None:
     k = struct.pack("<Q", len(old)) + old.encode()
     i = data.find(k)
     assert i > 0
-    data[i:i + len(k)] = struct.pack("<Q", len(new)) + new.encode()
+    data[i : i + len(k)] = struct.pack("<Q", len(new)) + new.encode()
     path.write_bytes(data)
 
 
@@ -179,8 +181,9 @@ def test_broken_shard_sets_fail_with_one_line(models, tmp_path):
     files = _copy_set(by_size, tmp_path / "no")
     _patch_value(files[3], "split.no", "<H", 1)
     msg = _cli_error("inspect", files[0])
-    assert msg.startswith(f"error: {files[3]}: its split.no/split.count say shard 2 of {n}, but by name it is "
-                          f"shard 4 of {n}")
+    assert msg.startswith(
+        f"error: {files[3]}: its split.no/split.count say shard 2 of {n}, but by name it is shard 4 of {n}"
+    )
 
     files = _copy_set(by_size, tmp_path / "count")
     _patch_value(files[1], "split.count", "<H", n + 1)
@@ -200,8 +203,9 @@ def test_broken_shard_sets_fail_with_one_line(models, tmp_path):
     n_tensors = GGUFFile(files[0]).fields["split.tensors.count"]
     _patch_value(files[0], "split.tensors.count", "<i", n_tensors + 1)
     msg = _cli_error("inspect", files[0])
-    assert msg == (f"error: {files[0]}: split.tensors.count is {n_tensors + 1}, but its {n} shards hold "
-                   f"{n_tensors} tensors")
+    assert msg == (
+        f"error: {files[0]}: split.tensors.count is {n_tensors + 1}, but its {n} shards hold {n_tensors} tensors"
+    )
 
     files = _copy_set(by_size, tmp_path / "renamed")
     odd = files[0].with_name("model.gguf")
@@ -228,8 +232,12 @@ def test_inspect_lists_the_shards(models):
 
 def test_synth_split_flags(tmp_path):
     out = tmp_path / "s.gguf"
-    r = subprocess.run([str(EXE), "synth", str(out), "--preset", "tiny", "--vocab", "bytes", "--split-max-tensors",
-                        "7"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(EXE), "synth", str(out), "--preset", "tiny", "--vocab", "bytes", "--split-max-tensors", "7"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     files = sorted(tmp_path.glob("s-*-of-*.gguf"))
     assert len(files) > 2 and not out.exists()
@@ -241,7 +249,8 @@ def test_synth_split_flags(tmp_path):
     assert msg == f"error: {files[0]} exists (use --force to replace it)"
     assert {f: f.stat().st_mtime_ns for f in files} == before
     assert _cli_error("synth", tmp_path / "t.gguf", "--split-max-size", "0").startswith(
-        "error: --split-max-size must be positive")
+        "error: --split-max-size must be positive"
+    )
 
 
 def test_a_failed_split_write_leaves_nothing(tmp_path, monkeypatch):
@@ -281,5 +290,7 @@ print(int(gf.mm[last.base:last.base + last.size].sum()), flush=True)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stdout.splitlines() == ["1"]
-    assert r.stderr.splitlines() == [f"error: {files[0]} (or one of its {len(files)} shards) was truncated or changed "
-                                     f"while in use (bus error reading its mapping)"]
+    assert r.stderr.splitlines() == [
+        f"error: {files[0]} (or one of its {len(files)} shards) was truncated or changed "
+        f"while in use (bus error reading its mapping)"
+    ]

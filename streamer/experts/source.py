@@ -44,8 +44,10 @@ class ResidentSource:
     def _warm(self, layer: int, experts) -> None:
         new = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.touched]
         if new:
-            self.gf.advise([(p.offset + e * p.nbytes, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
-                           mmap.MADV_WILLNEED)
+            self.gf.advise(
+                [(p.offset + e * p.nbytes, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
+                mmap.MADV_WILLNEED,
+            )
             self.touched.update(new)
             self.wants_lookahead = len(self.touched) < self.layout.n_layer * self.layout.n_expert
 
@@ -89,8 +91,15 @@ class StreamingSource:
     wants_lookahead = True
     streams = True
 
-    def __init__(self, files: list[tuple[str, int]], layout: ExpertLayout, cache: ExpertCache, profiler: Profiler,
-                 n_readers: int = 4, direct: bool | None = None):
+    def __init__(
+        self,
+        files: list[tuple[str, int]],
+        layout: ExpertLayout,
+        cache: ExpertCache,
+        profiler: Profiler,
+        n_readers: int = 4,
+        direct: bool | None = None,
+    ):
         """files: (path, base in the mapping) of each file of the model (GGUFFile.files)."""
         self.layout, self.cache, self.prof = layout, cache, profiler
         self.reader = ExpertReader(files, layout, direct)
@@ -105,8 +114,10 @@ class StreamingSource:
         except BaseException:
             self.cache.discard(entry, unless_referenced=True)  # a prefetch nobody waits for: free its slot
             raise
-        mats = tuple(QMatrix(buf[o:o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
-                     for o, p in zip(offs, self.layout.parts[layer]))
+        mats = tuple(
+            QMatrix(buf[o : o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
+            for o, p in zip(offs, self.layout.parts[layer])
+        )
         entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
         clock = self.cache.loaded(entry)
         if self.prof.trace is not None:
@@ -253,7 +264,9 @@ def _no_room(source, layer: int, stuck: bool) -> bool:
     evictable) and let the caller retry. The cache reserves room for a layer's demand reads, so a second
     time means the cache really is full of pinned and in-use experts."""
     if stuck:
-        raise StreamerError(f"the expert cache has no room for layer {layer}'s experts: every slot is pinned "
-                            f"or in use (raise --ram-budget)")
+        raise StreamerError(
+            f"the expert cache has no room for layer {layer}'s experts: every slot is pinned "
+            f"or in use (raise --ram-budget)"
+        )
     source.drain()
     return True

@@ -28,6 +28,7 @@ PARTS = ("gate", "up", "down")
 @dataclass(frozen=True)
 class Part:
     """One of gate/up/down of every expert of a layer: expert e starts at offset + e * nbytes."""
+
     name: str
     offset: int
     nbytes: int
@@ -120,13 +121,13 @@ class ExpertReader:
             try:
                 if self.direct:
                     a0, alen, inner = aligned_span(start, p.nbytes)
-                    got = os.preadv(self.dfds[p.shard], [mv[pos:pos + alen]], a0)
+                    got = os.preadv(self.dfds[p.shard], [mv[pos : pos + alen]], a0)
                     offs.append(pos + inner)
                     pos += alen
                     need = inner + p.nbytes
                 else:
                     fd = self.fds[p.shard]
-                    got = os.preadv(fd, [mv[pos:pos + p.nbytes]], start)
+                    got = os.preadv(fd, [mv[pos : pos + p.nbytes]], start)
                     a0, alen, _ = aligned_span(start, p.nbytes)  # whole pages, edges included
                     os.posix_fadvise(fd, a0, alen, os.POSIX_FADV_DONTNEED)
                     offs.append(pos)
@@ -148,7 +149,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     """Uninitialised uint8 buffer whose data pointer is 4 KiB aligned (O_DIRECT needs it)."""
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     skip = (-raw.ctypes.data) % ALIGN
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 class ReaderPool:
@@ -158,8 +159,9 @@ class ReaderPool:
     def __init__(self, n_threads: int = 4):
         self.q: queue.PriorityQueue = queue.PriorityQueue()
         self.seq = itertools.count()
-        self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-reader-{i}")
-                        for i in range(n_threads)]
+        self.threads = [
+            threading.Thread(target=self._work, daemon=True, name=f"expert-reader-{i}") for i in range(n_threads)
+        ]
         for t in self.threads:
             t.start()
 

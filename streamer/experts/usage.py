@@ -33,7 +33,7 @@ def model_key(gf) -> str:
     changes when the file is replaced by a different model."""
     h = hashlib.sha256()
     for s in gf.shards:  # every file of a split model (one file: its header, then its size, as always)
-        h.update(gf.mm[s.base:s.base + s.data_start].tobytes())
+        h.update(gf.mm[s.base : s.base + s.data_start].tobytes())
         h.update(str(s.size).encode())
     return h.hexdigest()[:24]
 

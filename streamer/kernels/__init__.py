@@ -5,6 +5,7 @@ IQ1_S, IQ1_M).
 QMatrix wraps one 2-D weight view and exposes matvec (decode), matmul (prefill) and rows
 (embedding gather); SUPPORTED is the dispatch table keyed by GGMLQuantizationType (streamer.formats).
 """
+
 from .dispatch import SUPPORTED, QMatrix, set_threads
 
 __all__ = ["QMatrix", "SUPPORTED", "set_threads"]

@@ -3,6 +3,7 @@
 numba has no float16 type on the CPU, so the conversions are LLVM intrinsics: `fpext half`
 lowers to vcvtph2ps (F16C) and vectorises; bf16 is the top half of an f32.
 """
+
 from functools import partial
 
 from llvmlite import ir

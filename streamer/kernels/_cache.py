@@ -7,6 +7,7 @@ places numba may keep the cache are checked: __pycache__ beside the sources, and
 NUMBA_CACHE_DIR when that is set. `stream-run warmup` and the test session call this before any kernel is
 loaded; importing the kernels deletes nothing. Best effort: an unwritable cache directory is left alone.
 """
+
 import hashlib
 from pathlib import Path
 

@@ -5,6 +5,7 @@ K-quants), |xq| <= XQ_MAX, so |x - xq*dx| <= dx/2 (+ f32 rounding). XQ_MAX = 2^1
 int32 lane sum of a 256-element super-block in range: 16 products/lane x 4096 (Q6_K |scale*q|)
 x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
 """
+
 import numpy as np
 
 from ._bits import FASTMATH, kernel

@@ -14,6 +14,7 @@ One kernel serves every format: it takes the format's code (streamer.formats) an
 a predictable branch; the per-format work is simd's. The multi-expert kernels (experts.py) share prepare and
 dot.
 """
+
 import numba
 from numba import prange
 
@@ -89,12 +90,12 @@ def prepare(fmt, x, xq, aux):
     ng = x.size >> 5
     if fmt >= SUPER_BLOCKS:
         quantize_groups(x, xq, aux[:ng], 256)
-        group_sums(x, aux[ng:2 * ng])
+        group_sums(x, aux[ng : 2 * ng])
     else:
         quantize_groups(x, xq, aux[:ng], 32)
         if fmt == Q4_1 or fmt == Q5_1:
-            group_sums(x, aux[ng:2 * ng])
-    return aux[:ng], aux[ng:2 * ng]
+            group_sums(x, aux[ng : 2 * ng])
+    return aux[:ng], aux[ng : 2 * ng]
 
 
 @kernel(fastmath=FASTMATH, inline="always")

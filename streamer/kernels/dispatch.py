@@ -1,4 +1,5 @@
 """QMatrix: one 2-D GGUF weight over a zero-copy view, bound once to its format's kernels."""
+
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -15,10 +16,10 @@ from .gemm import TILE
 class Kernels(NamedTuple):
     matvec: Callable  # (fmt, w, x, out, xq, aux) -> None; xq int16[n_in], aux f32 scratch (activations.py)
     matmul: Callable  # (fmt, w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
-    rows: Callable    # (fmt, w, ids, out) -> None
-    view: type        # dtype the kernels see the data as
-    act_group: int    # matvec quantizes x to int16 per this many elements (0: x used as f32)
-    fmt: int          # the format code the kernels are called with (they serve several formats)
+    rows: Callable  # (fmt, w, ids, out) -> None
+    view: type  # dtype the kernels see the data as
+    act_group: int  # matvec quantizes x to int16 per this many elements (0: x used as f32)
+    fmt: int  # the format code the kernels are called with (they serve several formats)
 
 
 _FAMILIES = {  # streamer.formats' kernel families: (matvec, matmul, rows, view)
@@ -51,8 +52,7 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq",
-                 "_aux")
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq", "_aux")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
         try:
@@ -62,12 +62,15 @@ class QMatrix:
         k = SUPPORTED.get(qtype)
         if k is None:
             tname = qtype.name
-            raise StreamerError(f"tensor {name!r} has type {tname}, which stream-run does not support "
-                                f"(supported: {NAMES})")
+            raise StreamerError(
+                f"tensor {name!r} has type {tname}, which stream-run does not support (supported: {NAMES})"
+            )
         block, type_size = GGML_QUANT_SIZES[qtype]
         if data.ndim != 2 or n_in % block or data.nbytes != data.shape[0] * (n_in // block) * type_size:
-            raise StreamerError(f"tensor {name!r}: {qtype.name} data of shape {data.shape} and dtype {data.dtype} "
-                                f"does not hold rows of {n_in} elements")
+            raise StreamerError(
+                f"tensor {name!r}: {qtype.name} data of shape {data.shape} and dtype {data.dtype} "
+                f"does not hold rows of {n_in} elements"
+            )
         if not data.flags.c_contiguous:
             raise StreamerError(f"tensor {name!r}: weight view is not contiguous")
         w = data.view(k.view)  # O(1): same bytes, the element type the kernels index by

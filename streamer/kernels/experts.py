@@ -9,6 +9,7 @@ int16 per 32 or 256 elements), so results match the per-matrix path up to float3
 `experts_down` adds each expert's weighted contribution into `out` in expert order, starting from out's
 current value: the additions happen in the same sequence however the experts are grouped.
 """
+
 import numpy as np
 from numba import prange
 
@@ -40,7 +41,7 @@ def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     for r in prange(out.size):
         acc = out[r]
         for i in range(k):
-            acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng:2 * ng], n_in)
+            acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 2 * ng], n_in)
         out[r] = acc
 
 

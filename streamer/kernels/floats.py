@@ -5,6 +5,7 @@ in registers, never copied, by one set of kernels that takes a format code. matv
 per iteration so each x load feeds 4 FMAs. Every kernel takes a format code first (the F32 ones
 ignore it), the calling convention dispatch.py uses for all formats.
 """
+
 import numba
 import numpy as np
 from numba import prange
@@ -13,6 +14,7 @@ from ._bits import FASTMATH, bf16_to_f32, f16_to_f32, kernel
 from .gemm import TILE, gemm_tile
 
 # ---- F32 -------------------------------------------------------------------------------
+
 
 @kernel(parallel=True, fastmath=FASTMATH)
 def f32_matvec(fmt, w, x, out, xq, aux):

@@ -4,6 +4,7 @@ Each quantized matmul dequantizes a tile of weight rows once into a small per-th
 scratch and then calls `gemm_tile`, so the dequantization cost is amortised over all m
 activation rows. The 4x4 register block loads 8 vectors per 16 FMAs.
 """
+
 import numpy as np
 
 from ._bits import FASTMATH, kernel

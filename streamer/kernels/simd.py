@@ -11,6 +11,7 @@ Each function `<fmt>_dot(w, off, xq, dx, xs, nb, pf)` returns the f32 dot of the
 byte `off` of `w` (nb blocks) with x ~= xq * dx (xq int16 [n_in], dx f32 per 32 or 256 elements;
 xs f32 sums of x per 32, for the Q4_K/Q5_K mins). `pf` is a prefetch distance in bytes.
 """
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -82,8 +83,9 @@ class _Emit:
         n = v.type.count
         while n > 1:
             n //= 2
-            v = self.b.fadd(self.shuffle(v, v, list(range(n))), self.shuffle(v, v, list(range(n, 2 * n))),
-                            flags=("fast",))
+            v = self.b.fadd(
+                self.shuffle(v, v, list(range(n))), self.shuffle(v, v, list(range(n, 2 * n))), flags=("fast",)
+            )
         return self.b.extract_element(v, ir.Constant(I32, 0))
 
     def prefetch(self, base, byte_off):
@@ -125,10 +127,15 @@ def _row_intrinsic(block_bytes, body_fn, n_acc):
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are float vectors summed at the end
     (the last one, if n_acc == 2, is subtracted: the K-quant mins).
     """
+
     @intrinsic
     def row(typingctx, w, off, xq, dx, xs, nb, pf):
-        if not (_c_array(w, types.uint8) and _c_array(xq, types.int16)
-                and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
+        if not (
+            _c_array(w, types.uint8)
+            and _c_array(xq, types.int16)
+            and _c_array(dx, types.float32)
+            and _c_array(xs, types.float32)
+        ):
             return None
 
         def codegen(context, builder, sig, args):
@@ -213,8 +220,12 @@ def _q45_k(qs_at, has_qh):
             q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
             lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
             if has_qh:  # bit 2c of qh[l] is bit 4 of sub-block 2c, bit 2c+1 of sub-block 2c+1
-                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
-                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                lo = bb.or_(
+                    lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
+                )
+                hi = bb.or_(
+                    hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
+                )
             for j, v in ((2 * c, lo), (2 * c + 1, hi)):
                 sc = e.splat(bb.zext(bb.extract_element(scales, I32(j)), I16), 32)
                 xv = e.load(xqb, e.off(xb, 64 * j), V(I16, 32), 2)
@@ -222,6 +233,7 @@ def _q45_k(qs_at, has_qh):
         s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
         acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))
         return [acc, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
+
     return body
 
 
@@ -266,9 +278,11 @@ q6_k_dot = _row_intrinsic(210, _q6_k, 1)
 # Same operation order as ggml/gguf-py, so values are bit-identical: products of a scale and a
 # small integer are exact in f32; only the final scale*q (and the Q4_K/Q5_K "- dmin*m") rounds.
 
+
 def _deq_intrinsic(block_bytes, block_elems, body_fn):
     """Intrinsic `(w, off, dst, doff, nb)`: write nb blocks of the row at byte off of w as f32
     into dst starting at flat element doff. body_fn(e, wb, blk, store) calls store(k, <n x f32>)."""
+
     @intrinsic
     def deq(typingctx, w, off, dst, doff, nb):
         if not (_c_array(w, types.uint8) and _c_array(dst, types.float32)):
@@ -324,12 +338,17 @@ def _deq_q45_k(qs_at, has_qh):
             q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
             lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
             if has_qh:
-                lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
-                hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4)))
+                lo = bb.or_(
+                    lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
+                )
+                hi = bb.or_(
+                    hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
+                )
             for j, v in ((2 * c, lo), (2 * c + 1, hi)):
                 s = e.shuffle(dsc, dsc, [j] * 32)
                 m = e.shuffle(dmn, dmn, [j] * 32)
                 store(32 * j, bb.fsub(bb.fmul(s, bb.uitofp(v, V(F32, 32))), m))
+
     return body
 
 

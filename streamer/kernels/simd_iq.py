@@ -29,6 +29,7 @@ Layouts (ggml-common.h), offsets in bytes:
   nibble_g = qh[g/2] >> 4(g%2), delta sign from its bit 3; 3-bit scale per 16 elements j: (scales[j/4] >>
   3(j%4)) & 7; the f16 d is the four top nibbles of scales[0..3] (lowest first).
 """
+
 import numpy as np
 from gguf import quants
 from llvmlite import ir
@@ -41,8 +42,14 @@ def _grid(cls) -> np.ndarray:
     return cls.grid.reshape(cls.grid_shape).astype(np.int8).view(np.uint8)  # IQ1 grids hold -1, 0, 1
 
 
-_GRIDS = {"iq2xxs": _grid(quants.IQ2_XXS), "iq2xs": _grid(quants.IQ2_XS), "iq2s": _grid(quants.IQ2_S),
-          "iq3xxs": _grid(quants.IQ3_XXS), "iq3s": _grid(quants.IQ3_S), "iq1s": _grid(quants.IQ1_S)}
+_GRIDS = {
+    "iq2xxs": _grid(quants.IQ2_XXS),
+    "iq2xs": _grid(quants.IQ2_XS),
+    "iq2s": _grid(quants.IQ2_S),
+    "iq3xxs": _grid(quants.IQ3_XXS),
+    "iq3s": _grid(quants.IQ3_S),
+    "iq1s": _grid(quants.IQ1_S),
+}
 
 
 def _table(e, name):
@@ -72,7 +79,8 @@ def _ksign(e, i7):
     bb = e.b
     i7 = bb.and_(bb.zext(i7, I32) if i7.type.width < 32 else i7, I32(127))
     ctpop = bb.module.globals.get("llvm.ctpop.i32") or ir.Function(
-        bb.module, ir.FunctionType(I32, [I32]), name="llvm.ctpop.i32")
+        bb.module, ir.FunctionType(I32, [I32]), name="llvm.ctpop.i32"
+    )
     par = bb.and_(bb.call(ctpop, [i7]), I32(1))
     return bb.trunc(bb.or_(i7, bb.shl(par, I32(7))), I8)
 
@@ -95,8 +103,9 @@ def _signed(e, grid32, signs4):
     for k, s in enumerate(signs4):
         v = bb.insert_element(v, s, I32(k))
     spread = e.shuffle(v, v, [k // 8 for k in range(32)])
-    neg = bb.icmp_unsigned("!=", bb.and_(spread, ir.Constant(V(I8, 32), [b - 256 if b > 127 else b for b in _BITS])),
-                           e.const(I8, 32, 0))
+    neg = bb.icmp_unsigned(
+        "!=", bb.and_(spread, ir.Constant(V(I8, 32), [b - 256 if b > 127 else b for b in _BITS])), e.const(I8, 32, 0)
+    )
     return bb.select(neg, bb.sub(e.const(I8, 32, 0), grid32), grid32)
 
 
@@ -222,9 +231,10 @@ def _d_iq1_m(e, wb, blk):
     bb = e.b
     sc = [_u(e, wb, blk, 48 + 2 * j, I16) for j in range(4)]
     top = ir.Constant(I16, 0xF000)
-    bits = bb.or_(bb.or_(bb.lshr(bb.and_(sc[0], top), ir.Constant(I16, 12)),
-                         bb.lshr(bb.and_(sc[1], top), ir.Constant(I16, 8))),
-                  bb.or_(bb.lshr(bb.and_(sc[2], top), ir.Constant(I16, 4)), bb.and_(sc[3], top)))
+    bits = bb.or_(
+        bb.or_(bb.lshr(bb.and_(sc[0], top), ir.Constant(I16, 12)), bb.lshr(bb.and_(sc[1], top), ir.Constant(I16, 8))),
+        bb.or_(bb.lshr(bb.and_(sc[2], top), ir.Constant(I16, 4)), bb.and_(sc[3], top)),
+    )
     return bb.fpext(bb.bitcast(bits, ir.HalfType()), F32)
 
 
@@ -238,6 +248,7 @@ def _dot(chunks, factor, d_of=_d_first):
         d = bb.fmul(d_of(e, wb, blk), ir.Constant(F32, factor))
         s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
         return [e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))]
+
     return body
 
 
@@ -247,6 +258,7 @@ def _deq(chunks, factor, d_of=_d_first):
         d = e.splat(bb.fmul(d_of(e, wb, blk), ir.Constant(F32, factor)), 32)
         for k, w in chunks(e, wb, blk):
             store(32 * k, bb.fmul(d, bb.sitofp(w, V(F32, 32))))
+
     return body
 
 

@@ -23,6 +23,7 @@ The row dots multiply the int16 activations by (scale * q) as int16 and sum pair
 the Q2_K mins use integer sums of the same int16 activations per 16 elements (as ggml's bsums), the Q4_1/Q5_1
 mins exact f32 sums of x per block (prepared as for the K-quants).
 """
+
 from llvmlite import binding as llvm, ir
 
 from .simd import F32, I8, I16, I32, I64, V, _deq_intrinsic, _row_intrinsic
@@ -100,8 +101,9 @@ def _deq_q2_k(e, wb, blk, store):
     ml = bb.fmul(e.splat(dmin, 16), bb.uitofp(bb.lshr(sc, e.const(I8, 16, 4)), V(F32, 16)))
     for h, j, q in _q2_k_values(e, wb, blk):
         g = 8 * h + 2 * j
-        store(128 * h + 32 * j, bb.fsub(bb.fmul(_two_scales(e, dl, g), bb.uitofp(q, V(F32, 32))),
-                                        _two_scales(e, ml, g)))
+        store(
+            128 * h + 32 * j, bb.fsub(bb.fmul(_two_scales(e, dl, g), bb.uitofp(q, V(F32, 32))), _two_scales(e, ml, g))
+        )
 
 
 # ---- Q3_K ----
@@ -236,6 +238,7 @@ def _q5_1_values(e, wb, blk):
 
 def _block32(values, has_min):
     """Row dot of a 32-element format: d * dx * sum(q * xq) [+ m * (exact f32 sum of x over the block)]."""
+
     def body(e, wb, xqb, dxb, xsb, b, blk, accs):
         bb = e.b
         w = bb.sext(values(e, wb, blk), V(I16, 32))
@@ -246,6 +249,7 @@ def _block32(values, has_min):
             mx = bb.fmul(m, e.load(xsb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
             acc = bb.fadd(acc, bb.insert_element(ir.Constant(V(F32, 16), [0.0] * 16), mx, I32(0)), flags=("fast",))
         return [acc]
+
     return body
 
 
@@ -255,6 +259,7 @@ def _deq_block32(values, has_min):
         d, m = e.f16x2(wb, blk)
         y = bb.fmul(e.splat(d, 32), bb.sitofp(values(e, wb, blk), V(F32, 32)))
         store(0, bb.fadd(y, e.splat(m, 32)) if has_min else y)
+
     return body
 
 

@@ -87,15 +87,21 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
                 if opts.api_key is not None and not public:
                     got = request.headers.get("authorization", "")
                     if not hmac.compare_digest(got.encode(), f"Bearer {opts.api_key}".encode()):
-                        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                       "authentication_error", "invalid_api_key")
+                        raise APIError(
+                            401,
+                            "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                            "authentication_error",
+                            "invalid_api_key",
+                        )
                 return await fn(request)
             except APIError as e:
                 return error_response(e)
             except Exception:  # our bug: logged, and a JSON 500 for the client
                 log.error("request failed:\n%s", traceback.format_exc())
-                return error_response(APIError(500, "internal server error (see the server log)", "server_error",
-                                               "internal_error"))
+                return error_response(
+                    APIError(500, "internal server error (see the server log)", "server_error", "internal_error")
+                )
+
         return handler
 
     def engine() -> Engine:
@@ -107,14 +113,16 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         limit = opts.limits.max_body_bytes
         cl = request.headers.get("content-length", "")
         if cl.isdigit() and int(cl) > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
-                           "request_too_large")
+            raise APIError(
+                413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
+            )
         chunks, n = [], 0
         async for chunk in request.stream():
             n += len(chunk)
             if n > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
-                               "request_too_large")
+                raise APIError(
+                    413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
+                )
             chunks.append(chunk)
         return schemas.parse_json(b"".join(chunks))
 
@@ -127,9 +135,20 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
     async def models(request):
         e = state.engine
         meta = {"n_ctx": e.n_ctx, "n_vocab": e.n_vocab} if e is not None else {}
-        return JSONResponse({"object": "list", "data": [{"id": opts.alias, "object": "model",
-                                                         "created": state.created, "owned_by": "stream-run",
-                                                         "meta": meta}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": opts.alias,
+                        "object": "model",
+                        "created": state.created,
+                        "owned_by": "stream-run",
+                        "meta": meta,
+                    }
+                ],
+            }
+        )
 
     async def tokenize(request):
         body, eng = await body_of(request), engine()
@@ -156,8 +175,9 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         return JSONResponse({"content": eng.tok.decode(ids)})
 
     async def prometheus(request):
-        return PlainTextResponse(metrics.render(state.engine, state.engine is not None),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            metrics.render(state.engine, state.engine is not None), media_type="text/plain; version=0.0.4"
+        )
 
     # ---- generation ----
     async def chat(request):
@@ -169,8 +189,9 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         text = render_chat(msgs, think, eng.reply_memory())
         ids = await run_in_threadpool(eng.tok.encode_raw, text)
         check_context(eng, len(ids))
-        req = GenRequest(ids=tuple(ids), params=params, text=text, think=think,
-                         head="" if think else EMPTY_THINK, **com)
+        req = GenRequest(
+            ids=tuple(ids), params=params, text=text, think=think, head="" if think else EMPTY_THINK, **com
+        )
         return await run_job(request, eng, req, ChatShape(opts.alias))
 
     async def completions(request):
@@ -186,8 +207,12 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
 
     def check_context(eng: Engine, n: int) -> None:
         if n > eng.n_ctx:
-            raise APIError(400, f"the prompt has {n} tokens, more than the context size {eng.n_ctx}",
-                           "invalid_request_error", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens, more than the context size {eng.n_ctx}",
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
 
     async def run_job(request: Request, eng: Engine, req: GenRequest, shape):
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -202,8 +227,9 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         try:
             eng.submit(job)
         except QueueFull as e:
-            raise APIError(503, f"the server is busy: {e}; try again later", "unavailable_error",
-                           "queue_full") from None
+            raise APIError(
+                503, f"the server is busy: {e}; try again later", "unavailable_error", "queue_full"
+            ) from None
         if req.stream:
             return SSEResponse(sse(events, job, req, shape), on_close=lambda: eng.cancel(job))
         try:
@@ -268,8 +294,9 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
 
     async def http_error(request, exc: HTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind,
-                                       str(exc.status_code)))
+        return error_response(
+            APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind, str(exc.status_code))
+        )
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.server = state
@@ -297,17 +324,25 @@ class SSEResponse(StreamingResponse):
 
 
 def _usage(r: Result) -> dict:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+    }
 
 
 def _timings(r: Result) -> dict:
     """llama-server's timings: cache_n reused, prompt_n prefilled, predicted_n generated."""
-    return {"cache_n": r.cached_tokens, "prompt_n": r.prefilled, "prompt_ms": 1e3 * r.prompt_s,
-            "prompt_per_second": r.prefilled / r.prompt_s if r.prompt_s > 0 else 0.0,
-            "predicted_n": r.completion_tokens, "predicted_ms": 1e3 * r.gen_s,
-            "predicted_per_second": (r.completion_tokens - 1) / r.gen_s if r.gen_s > 0 else 0.0}
+    return {
+        "cache_n": r.cached_tokens,
+        "prompt_n": r.prefilled,
+        "prompt_ms": 1e3 * r.prompt_s,
+        "prompt_per_second": r.prefilled / r.prompt_s if r.prompt_s > 0 else 0.0,
+        "predicted_n": r.completion_tokens,
+        "predicted_ms": 1e3 * r.gen_s,
+        "predicted_per_second": (r.completion_tokens - 1) / r.gen_s if r.gen_s > 0 else 0.0,
+    }
 
 
 class _Shape:
@@ -334,9 +369,12 @@ class ChatShape(_Shape):
         msg = {"role": "assistant", "content": r.content}
         if r.reasoning:
             msg["reasoning_content"] = r.reasoning
-        return {**self.head(self.object), "choices": [{"index": 0, "message": msg, "finish_reason": r.finish_reason,
-                                                       "logprobs": None}],
-                "usage": _usage(r), "timings": _timings(r)}
+        return {
+            **self.head(self.object),
+            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish_reason, "logprobs": None}],
+            "usage": _usage(r),
+            "timings": _timings(r),
+        }
 
     def chunk(self, role: bool = False, delta=None, result: Result | None = None) -> dict:
         if role:
@@ -347,8 +385,10 @@ class ChatShape(_Shape):
             finish = None
         else:
             d, finish = {}, result.finish_reason
-        out = {**self.head(self.chunk_object), "choices": [{"index": 0, "delta": d, "finish_reason": finish,
-                                                            "logprobs": None}]}
+        out = {
+            **self.head(self.chunk_object),
+            "choices": [{"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}],
+        }
         if result is not None:
             out["usage"], out["timings"] = _usage(result), _timings(result)
         return out
@@ -358,15 +398,26 @@ class CompletionShape(_Shape):
     object, chunk_object, prefix = "text_completion", "text_completion", "cmpl"
 
     def whole(self, r: Result) -> dict:
-        return {**self.head(self.object), "choices": [{"index": 0, "text": r.content, "finish_reason": r.finish_reason,
-                                                       "logprobs": None}],
-                "usage": _usage(r), "timings": _timings(r)}
+        return {
+            **self.head(self.object),
+            "choices": [{"index": 0, "text": r.content, "finish_reason": r.finish_reason, "logprobs": None}],
+            "usage": _usage(r),
+            "timings": _timings(r),
+        }
 
     def chunk(self, role: bool = False, delta=None, result: Result | None = None) -> dict:
         text = "" if delta is None else delta[1]
-        out = {**self.head(self.chunk_object), "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                            "finish_reason": None if result is None else
-                                                            result.finish_reason}]}
+        out = {
+            **self.head(self.chunk_object),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": None if result is None else result.finish_reason,
+                }
+            ],
+        }
         if result is not None:
             out["usage"], out["timings"] = _usage(result), _timings(result)
         return out

@@ -60,6 +60,7 @@ class Job:
 @dataclass
 class Counters:
     """Totals since start, for /metrics."""
+
     requests: dict = field(default_factory=lambda: {"ok": 0, "cancelled": 0, "error": 0, "rejected": 0})
     prompt_tokens: int = 0  # prefilled
     cached_tokens: int = 0  # reused from the KV cache
@@ -191,8 +192,10 @@ class Engine:
             log.error("generation failed:\n%s", traceback.format_exc())
             self.gen.reset()
             c.requests["error"] += 1
-            job.emit("error", APIError(500, "internal error while generating (see the server log)", "server_error",
-                                       "internal_error"))
+            job.emit(
+                "error",
+                APIError(500, "internal error while generating (see the server log)", "server_error", "internal_error"),
+            )
             return
         finally:
             self._release_experts()
@@ -227,7 +230,7 @@ class Engine:
             # client as the U+FFFD it was shown, and is then matched to the bytes we generated
             cached = b"".join(self.tok.token_bytes(t) for t in hist).decode("utf-8", "replace")
             if len(req.text) > len(cached) and req.text.startswith(cached):
-                return len(hist), self.tok.encode_raw(req.text[len(cached):])
+                return len(hist), self.tok.encode_raw(req.text[len(cached) :])
         ids = list(req.ids)
         keep = min(common_prefix(hist, ids), len(ids) - 1)
         return keep, ids[keep:]
@@ -238,8 +241,12 @@ class Engine:
             return Result("cancelled", 0, 0, 0, 0.0, 0.0)
         keep, new = self.plan(req)
         if keep + len(new) > self.n_ctx:
-            raise APIError(400, f"the prompt has {keep + len(new)} tokens, more than the context size "
-                                f"{self.n_ctx}", "invalid_request_error", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {keep + len(new)} tokens, more than the context size {self.n_ctx}",
+                "invalid_request_error",
+                "context_length_exceeded",
+            )
         gen.cache.truncate(keep)
         del gen.history[keep:]
         gen.pending = None

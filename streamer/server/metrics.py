@@ -29,13 +29,16 @@ def render(engine, loaded: bool = True) -> str:
     o = _Out()
     o.metric("model_loaded", "gauge", "1 once the model is loaded.", int(loaded))
     o.metric("rss_bytes", "gauge", "Resident memory of the server process.", psutil.Process().memory_info().rss)
-    o.metric("disk_read_bytes_total", "counter", "Bytes this process read from storage (psutil).",
-             disk_read_bytes())
+    o.metric("disk_read_bytes_total", "counter", "Bytes this process read from storage (psutil).", disk_read_bytes())
     if engine is None:
         return "\n".join(o.lines) + "\n"
     c = engine.counters
-    o.metric("requests_total", "counter", "Generation requests by outcome.",
-             [({"outcome": k}, v) for k, v in c.requests.items()])
+    o.metric(
+        "requests_total",
+        "counter",
+        "Generation requests by outcome.",
+        [({"outcome": k}, v) for k, v in c.requests.items()],
+    )
     o.metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens)
     o.metric("prompt_tokens_cached_total", "counter", "Prompt tokens reused from the KV cache.", c.cached_tokens)
     o.metric("tokens_predicted_total", "counter", "Tokens generated.", c.completion_tokens)
@@ -61,12 +64,20 @@ def _experts(o: _Out, session) -> None:
     def per_layer(name, help, get, kind="counter"):
         o.metric(name, kind, help, [({"layer": str(i)}, get(s)) for i, s in enumerate(layers)])
 
-    o.metric("expert_hits_total", "counter", "Expert requests served from the cache, by tier (prefetched: the "
-             "first use of an expert a prefetch brought in).",
-             [({"layer": str(i), "tier": t}, getattr(s, f"hit_{t}"))
-              for i, s in enumerate(layers) for t in ("pinned", "lru", "prefetched")])
-    per_layer("expert_requests_total", "Expert requests (one per distinct expert per layer call).",
-              lambda s: s.requests)
+    o.metric(
+        "expert_hits_total",
+        "counter",
+        "Expert requests served from the cache, by tier (prefetched: the "
+        "first use of an expert a prefetch brought in).",
+        [
+            ({"layer": str(i), "tier": t}, getattr(s, f"hit_{t}"))
+            for i, s in enumerate(layers)
+            for t in ("pinned", "lru", "prefetched")
+        ],
+    )
+    per_layer(
+        "expert_requests_total", "Expert requests (one per distinct expert per layer call).", lambda s: s.requests
+    )
     per_layer("expert_misses_total", "Expert requests served by a demand read.", lambda s: s.miss)
     per_layer("expert_demand_bytes_total", "Bytes of demand reads.", lambda s: s.read_bytes)
     per_layer("expert_prefetch_bytes_total", "Bytes of prefetch reads.", lambda s: s.prefetch_bytes)
@@ -77,6 +88,10 @@ def _experts(o: _Out, session) -> None:
     per_layer("expert_stall_seconds_total", "Time the compute thread waited for expert reads.", lambda s: s.stall_s)
     cache = getattr(session.moe.source, "cache", None)  # streaming only
     if cache is not None:
-        o.metric("expert_slots", "gauge", "Expert cache slots by state (in_use and reading are 0 between "
-                 "generations).", [({"state": k}, v) for k, v in cache.census().items()])
+        o.metric(
+            "expert_slots",
+            "gauge",
+            "Expert cache slots by state (in_use and reading are 0 between generations).",
+            [({"state": k}, v) for k, v in cache.census().items()],
+        )
         o.metric("expert_cache_bytes", "gauge", "Size of the expert cache.", cache.capacity_bytes)

@@ -16,6 +16,7 @@ from streamer.server.text import ROLES
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for. max_tokens None: up to the context size."""
+
     max_body_bytes: int = 4 << 20
     max_tokens: int | None = None
     max_messages: int = 256
@@ -88,6 +89,7 @@ def string(body, key):
 class GenRequest:
     """One generation for the engine. text: the rendered prompt (chat), matched against the KV cache as text
     so a conversation's earlier replies are found as the tokens we generated; ids: the prompt's tokens."""
+
     ids: tuple
     max_tokens: int
     params: SamplerParams
@@ -103,12 +105,17 @@ class GenRequest:
 
 def sampling(body: dict, defaults: dict) -> SamplerParams:
     p = dict(defaults)
-    for key, v in (("temperature", num(body, "temperature", 0, 100)), ("top_p", num(body, "top_p", 0, 1)),
-                   ("min_p", num(body, "min_p", 0, 1)), ("top_k", integer(body, "top_k")),
-                   ("presence_penalty", num(body, "presence_penalty", -2, 2)),
-                   ("frequency_penalty", num(body, "frequency_penalty", -2, 2)),
-                   ("repeat_penalty", num(body, "repeat_penalty", 0.01, 100)),
-                   ("repeat_last_n", integer(body, "repeat_last_n", -1)), ("seed", integer(body, "seed"))):
+    for key, v in (
+        ("temperature", num(body, "temperature", 0, 100)),
+        ("top_p", num(body, "top_p", 0, 1)),
+        ("min_p", num(body, "min_p", 0, 1)),
+        ("top_k", integer(body, "top_k")),
+        ("presence_penalty", num(body, "presence_penalty", -2, 2)),
+        ("frequency_penalty", num(body, "frequency_penalty", -2, 2)),
+        ("repeat_penalty", num(body, "repeat_penalty", 0.01, 100)),
+        ("repeat_last_n", integer(body, "repeat_last_n", -1)),
+        ("seed", integer(body, "seed")),
+    ):
         if v is not None:
             p[key] = v
     if p.get("seed") is not None and p["seed"] < 0:
@@ -138,9 +145,14 @@ def common(body: dict, limits: Limits, n_ctx: int) -> dict:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "invalid_type")
-    return dict(max_tokens=cap if mt is None else mt, stops=tuple(s for s in stops if s),
-                stream=boolean(body, "stream"), include_usage=boolean(opts or {}, "include_usage"),
-                ignore_eos=boolean(body, "ignore_eos"), cache_prompt=boolean(body, "cache_prompt", True))
+    return dict(
+        max_tokens=cap if mt is None else mt,
+        stops=tuple(s for s in stops if s),
+        stream=boolean(body, "stream"),
+        include_usage=boolean(opts or {}, "include_usage"),
+        ignore_eos=boolean(body, "ignore_eos"),
+        cache_prompt=boolean(body, "cache_prompt", True),
+    )
 
 
 def _content(m: dict, i: int) -> str:
@@ -171,8 +183,9 @@ def messages(body: dict, limits: Limits) -> list[dict]:
             raise bad(f"messages[{i}] must be an object", "invalid_type")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
-                      "invalid_role")
+            raise bad(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}", "invalid_role"
+            )
         out.append({"role": role, "content": _content(m, i)})
     return out
 
@@ -219,6 +232,5 @@ def token_ids(ids, n_vocab: int, key: str = "tokens") -> list[int]:
         raise bad(f"'{key}' must be a list of token ids", "invalid_type")
     for t in ids:
         if not 0 <= t < n_vocab:
-            raise bad(f"token id {t} in '{key}' is out of range (vocabulary has {n_vocab} tokens)",
-                      "invalid_token")
+            raise bad(f"token id {t} in '{key}' is out of range (vocabulary has {n_vocab} tokens)", "invalid_token")
     return ids

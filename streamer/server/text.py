@@ -58,7 +58,7 @@ class StopMatcher:
             return out
         hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buf, self.stopped = self.buf[:min(hits)], "", True
+            out, self.buf, self.stopped = self.buf[: min(hits)], "", True
             return out
         hold = 0  # the longest tail of buf that is a proper prefix of some stop string
         for s in self.stops:
@@ -66,8 +66,8 @@ class StopMatcher:
                 if self.buf.endswith(s[:k]):
                     hold = k
                     break
-        out = self.buf[:len(self.buf) - hold]
-        self.buf = self.buf[len(out):]
+        out = self.buf[: len(self.buf) - hold]
+        self.buf = self.buf[len(out) :]
         return out
 
     def flush(self) -> str:
@@ -93,7 +93,7 @@ class ThinkSplitter:
             if self.state == "start":
                 s = self.buf.lstrip()
                 if s.startswith(self.OPEN):
-                    self.buf, self.state = s[len(self.OPEN):], "opened"
+                    self.buf, self.state = s[len(self.OPEN) :], "opened"
                     continue
                 if self.OPEN.startswith(s):  # empty, or a prefix of the tag: wait for more
                     return reasoning, content
@@ -107,12 +107,12 @@ class ThinkSplitter:
                 i = self.buf.find(self.CLOSE)
                 if i >= 0:
                     reasoning += self.buf[:i].rstrip("\n")
-                    self.buf, self.state = self.buf[i + len(self.CLOSE):], "after"
+                    self.buf, self.state = self.buf[i + len(self.CLOSE) :], "after"
                     continue
-                head = self.buf[:len(self.buf) - _partial_tail(self.buf, self.CLOSE)]
+                head = self.buf[: len(self.buf) - _partial_tail(self.buf, self.CLOSE)]
                 keep = len(self.buf) - len(head.rstrip("\n"))  # a partial tag and the newlines before it
-                reasoning += self.buf[:len(self.buf) - keep]
-                self.buf = self.buf[len(self.buf) - keep:]
+                reasoning += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep :]
                 return reasoning, content
             elif self.state == "after":  # drop the blank lines between </think> and the answer
                 s = self.buf.lstrip("\n")

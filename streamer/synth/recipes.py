@@ -17,18 +17,52 @@ from gguf import LlamaFileType as F
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 BASE = {
-    "Q4_0": T.Q4_0, "Q4_1": T.Q4_1, "Q5_0": T.Q5_0, "Q5_1": T.Q5_1, "Q8_0": T.Q8_0,
-    "Q2_K": T.Q2_K, "Q2_K_S": T.Q2_K, "Q3_K_S": T.Q3_K, "Q3_K_M": T.Q3_K, "Q3_K_L": T.Q3_K,
-    "Q4_K_S": T.Q4_K, "Q4_K_M": T.Q4_K, "Q5_K_S": T.Q5_K, "Q5_K_M": T.Q5_K, "Q6_K": T.Q6_K,
-    "IQ2_XXS": T.IQ2_XXS, "IQ2_XS": T.IQ2_XS, "IQ2_S": T.IQ2_S, "IQ2_M": T.IQ2_S,
-    "IQ3_XXS": T.IQ3_XXS, "IQ3_XS": T.IQ3_S, "IQ3_S": T.IQ3_S, "IQ3_M": T.IQ3_S,
-    "IQ1_S": T.IQ1_S, "IQ1_M": T.IQ1_M, "IQ4_NL": T.IQ4_NL, "IQ4_XS": T.IQ4_XS, "MXFP4_MOE": T.MXFP4,
+    "Q4_0": T.Q4_0,
+    "Q4_1": T.Q4_1,
+    "Q5_0": T.Q5_0,
+    "Q5_1": T.Q5_1,
+    "Q8_0": T.Q8_0,
+    "Q2_K": T.Q2_K,
+    "Q2_K_S": T.Q2_K,
+    "Q3_K_S": T.Q3_K,
+    "Q3_K_M": T.Q3_K,
+    "Q3_K_L": T.Q3_K,
+    "Q4_K_S": T.Q4_K,
+    "Q4_K_M": T.Q4_K,
+    "Q5_K_S": T.Q5_K,
+    "Q5_K_M": T.Q5_K,
+    "Q6_K": T.Q6_K,
+    "IQ2_XXS": T.IQ2_XXS,
+    "IQ2_XS": T.IQ2_XS,
+    "IQ2_S": T.IQ2_S,
+    "IQ2_M": T.IQ2_S,
+    "IQ3_XXS": T.IQ3_XXS,
+    "IQ3_XS": T.IQ3_S,
+    "IQ3_S": T.IQ3_S,
+    "IQ3_M": T.IQ3_S,
+    "IQ1_S": T.IQ1_S,
+    "IQ1_M": T.IQ1_M,
+    "IQ4_NL": T.IQ4_NL,
+    "IQ4_XS": T.IQ4_XS,
+    "MXFP4_MOE": T.MXFP4,
 }
 RECIPES = tuple(BASE)
 _IQ12 = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M")
-_FALLBACK = {T.IQ1_S: T.IQ4_NL, T.IQ1_M: T.IQ4_NL, T.IQ2_XXS: T.IQ4_NL, T.IQ2_XS: T.IQ4_NL, T.IQ2_S: T.IQ4_NL,
-             T.IQ3_XXS: T.IQ4_NL, T.IQ3_S: T.IQ4_NL, T.IQ4_XS: T.IQ4_NL, T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0,
-             T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+_FALLBACK = {
+    T.IQ1_S: T.IQ4_NL,
+    T.IQ1_M: T.IQ4_NL,
+    T.IQ2_XXS: T.IQ4_NL,
+    T.IQ2_XS: T.IQ4_NL,
+    T.IQ2_S: T.IQ4_NL,
+    T.IQ3_XXS: T.IQ4_NL,
+    T.IQ3_S: T.IQ4_NL,
+    T.IQ4_XS: T.IQ4_NL,
+    T.Q2_K: T.Q4_0,
+    T.Q3_K: T.Q4_0,
+    T.Q4_K: T.Q5_0,
+    T.Q5_K: T.Q5_1,
+    T.Q6_K: T.Q8_0,
+}
 
 
 def file_type(recipe: str) -> F:
@@ -63,8 +97,15 @@ def _category(name: str) -> str:
         return "output"
     if name == "token_embd.weight":
         return "token_embd"
-    for key in ("attn_v.weight", "attn_k.weight", "attn_q.weight", "attn_output.weight", "ffn_up", "ffn_gate",
-                "ffn_down"):
+    for key in (
+        "attn_v.weight",
+        "attn_k.weight",
+        "attn_q.weight",
+        "attn_output.weight",
+        "ffn_up",
+        "ffn_gate",
+        "ffn_down",
+    ):
         if key in name:
             return key.removesuffix(".weight")
     return "other"
@@ -163,8 +204,19 @@ def _rule(q: _State, r: str, new: T, name: str, shape: tuple[int, ...]) -> T:  #
             return T.Q5_K
         return new
     if cat == "attn_output":
-        eight = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M",
-                 "IQ4_XS")
+        eight = (
+            "Q2_K",
+            "IQ3_XS",
+            "IQ3_XXS",
+            "Q3_K_S",
+            "Q3_K_M",
+            "IQ4_NL",
+            "Q4_K_S",
+            "Q4_K_M",
+            "IQ3_S",
+            "IQ3_M",
+            "IQ4_XS",
+        )
         if q.n_expert == 8:
             return T.Q5_K if r in eight else new
         return {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K, "IQ3_M": T.Q4_K}.get(r, new)

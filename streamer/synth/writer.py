@@ -174,14 +174,26 @@ def _grid_rms(qtype: T) -> float:
 def _iq(qtype: T) -> Callable:
     def fill(b: np.ndarray, sigma: float, rng) -> None:  # [d f16][grid indices, signs, scales: random bytes]
         _set_iq_d(qtype, b, np.full(len(b), sigma / _grid_rms(qtype)))  # random signs (IQ1: deltas): zero mean
+
     return fill
 
 
-_QUANT_FILL: dict[T, Callable] = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-                                  T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.IQ4_XS: _iq4_xs, T.IQ4_NL: _iq4_nl,
-                                  T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.MXFP4: _mxfp4,
-                                  **{q: _iq(q) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
-                                                         T.IQ1_S, T.IQ1_M)}}
+_QUANT_FILL: dict[T, Callable] = {
+    T.Q8_0: _q8_0,
+    T.Q4_0: _q4_0,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
+    T.IQ4_XS: _iq4_xs,
+    T.IQ4_NL: _iq4_nl,
+    T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.MXFP4: _mxfp4,
+    **{q: _iq(q) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M)},
+}
 WRITABLE = (T.F32, T.F16, T.BF16, *_QUANT_FILL)
 
 
@@ -265,8 +277,9 @@ def typed_tensors(spec: SynthSpec, n_vocab: int) -> list[tuple[str, tuple[int, .
     from streamer.synth.recipes import recipe_types
 
     g = spec.geometry
-    types = recipe_types(spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv,
-                         g.n_expert)
+    types = recipe_types(
+        spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv, g.n_expert
+    )
     return [(n, s, qt, sig) for (n, s, _, sig), qt in zip(tensors, types)]
 
 
@@ -285,6 +298,7 @@ class Split:
     """Shard the output as gguf-split does: a new shard when the next tensor would take the current one over
     max_size bytes or max_tensors tensors (0: no limit); small_first puts no tensors in the first shard
     (gguf-split --no-tensor-first-split). Shards are named <stem>-00001-of-0000N.gguf."""
+
     max_size: int = 0
     max_tensors: int = 0
     small_first: bool = False
@@ -294,14 +308,21 @@ class Split:
         return bool(self.max_size or self.max_tensors or self.small_first)
 
 
-def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[int, int], None] | None = None,
-                split: Split = Split(), overwrite: bool = True) -> str:
+def write_model(
+    path: str | os.PathLike,
+    spec: SynthSpec,
+    progress: Callable[[int, int], None] | None = None,
+    split: Split = Split(),
+    overwrite: bool = True,
+) -> str:
     """Write the model to `path`, or, split, to its shards next to it (<stem>-0000i-of-0000N.gguf); returns the
     path to open (the first shard). Everything is written into a temporary file or directory beside the
     target and renamed into place at the end, so a crash or an error leaves no half-written file or shard set."""
     for qt in {spec.qtype, spec.embd_qtype or spec.qtype, spec.head_qtype or spec.qtype}:
         if qt not in WRITABLE:
-            raise StreamerError(f"the synthetic writer cannot write {qt.name} (it writes {', '.join(t.name for t in WRITABLE)})")
+            raise StreamerError(
+                f"the synthetic writer cannot write {qt.name} (it writes {', '.join(t.name for t in WRITABLE)})"
+            )
     if split.max_size < 0 or split.max_tensors < 0:
         raise StreamerError("--split-max-size and --split-max-tensors must not be negative")
     path = os.path.realpath(os.fspath(path))
@@ -323,8 +344,13 @@ def write_model(path: str | os.PathLike, spec: SynthSpec, progress: Callable[[in
 
 def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwrite: bool) -> str:
     g = spec.geometry
-    w = gguf.GGUFWriter(tmp, g.arch, split_max_tensors=split.max_tensors, split_max_size=split.max_size,
-                        small_first_shard=split.small_first)
+    w = gguf.GGUFWriter(
+        tmp,
+        g.arch,
+        split_max_tensors=split.max_tensors,
+        split_max_size=split.max_size,
+        small_first_shard=split.small_first,
+    )
     w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
     n_vocab = add_vocab(w, spec.real_vocab)
     w.add_block_count(g.n_layer)

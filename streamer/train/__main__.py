@@ -19,10 +19,14 @@ TOKENIZER_JSON = REPO / "tests" / "data" / "stdlib_bpe_tokenizer.json"
 
 # name -> (NetConfig kwargs, TrainConfig kwargs)
 MODELS = {
-    "moe": (dict(n_layer=8, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_expert=64, n_expert_used=8,
-                 n_ff_exp=64), dict(steps=400, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),))),
-    "dense": (dict(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_ff=384),
-              dict(steps=450, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),))),
+    "moe": (
+        dict(n_layer=8, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_expert=64, n_expert_used=8, n_ff_exp=64),
+        dict(steps=400, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),)),
+    ),
+    "dense": (
+        dict(n_layer=6, n_embd=128, n_head=4, n_head_kv=2, head_dim=64, n_ff=384),
+        dict(steps=450, batch=8, seq=256, lr=3e-3, cycles=((300, 1.5e-3),)),
+    ),
 }
 FILES = {"moe": "stdlib-qwen3moe-q8_0.gguf", "dense": "stdlib-qwen3-q8_0.gguf"}
 VOCAB = 4096
@@ -34,6 +38,7 @@ def log_to(path: Path):
         print(line, flush=True)
         with open(path, "a") as f:
             f.write(line + "\n")
+
     return log
 
 
@@ -47,8 +52,10 @@ def prepare(work: Path, log) -> None:
 
     files = corpus.stdlib_files()
     train_docs, held = corpus.split(files)
-    log(f"corpus {corpus.stdlib_dir()}: {len(files)} files, {len(train_docs)} for training "
-        f"({sum(len(t) for t in train_docs) / 1e6:.1f} M chars), {len(held)} held out")
+    log(
+        f"corpus {corpus.stdlib_dir()}: {len(files)} files, {len(train_docs)} for training "
+        f"({sum(len(t) for t in train_docs) / 1e6:.1f} M chars), {len(held)} held out"
+    )
     HELDOUT.parent.mkdir(parents=True, exist_ok=True)
     if not HELDOUT.exists():
         atomic_write_text(HELDOUT, corpus.heldout_text(held))
@@ -56,6 +63,7 @@ def prepare(work: Path, log) -> None:
         tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     else:
         from streamer.train.bpe import train_tokenizer
+
         tok = train_tokenizer(train_docs, VOCAB)
         atomic_write_text(TOKENIZER_JSON, tok.to_str(pretty=True))
     out = work / "train_tokens.npy"
@@ -72,6 +80,7 @@ def prepare(work: Path, log) -> None:
 
 def heldout_ids() -> np.ndarray:
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     return np.asarray(tok.encode(HELDOUT.read_text(encoding="utf-8")).ids, dtype=np.int64)
 
@@ -99,9 +108,11 @@ def train_model(name: str, work: Path, log, steps: int | None) -> None:
     net = train(nc, tc, tokens, str(work / f"{name}.ckpt"), log=log)
     log(f"{name}: training finished ({time.time() - t0:.0f} s in this process)")
     held = heldout_ids()
-    loss = eval_loss(net, held[:32 * 256 + 1], 256)
-    log(f"{name}: held-out loss {loss:.4f} ppl {math.exp(loss):.2f} (first 32 windows of 256, all positions); "
-        f"unigram ppl {unigram_ppl(tokens, held, VOCAB):.2f}")
+    loss = eval_loss(net, held[: 32 * 256 + 1], 256)
+    log(
+        f"{name}: held-out loss {loss:.4f} ppl {math.exp(loss):.2f} (first 32 windows of 256, all positions); "
+        f"unigram ppl {unigram_ppl(tokens, held, VOCAB):.2f}"
+    )
 
 
 def export_model(name: str, work: Path, out: Path, log) -> None:
@@ -116,8 +127,12 @@ def export_model(name: str, work: Path, out: Path, log) -> None:
     net.c = dataclasses.replace(net.c, n_ctx=MODELS[name][1]["seq"])
     net.load_state_dict(st["model"])
     out.mkdir(parents=True, exist_ok=True)
-    p = write_gguf(net, TOKENIZER_JSON.read_text(encoding="utf-8"), str(out / FILES[name]),
-                   f"stream-run stdlib {'Qwen3-MoE' if net.c.is_moe else 'Qwen3'} (step {st['step']})")
+    p = write_gguf(
+        net,
+        TOKENIZER_JSON.read_text(encoding="utf-8"),
+        str(out / FILES[name]),
+        f"stream-run stdlib {'Qwen3-MoE' if net.c.is_moe else 'Qwen3'} (step {st['step']})",
+    )
     log(f"wrote {p} ({os.path.getsize(p) / 1e6:.1f} MB)")
 
 

@@ -75,8 +75,11 @@ def train(nc: NetConfig, tc: TrainConfig, tokens: np.ndarray, ckpt: str, log=pri
     net = Net(nc)
     decay = [p for n, p in net.named_parameters() if p.dim() >= 2 and "router" not in n]
     rest = [p for n, p in net.named_parameters() if not (p.dim() >= 2 and "router" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=tc.lr,
+        betas=(0.9, 0.95),
+    )
     step = 0
     if os.path.exists(ckpt):
         st = torch.load(ckpt, weights_only=False)
@@ -111,8 +114,10 @@ def train(nc: NetConfig, tc: TrainConfig, tokens: np.ndarray, ckpt: str, log=pri
         acc_n += 1
         if step % tc.log_every == 0 or step == tc.total_steps:
             dt = time.time() - t0
-            msg = (f"step {step}/{tc.total_steps} loss {acc_loss / acc_n:.4f} lr {lr_at(tc, step - 1):.2e} "
-                   f"tok/s {acc_n * tc.batch * tc.seq / dt:.0f}")
+            msg = (
+                f"step {step}/{tc.total_steps} loss {acc_loss / acc_n:.4f} lr {lr_at(tc, step - 1):.2e} "
+                f"tok/s {acc_n * tc.batch * tc.seq / dt:.0f}"
+            )
             if nc.is_moe:
                 share = usage / usage.sum(1, keepdim=True)
                 msg += f" aux {acc_aux / acc_n:.3f} top-expert share {share.max(1).values.mean():.3f}"
@@ -132,7 +137,7 @@ def eval_loss(net: Net, ids: np.ndarray, ctx: int) -> float:
     net.eval()
     tot, n = 0.0, 0
     for s in range(0, len(ids) - ctx, ctx):
-        chunk = torch.from_numpy(ids[s:s + ctx + 1].astype(np.int64))[None]
+        chunk = torch.from_numpy(ids[s : s + ctx + 1].astype(np.int64))[None]
         logits, _ = net(chunk[:, :-1])
         tot += F.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
         n += ctx

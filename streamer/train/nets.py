@@ -91,9 +91,9 @@ class MoE(nn.Module):
         self.c = c
         X, E, Fe = c.n_expert, c.n_embd, c.n_ff_exp
         self.router = nn.Linear(E, X, bias=False)
-        self.gate = nn.Parameter(torch.randn(X, Fe, E) * E ** -0.5)  # GGUF ffn_gate_exps order (expert, ff, embd)
-        self.up = nn.Parameter(torch.randn(X, Fe, E) * E ** -0.5)
-        self.down = nn.Parameter(torch.randn(X, E, Fe) * Fe ** -0.5)
+        self.gate = nn.Parameter(torch.randn(X, Fe, E) * E**-0.5)  # GGUF ffn_gate_exps order (expert, ff, embd)
+        self.up = nn.Parameter(torch.randn(X, Fe, E) * E**-0.5)
+        self.down = nn.Parameter(torch.randn(X, E, Fe) * Fe**-0.5)
 
     def forward(self, h):
         c, shape = self.c, h.shape
@@ -109,8 +109,9 @@ class MoE(nn.Module):
         # split/unbind once: slicing per expert would make backward write a full-size zero gradient per expert
         sizes = counts.tolist()
         gates, ups, downs = self.gate.unbind(0), self.up.unbind(0), self.down.unbind(0)
-        outs = [(F.silu(xe @ gates[e].T) * (xe @ ups[e].T)) @ downs[e].T
-                for e, xe in enumerate(xs.split(sizes)) if sizes[e]]
+        outs = [
+            (F.silu(xe @ gates[e].T) * (xe @ ups[e].T)) @ downs[e].T for e, xe in enumerate(xs.split(sizes)) if sizes[e]
+        ]
         ys = torch.cat(outs) * topw.reshape(-1)[order, None]
         out = torch.zeros_like(x).index_add_(0, tok, ys)
         # Switch / Qwen load-balancing loss: X * sum_e (share of routed slots to e) * (mean router prob of e)
