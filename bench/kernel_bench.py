@@ -16,33 +16,10 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from streamer import formats
 from streamer.kernels import QMatrix, set_threads
 
-FORMATS = [
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-    "Q2_K",
-    "Q3_K",
-    "IQ4_XS",
-    "IQ4_NL",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "MXFP4",
-    "IQ2_XXS",
-    "IQ2_XS",
-    "IQ2_S",
-    "IQ3_XXS",
-    "IQ3_S",
-    "IQ1_S",
-    "IQ1_M",
-]
+FORMATS = [t.name for t in formats.FORMATS]  # every format stream-run reads
 SHAPES = ["1024x3072", "3072x1024", "151936x1024"]  # n_out x n_in: ffn_down, ffn_up/gate, head
 SCALE_FIELDS = {
     T.Q8_0: (0,),
