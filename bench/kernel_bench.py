@@ -9,56 +9,23 @@ best and median of repeated calls. Weights are random valid blocks with sane f16
 import argparse
 import datetime
 import platform
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import numba
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 
 from streamer import formats
 from streamer.kernels import QMatrix, set_threads
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_kernels import make_weight  # noqa: E402  (the tests' random valid blocks, sane f16 scales)
+
 FORMATS = [t.name for t in formats.FORMATS]  # every format stream-run reads
 SHAPES = ["1024x3072", "3072x1024", "151936x1024"]  # n_out x n_in: ffn_down, ffn_up/gate, head
-SCALE_FIELDS = {
-    T.Q8_0: (0,),
-    T.Q4_0: (0,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.IQ4_XS: (0,),
-    T.IQ4_NL: (0,),
-    T.Q4_1: (0, 2),
-    T.Q5_0: (0,),
-    T.Q5_1: (0, 2),
-    **{q: (0,) for q in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S)},
-}
-
-
-def random_weight(qtype: T, n_out: int, n_in: int, rng) -> np.ndarray:
-    if qtype == T.F32:
-        return rng.standard_normal((n_out, n_in), dtype=np.float32)
-    if qtype == T.F16:
-        return rng.standard_normal((n_out, n_in), dtype=np.float32).astype(np.float16)
-    if qtype == T.BF16:
-        f = rng.standard_normal((n_out, n_in), dtype=np.float32)
-        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    if qtype == T.IQ1_M:  # its f16 scale is split into nibbles: the synthetic writer places it
-        from streamer.synth.writer import random_weight as synth_weight
-
-        return synth_weight((n_out, n_in), qtype, 0.05, rng)
-    block, size = GGML_QUANT_SIZES[qtype]
-    nb = n_in // block
-    raw = rng.integers(0, 256, (n_out, nb, size), dtype=np.uint8)
-    if qtype == T.MXFP4:
-        raw[:, :, 0] = rng.integers(110, 126, (n_out, nb))  # E8M0 scales 2^-18..2^-2
-    for off in SCALE_FIELDS.get(qtype, ()):
-        d = (rng.uniform(1e-3, 1e-2, (n_out, nb)) * rng.choice([-1, 1], (n_out, nb))).astype(np.float16)
-        raw[:, :, off : off + 2] = d.view(np.uint8)[..., None].reshape(n_out, nb, 2)
-    return raw.reshape(n_out, nb * size)
 
 
 def timeit(fn, min_time: float, min_reps: int = 5) -> tuple[float, float]:
@@ -100,7 +67,7 @@ def main() -> None:
         OUT = np.empty((args.m, n_out), np.float32)
         for name in args.formats.split(","):
             qtype = T[name]
-            q = QMatrix(random_weight(qtype, n_out, n_in, rng), qtype, n_in, name=name)
+            q = QMatrix(make_weight(qtype, n_out, n_in, rng)[0], qtype, n_in, name=name)
             gb = q.nbytes / 1e9
             best, med = timeit(partial(q.matvec, x, out), args.time)
             line = f"{name:6} {shape:>12} {q.nbytes / 1e6:7.1f} | {gb / best:16.2f} {gb / med:6.2f} {best * 1e6:8.0f} |"
