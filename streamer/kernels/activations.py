@@ -28,10 +28,10 @@ def quantize_groups(x, xq, dx, group):
 
 
 @kernel(fastmath=FASTMATH)
-def group_sums(x, xs):
-    """xs[g] = sum of x over 32-element group g: the K-quant min terms need only these."""
+def group_sums(x, xs, group):
+    """xs[g] = sum of x over the group-element group g (32: the K-quant min terms; 16: Q2_K's)."""
     for g in range(xs.size):
         s = np.float32(0)
-        for k in range(32):
-            s += x[(g << 5) + k]
+        for k in range(group):
+            s += x[g * group + k]
         xs[g] = s

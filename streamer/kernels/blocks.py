@@ -86,16 +86,20 @@ PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are 
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
     used for super-blocks) and, for super-blocks and the 32-element formats with mins (Q4_1, Q5_1), f32 sums
-    per 32 in aux[n/32:]. Returns (dx, xs) views of aux."""
+    per 32 in aux[n/32:] (per 16 for Q2_K, whose sub-blocks are 16). aux holds 3n/32 + 1. Returns (dx, xs)
+    views of aux."""
     ng = x.size >> 5
     if fmt >= SUPER_BLOCKS:
         quantize_groups(x, xq, aux[:ng], 256)
-        group_sums(x, aux[ng : 2 * ng])
+        if fmt == Q2_K:
+            group_sums(x, aux[ng : 3 * ng], 16)
+        else:
+            group_sums(x, aux[ng : 2 * ng], 32)
     else:
         quantize_groups(x, xq, aux[:ng], 32)
         if fmt == Q4_1 or fmt == Q5_1:
-            group_sums(x, aux[ng : 2 * ng])
-    return aux[:ng], aux[ng : 2 * ng]
+            group_sums(x, aux[ng : 2 * ng], 32)
+    return aux[:ng], aux[ng : 3 * ng]
 
 
 @kernel(fastmath=FASTMATH, inline="always")

@@ -35,10 +35,10 @@ _tiles: dict[int, np.ndarray] = {}
 
 
 def _act_scratch(n_in: int) -> tuple[np.ndarray, np.ndarray]:
-    """int16 x and f32 aux (scales per 32/256, then f32 sums per 32) for one matvec of n_in."""
+    """int16 x and f32 aux (scales per 32/256, then f32 sums per 32 or 16: blocks.prepare) for one matvec of n_in."""
     buf = _act.get(n_in)
     if buf is None:
-        buf = _act[n_in] = (np.empty(n_in, np.int16), np.empty(2 * (n_in // 32) + 1, np.float32))
+        buf = _act[n_in] = (np.empty(n_in, np.int16), np.empty(3 * (n_in // 32) + 1, np.float32))
     return buf
 
 

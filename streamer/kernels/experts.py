@@ -41,7 +41,7 @@ def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     for r in prange(out.size):
         acc = out[r]
         for i in range(k):
-            acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 2 * ng], n_in)
+            acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
         out[r] = acc
 
 
@@ -50,4 +50,4 @@ class ExpertScratch:
 
     def __init__(self, k: int, n_in: int):
         self.xq = np.empty((k, n_in), np.int16)
-        self.aux = np.empty((k, 2 * (n_in >> 5) + 1), np.float32)
+        self.aux = np.empty((k, 3 * (n_in >> 5) + 1), np.float32)  # blocks.prepare's layout

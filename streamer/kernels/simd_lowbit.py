@@ -20,8 +20,8 @@ Layouts (ggml-common.h), element e of a super-block in the order ggml's dequanti
 - block_mxfp4 {uint8 e; uint8 qs[16]} (17 bytes): nibbles as IQ4_NL, each an E2M1 value (kept doubled, as
   ggml's kvalues_mxfp4), times the E8M0 scale 2^(e - 127) halved.
 The row dots multiply the int16 activations by (scale * q) as int16 and sum pairs into int32 (simd.pairdot);
-the Q2_K mins use integer sums of the same int16 activations per 16 elements (as ggml's bsums), the Q4_1/Q5_1
-mins exact f32 sums of x per block (prepared as for the K-quants).
+the Q2_K mins use exact f32 sums of x per 16 elements (ggml's bsums, in float; blocks.prepare writes them), the
+Q4_1/Q5_1 mins exact f32 sums of x per block (prepared as for the K-quants).
 """
 
 from llvmlite import binding as llvm, ir
@@ -76,21 +76,24 @@ def _q2_k_values(e, wb, blk):
 
 
 def _q2_k(e, wb, xqb, dxb, xsb, b, blk, accs):
+    # The 2-bit fields are widened to words once per 32 bytes; each is then a shift and a mask, its scale a word
+    # shuffle. The mins need no pass over x: sum_s dmin * m_s * (exact f32 sum of x over sub-block s), from the
+    # per-16 sums blocks.prepare writes for Q2_K.
     bb = e.b
-    sc = e.load(wb, blk, V(I8, 16))
-    lo = bb.zext(bb.and_(sc, e.const(I8, 16, 15)), V(I16, 16))
-    hi = bb.zext(bb.lshr(sc, e.const(I8, 16, 4)), V(I16, 16))
-    isum = msum = ir.Constant(V(I32, 16), [0] * 16)
-    for h, j, q in _q2_k_values(e, wb, blk):
-        g = 8 * h + 2 * j
-        xv = _x(e, xqb, b, 128 * h + 32 * j)
-        isum = bb.add(isum, e.pairdot(bb.mul(bb.zext(q, V(I16, 32)), _two_scales(e, lo, g)), xv))
-        msum = bb.add(msum, e.pairdot(_two_scales(e, hi, g), xv))
+    sc = bb.zext(e.load(wb, blk, V(I8, 16)), V(I16, 16))
+    lo = bb.and_(sc, e.const(I16, 16, 15))
+    isum = ir.Constant(V(I32, 16), [0] * 16)
+    for h in range(2):
+        qw = bb.zext(e.load(wb, e.off(blk, 16 + 32 * h), V(I8, 32)), V(I16, 32))
+        for j in range(4):
+            q = bb.and_(bb.lshr(qw, e.const(I16, 32, 2 * j)), e.const(I16, 32, 3))
+            w = bb.mul(q, _two_scales(e, lo, 8 * h + 2 * j))
+            isum = bb.add(isum, e.pairdot(w, _x(e, xqb, b, 128 * h + 32 * j)))
     d, dmin = e.f16x2(wb, e.off(blk, 80))
-    dx = _dx(e, dxb, b)
-    acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, dx), 16))
-    neg = bb.fsub(ir.Constant(F32, 0.0), bb.fmul(dmin, dx))
-    return [e.fma(acc, bb.sitofp(msum, V(F32, 16)), e.splat(neg, 16))]
+    acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, _dx(e, dxb, b)), 16))
+    mins = bb.uitofp(bb.lshr(sc, e.const(I16, 16, 4)), V(F32, 16))
+    xs16 = e.load(xsb, bb.mul(b, ir.Constant(I64, 64)), V(F32, 16), 4)
+    return [e.fma(acc, bb.fmul(mins, xs16, flags=("fast",)), e.splat(bb.fsub(ir.Constant(F32, 0.0), dmin), 16))]
 
 
 def _deq_q2_k(e, wb, blk, store):
