@@ -74,39 +74,12 @@ def _row(e, name, idx):
     return bb.bitcast(word, V(I8, _GRIDS[name].shape[1]))
 
 
-def _ksign(e, i7):
-    """ggml's ksigns_iq2xs[i7]: the 7 sign bits plus their parity as bit 7 (i8)."""
-    bb = e.b
-    i7 = bb.and_(bb.zext(i7, I32) if i7.type.width < 32 else i7, I32(127))
-    ctpop = bb.module.globals.get("llvm.ctpop.i32") or ir.Function(
-        bb.module, ir.FunctionType(I32, [I32]), name="llvm.ctpop.i32"
-    )
-    par = bb.and_(bb.call(ctpop, [i7]), I32(1))
-    return bb.trunc(bb.or_(i7, bb.shl(par, I32(7))), I8)
-
-
 def _concat(e, parts):
     """Concatenate equal-width vectors by repeated shuffles."""
     while len(parts) > 1:
         n = parts[0].type.count
         parts = [e.shuffle(parts[i], parts[i + 1], list(range(2 * n))) for i in range(0, len(parts), 2)]
     return parts[0]
-
-
-_BITS = [1 << (k % 8) for k in range(32)]
-
-
-def _signed(e, grid32, signs4):
-    """grid32 <32 x i8> with element 8l + j negated where bit j of signs4[m] (4 i8 values) is set."""
-    bb = e.b
-    v = ir.Constant(V(I8, 4), ir.Undefined)
-    for k, s in enumerate(signs4):
-        v = bb.insert_element(v, s, I32(k))
-    spread = e.shuffle(v, v, [k // 8 for k in range(32)])
-    neg = bb.icmp_unsigned(
-        "!=", bb.and_(spread, ir.Constant(V(I8, 32), [b - 256 if b > 127 else b for b in _BITS])), e.const(I8, 32, 0)
-    )
-    return bb.select(neg, bb.sub(e.const(I8, 32, 0), grid32), grid32)
 
 
 def _scaled(e, vals32, s_lo, s_hi=None):
@@ -134,19 +107,37 @@ def _ctpop(e, v):
     return bb.call(fn, [v])
 
 
-def _ksign_masks(e, words):
-    """For the 8 sub-blocks' u32 words of 4 seven-bit sign indices (bits 7m..7m+6), <8 x i32> of 32-bit sign
-    masks: byte m of word k is ggml's ksigns_iq2xs[index m] (the 7 bits and their parity as bit 7), so bit
-    8m + j is the sign of element 8m + j of sub-block k. All 32 groups at once, in vector lanes."""
+def _ksign_masks(e, idx7):
+    """<32 x i8> seven-bit sign indices of the 32 groups of 8 of a super-block (group 4k + m in lane 4k + m) ->
+    <8 x i32> sign masks: byte m of word k is ggml's ksigns_iq2xs[index] (the 7 bits and their parity as bit 7),
+    so bit 8m + j of word k is the sign of element 8m + j of sub-block k. All 32 groups at once, in vector lanes."""
+    bb = e.b
+    par = bb.shl(bb.and_(_ctpop(e, idx7), e.const(I8, 32, 1)), e.const(I8, 32, 7))
+    return bb.bitcast(bb.or_(idx7, par), V(I32, 8))
+
+
+def _sign_fields(e, words):
+    """<8 x i32> words of 4 seven-bit sign indices each (bits 7m..7m+6) -> <32 x i8>, index m of word k in lane
+    4k + m (IQ2_XXS's and IQ3_XXS's packing)."""
     bb = e.b
     packed = None
     for m in range(4):
         f = bb.and_(bb.lshr(words, e.const(I32, 8, 7 * m)), e.const(I32, 8, 127))
         f = bb.shl(f, e.const(I32, 8, 8 * m)) if m else f
         packed = f if packed is None else bb.or_(packed, f)
-    by = bb.bitcast(packed, V(I8, 32))
-    par = bb.shl(bb.and_(_ctpop(e, by), e.const(I8, 32, 1)), e.const(I8, 32, 7))
-    return bb.bitcast(bb.or_(by, par), V(I32, 8))
+    return bb.bitcast(packed, V(I8, 32))
+
+
+def _odd_scales(e, words):
+    """2s + 1 of the 4-bit scales s in the top bits of <8 x i32> words."""
+    bb = e.b
+    return bb.add(bb.shl(bb.lshr(words, e.const(I32, 8, 28)), e.const(I32, 8, 1)), e.const(I32, 8, 1))
+
+
+def _times(e, vals32, odd):
+    """<32 x i16> vals32 (i8) times the i32 odd (one scale for the 32 elements)."""
+    bb = e.b
+    return bb.mul(bb.sext(vals32, V(I16, 32)), e.splat(bb.trunc(odd, I16), 32))
 
 
 def _apply_mask(e, vals32, mask32):
@@ -159,52 +150,52 @@ def _iq2_xxs(e, wb, blk):
     bb = e.b
     words = _u(e, wb, blk, 2, V(I32, 16))  # qs: per sub-block k, the index word 2k and the sign/scale word 2k+1
     aux1 = e.shuffle(words, words, list(range(1, 16, 2)))
-    masks = _ksign_masks(e, aux1)
-    odd = bb.add(bb.shl(bb.lshr(aux1, e.const(I32, 8, 28)), e.const(I32, 8, 1)), e.const(I32, 8, 1))
+    masks, odd = _ksign_masks(e, _sign_fields(e, aux1)), _odd_scales(e, aux1)
     for k in range(8):  # the grid rows one by one: a vector gather (vpgatherdq) measured slower on Zen 4
         aux0 = _u(e, wb, blk, 2 + 8 * k, I32)
         rows = [_row(e, "iq2xxs", bb.and_(bb.lshr(aux0, I32(8 * m)), I32(255))) for m in range(4)]
         vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
-        s = e.splat(bb.trunc(bb.extract_element(odd, I32(k)), I16), 32)
-        yield k, bb.mul(bb.sext(vals, V(I16, 32)), s)
+        yield k, _times(e, vals, bb.extract_element(odd, I32(k)))
 
 
 def _iq2_xs(e, wb, blk):
     bb = e.b
+    qs = _u(e, wb, blk, 2, V(I16, 32))
+    masks = _ksign_masks(e, bb.trunc(bb.lshr(qs, e.const(I16, 32, 9)), V(I8, 32)))
     for k in range(8):
-        qs = [bb.zext(_u(e, wb, blk, 2 + 8 * k + 2 * m, I16), I32) for m in range(4)]
-        rows = [_row(e, "iq2xs", bb.and_(q, I32(511))) for q in qs]
-        signs = [_ksign(e, bb.lshr(q, I32(9))) for q in qs]
+        rows = [_row(e, "iq2xs", bb.and_(bb.zext(bb.extract_element(qs, I32(4 * k + m)), I32), I32(511))) for m in range(4)]
+        vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
         sc = bb.zext(_u(e, wb, blk, 66 + k, I8), I32)
-        yield k, _scaled(e, _signed(e, _concat(e, rows), signs), bb.and_(sc, I32(15)), bb.lshr(sc, I32(4)))
+        yield k, _scaled(e, vals, bb.and_(sc, I32(15)), bb.lshr(sc, I32(4)))
 
 
 def _iq2_s(e, wb, blk):
     bb = e.b
+    masks = _u(e, wb, blk, 34, V(I32, 8))  # the sign bytes, 4 per sub-block: each sub-block's 32-bit mask
     for k in range(8):
         qh = bb.zext(_u(e, wb, blk, 66 + k, I8), I32)
-        rows, signs = [], []
+        rows = []
         for m in range(4):
-            g = 4 * k + m
             high = bb.shl(bb.and_(bb.lshr(qh, I32(2 * m)), I32(3)), I32(8))
-            idx = bb.or_(bb.zext(_u(e, wb, blk, 2 + g, I8), I32), high)
-            rows.append(_row(e, "iq2s", idx))
-            signs.append(_u(e, wb, blk, 34 + g, I8))
+            rows.append(_row(e, "iq2s", bb.or_(bb.zext(_u(e, wb, blk, 2 + 4 * k + m, I8), I32), high)))
+        vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
         sc = bb.zext(_u(e, wb, blk, 74 + k, I8), I32)
-        yield k, _scaled(e, _signed(e, _concat(e, rows), signs), bb.and_(sc, I32(15)), bb.lshr(sc, I32(4)))
+        yield k, _scaled(e, vals, bb.and_(sc, I32(15)), bb.lshr(sc, I32(4)))
 
 
 def _iq3_xxs(e, wb, blk):
     bb = e.b
+    aux = _u(e, wb, blk, 66, V(I32, 8))  # scales_and_signs
+    masks, odd = _ksign_masks(e, _sign_fields(e, aux)), _odd_scales(e, aux)
     for k in range(8):
-        aux = _u(e, wb, blk, 66 + 4 * k, I32)
         rows = [_row(e, "iq3xxs", _u(e, wb, blk, 2 + 8 * k + q, I8)) for q in range(8)]
-        signs = [_ksign(e, bb.lshr(aux, I32(7 * m))) for m in range(4)]
-        yield k, _scaled(e, _signed(e, _concat(e, rows), signs), bb.lshr(aux, I32(28)))
+        vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
+        yield k, _times(e, vals, bb.extract_element(odd, I32(k)))
 
 
 def _iq3_s(e, wb, blk):
     bb = e.b
+    masks = _u(e, wb, blk, 74, V(I32, 8))  # the sign bytes, 4 per sub-block: each sub-block's 32-bit mask
     for k in range(8):
         qh = bb.zext(_u(e, wb, blk, 66 + k, I8), I32)
         rows = []
@@ -212,9 +203,9 @@ def _iq3_s(e, wb, blk):
             high = bb.shl(bb.and_(bb.lshr(qh, I32(q)), I32(1)), I32(8))
             idx = bb.or_(bb.zext(_u(e, wb, blk, 2 + 8 * k + q, I8), I32), high)
             rows.append(_row(e, "iq3s", idx))
-        signs = [_u(e, wb, blk, 74 + 4 * k + m, I8) for m in range(4)]
+        vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
         sc = bb.and_(bb.lshr(bb.zext(_u(e, wb, blk, 106 + k // 2, I8), I32), I32(4 * (k % 2))), I32(15))
-        yield k, _scaled(e, _signed(e, _concat(e, rows), signs), sc)
+        yield k, _scaled(e, vals, sc)
 
 
 def _iq1_values(e, rows, signs8):
