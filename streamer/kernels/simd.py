@@ -12,12 +12,13 @@ byte `off` of `w` (nb blocks) with x ~= xq * dx (xq int16 [n_in], dx f32 per 32 
 xs f32 sums of x per 32, for the Q4_K/Q5_K mins). `pf` is a prefetch distance in bytes.
 """
 
-from llvmlite import ir
+from llvmlite import binding as llvm, ir
 from numba import types
 from numba.extending import intrinsic
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 I8P = I8.as_pointer()
+_X86 = llvm.get_process_triple().startswith("x86_64")
 
 
 def V(t, n):
@@ -57,6 +58,14 @@ class _Emit:
         v = b.bitcast(v, V(ir.HalfType(), 8))
         f = b.fpext(self.shuffle(v, v, [0, 1, 2, 3]), V(F32, 4))
         return b.extract_element(f, I32(0)), b.extract_element(f, I32(1))
+
+    def opaque(self, v):
+        """v unchanged, through an empty asm (x86): LLVM cannot then sink a widening of v past the shuffles that use
+        it. It moved the K-quant scales' sext behind every per-32 shuffle: a byte shuffle plus a widening per use
+        instead of one word shuffle."""
+        if not _X86:
+            return v
+        return self.b.call(ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=v,0"), [v])
 
     def splat(self, v, n):
         t = V(v.type, n)
@@ -213,23 +222,25 @@ def _q45_k(qs_at, has_qh):
         bb = e.b
         d, dmin = e.f16x2(wb, blk)
         scales, mins = _k4_scales(e, wb, e.off(blk, 4))
-        qh = e.load(wb, e.off(blk, 16), V(I8, 32)) if has_qh else None
+        # Bytes widened to words once per 32 (then nibbles and the fifth bits are word shifts and masks), each
+        # sub-block's scale one word broadcast.
+        w16 = V(I16, 32)
+        qh = bb.zext(e.load(wb, e.off(blk, 16), V(I8, 32)), w16) if has_qh else None
+        sw = e.opaque(bb.zext(scales, V(I16, 8)))
         xb = bb.mul(b, ir.Constant(I64, 512))  # 256 int16
         isum = ir.Constant(V(I32, 16), [0] * 16)
         for c in range(4):
-            q = e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32))
-            lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
+            q = bb.zext(e.load(wb, e.off(blk, qs_at + 32 * c), V(I8, 32)), w16)
+            lo, hi = bb.and_(q, e.const(I16, 32, 15)), bb.lshr(q, e.const(I16, 32, 4))
             if has_qh:  # bit 2c of qh[l] is bit 4 of sub-block 2c, bit 2c+1 of sub-block 2c+1
-                lo = bb.or_(
-                    lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
-                )
-                hi = bb.or_(
-                    hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), e.const(I8, 32, 1)), e.const(I8, 32, 4))
-                )
+                for k in range(2):
+                    t = 2 * c + k
+                    b5 = bb.shl(qh, e.const(I16, 32, 4 - t)) if t < 4 else bb.lshr(qh, e.const(I16, 32, t - 4))
+                    b5 = bb.and_(b5, e.const(I16, 32, 16))
+                    lo, hi = (bb.or_(lo, b5), hi) if k == 0 else (lo, bb.or_(hi, b5))
             for j, v in ((2 * c, lo), (2 * c + 1, hi)):
-                sc = e.splat(bb.zext(bb.extract_element(scales, I32(j)), I16), 32)
                 xv = e.load(xqb, e.off(xb, 64 * j), V(I16, 32), 2)
-                isum = bb.add(isum, e.pairdot(bb.mul(bb.zext(v, V(I16, 32)), sc), xv))
+                isum = bb.add(isum, e.pairdot(bb.mul(v, e.shuffle(sw, sw, [j] * 32)), xv))
         s = bb.fmul(d, e.load(dxb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
         acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(s, 16))
         return [acc, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
@@ -254,7 +265,7 @@ def _q6_k_values(e, wb, blk):
 def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
     # block_q6_K: ql[128], qh[64], int8 scales[16], d; value d * scale[e // 16] * (q - 32)
     bb = e.b
-    scales = bb.sext(e.load(wb, e.off(blk, 192), V(I8, 16)), V(I16, 16))
+    scales = e.opaque(bb.sext(e.load(wb, e.off(blk, 192), V(I8, 16)), V(I16, 16)))
     xb = bb.mul(b, ir.Constant(I64, 512))
     isum = ir.Constant(V(I32, 16), [0] * 16)
     for h, k, q8 in _q6_k_values(e, wb, blk):

@@ -140,7 +140,7 @@ def _q3_k_values(e, wb, blk):
 
 def _q3_k(e, wb, xqb, dxb, xsb, b, blk, accs):
     bb = e.b
-    sc = bb.sext(_q3_k_scales(e, wb, blk), V(I16, 16))
+    sc = e.opaque(bb.sext(_q3_k_scales(e, wb, blk), V(I16, 16)))
     isum = ir.Constant(V(I32, 16), [0] * 16)
     for h, j, q in _q3_k_values(e, wb, blk):
         w = bb.mul(bb.sext(q, V(I16, 32)), _two_scales(e, sc, 8 * h + 2 * j))
