@@ -163,7 +163,8 @@ def _iq2_xs(e, wb, blk):
     qs = _u(e, wb, blk, 2, V(I16, 32))
     masks = _ksign_masks(e, bb.trunc(bb.lshr(qs, e.const(I16, 32, 9)), V(I8, 32)))
     for k in range(8):
-        rows = [_row(e, "iq2xs", bb.and_(bb.zext(bb.extract_element(qs, I32(4 * k + m)), I32), I32(511))) for m in range(4)]
+        idx = [bb.and_(bb.zext(bb.extract_element(qs, I32(4 * k + m)), I32), I32(511)) for m in range(4)]
+        rows = [_row(e, "iq2xs", i) for i in idx]
         vals = _apply_mask(e, _concat(e, rows), bb.extract_element(masks, I32(k)))
         sc = bb.zext(_u(e, wb, blk, 66 + k, I8), I32)
         yield k, _scaled(e, vals, bb.and_(sc, I32(15)), bb.lshr(sc, I32(4)))
