@@ -10,7 +10,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from streamer.cli.common import check_output_path, check_prompt, check_trace, open_session, probe
+from streamer.cli.common import (
+    check_output_path,
+    check_prompt,
+    check_trace,
+    open_session,
+    probe,
+    progress_printer,
+)
 from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, TraceOut, with_stream_options
 from streamer.options import StreamOptions
 
@@ -49,7 +56,9 @@ def bench(
     check_trace(trace, cfg)
     check_room(0, pp + tg - 1, cfg.context(ctx))  # the prefill, then tg - 1 decode steps
     with open_session(gf, options, ctx, threads, trace=trace) as s:
-        r = run_bench(s, pp, tg, load_s=time.perf_counter() - t0, random_decode=random_decode)
+        load_s = time.perf_counter() - t0
+        progress = progress_printer("reading weights into RAM", after_s=1.0)
+        r = run_bench(s, pp, tg, load_s=load_s, random_decode=random_decode, progress=progress)
     print(json.dumps(r) if as_json else format_bench(r))
 
 

@@ -9,17 +9,23 @@ import sys
 from pathlib import Path
 
 
-def progress_printer(label: str, fmt=None):
+def progress_printer(label: str, fmt=None, after_s: float = 0.0):
     """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
-    total)` words the counts (default: byte sizes)."""
+    total)` words the counts (default: byte sizes). Silent until `after_s` seconds have passed (fast work
+    prints nothing)."""
+    import time
+
     from streamer.io import human
 
     fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
 
     tty = sys.stderr.isatty()
     last = [-1]
+    start = time.monotonic()
 
     def show(done: int, total: int) -> None:
+        if time.monotonic() - start < after_s and last[0] < 0:
+            return
         pct = int(100 * done / max(total, 1))
         step = pct if tty else pct // 10 * 10
         if step == last[0]:

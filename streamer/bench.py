@@ -31,14 +31,21 @@ def weight_bytes_per_token(session, routed_per_token: float) -> float:
     return dense + routed_per_token * experts / (cfg.n_layer * cfg.n_expert)
 
 
-def run_bench(session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_decode: bool = False) -> dict:
+def run_bench(
+    session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_decode: bool = False, progress=None
+) -> dict:
     """random_decode feeds each decode step a fresh random token instead of the greedy one: routing then
-    never repeats (greedy text from random weights falls into loops), the worst case for an expert cache."""
+    never repeats (greedy text from random weights falls into loops), the worst case for an expert cache.
+    progress(done, total): bytes of the warm-up's page-in."""
     model, prof = session.model, session.profiler
     ids = prompt_tokens(session.cfg.n_vocab, pp)
     feed = prompt_tokens(session.cfg.n_vocab, tg, seed=99) if random_decode else None
     t0 = time.perf_counter()
-    session.populate()  # warm-up: the weights used in place come into RAM, as llama.cpp's load reads them
+    disk0 = disk_read_bytes()
+    # warm-up: the weights used in place come into RAM, as llama.cpp's load reads them (large ordered reads)
+    pagein = session.populate(progress)
+    pagein_s = time.perf_counter() - t0
+    pagein_disk = disk_read_bytes() - disk0
     model.forward(ids[:1], model.new_cache())
     warmup_s = time.perf_counter() - t0
     if prof is not None:
@@ -70,6 +77,10 @@ def run_bench(session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_
         "random_decode": random_decode,
         "load_s": load_s,
         "warmup_s": warmup_s,
+        "pagein_bytes": pagein.total,  # what the budget keeps resident (the page-in read what was not cached)
+        "pagein_s": pagein_s,  # waited for it in the warm-up (the background page-in had started at open)
+        "pagein_disk_bytes": pagein_disk,  # read from disk meanwhile (process counters)
+        "pagein_disk_gb_s": pagein_disk / pagein_s / 1e9 if pagein_s > 0 else 0.0,
         "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
         "tg_tok_s": tg_tok_s,
         "weight_bytes_per_token": wbytes,
@@ -95,7 +106,9 @@ def format_bench(r: dict) -> str:
 
     return "\n".join(
         [
-            f"load     {r['load_s']:.2f} s (open, budget plan, kernels), warm-up {r['warmup_s']:.2f} s (weights into RAM)",
+            f"load     {r['load_s']:.2f} s (open, budget plan, kernels), warm-up {r['warmup_s']:.2f} s (weights into RAM: "
+            f"{r['pagein_bytes'] / 2**30:.2f} GiB paged in, {r['pagein_disk_bytes'] / 2**30:.2f} GiB of it read from "
+            f"disk in {r['pagein_s']:.2f} s, {r['pagein_disk_gb_s']:.2f} GB/s)",
             f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
             f"decode   {r['tg']} tokens{' (random inputs)' if r['random_decode'] else ''}: {r['tg_tok_s']:.2f} tok/s "
             f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",

@@ -8,7 +8,6 @@ only located, then decoded when somebody asks for them. Constants and sizes stil
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
 import struct
@@ -494,14 +493,6 @@ class GGUFFile:
             return
         for start, n in ranges:
             madvise(self.mm, start, n, advice)
-
-    def populate(self, ranges) -> None:
-        """Read byte ranges into memory now, as llama.cpp's load does: one byte per page is touched with
-        sequential readahead on (so the kernel reads in large requests); the ranges are left MADV_NORMAL."""
-        self.advise(ranges, mmap.MADV_SEQUENTIAL)
-        for start, n in ranges:
-            int(self.mm[start : start + n : mmap.PAGESIZE].sum(dtype=np.uint64))
-        self.advise(ranges, mmap.MADV_NORMAL)
 
     def close(self) -> None:
         self._buf.release()

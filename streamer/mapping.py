@@ -23,6 +23,7 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+: fault pages in (and map them) now
 PAGE = mmap.PAGESIZE
 
 
@@ -61,9 +62,12 @@ def map_files(fds: list[int], sizes: list[int]) -> tuple[np.ndarray, list[int]]:
     return np.asarray(region), bases
 
 
-def madvise(arr: np.ndarray, start: int, length: int, advice: int) -> None:
-    """madvise bytes [start, start + length) of an array from map_files (widened to whole pages); a hint only."""
+def madvise(arr: np.ndarray, start: int, length: int, advice: int) -> int:
+    """madvise bytes [start, start + length) of an array from map_files (widened to whole pages). Returns 0,
+    or the errno (callers that only hint ignore it; MADV_POPULATE_READ's caller falls back on an error).
+    ctypes drops the GIL for the call, so a blocking advice (POPULATE_READ) lets other threads run."""
     a0 = start // PAGE * PAGE
     end = min(start + length, arr.size)
-    if end > a0:
-        _libc.madvise(arr.ctypes.data + a0, end - a0, advice)
+    if end > a0 and _libc.madvise(arr.ctypes.data + a0, end - a0, advice) != 0:
+        return ctypes.get_errno() or -1
+    return 0

@@ -18,6 +18,7 @@ from streamer.options import StreamOptions
 if TYPE_CHECKING:  # the heavy modules (numba kernels) load when a model is opened, not on import
     from streamer.model import Model
     from streamer.moe import MoEFFN
+    from streamer.pagein import PageIn
     from streamer.profiler import Profiler
     from streamer.tokenizer import Tokenizer
 
@@ -53,6 +54,7 @@ class Session:
     model: Model
     moe: MoEFFN | None = None  # the model's FFN when it is a MoE (its expert source, traffic profiler, plan)
     _tokenizer: Tokenizer | None = None
+    pagein: PageIn | None = None  # the background page-in open_model started (None: nothing fits the budget)
 
     def report(self, stream) -> None:
         """Print the expert traffic summary (MoE only)."""
@@ -63,10 +65,18 @@ class Session:
     def streaming(self) -> bool:
         return self.moe is not None and self.moe.source.streams
 
-    def populate(self) -> None:
-        """Bring every weight used in place into memory now (benchmarks do this, as llama.cpp's load does)."""
-        self.gf.populate(resident_ranges(self.gf, self.streaming))
-        advise_pages(self.gf)  # expert ranges back to MADV_RANDOM
+    def populate(self, progress=None) -> PageIn:
+        """Bring every weight used in place into memory now, at the disk's sequential speed (benchmarks do
+        this, as llama.cpp's load does): wait for the background page-in, or run one over what the budget
+        keeps resident. progress(done, total) in bytes."""
+        if self.pagein is None:
+            from streamer.pagein import PageIn
+
+            self.pagein = PageIn(self.gf.mm, forward_order(self.gf, resident_ranges(self.gf, self.streaming)))
+            self.pagein.run(progress)
+        else:
+            self.pagein.wait(progress)
+        return self.pagein
 
     @property
     def profiler(self) -> Profiler | None:
@@ -80,7 +90,9 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """Stop and join the expert reader threads (streaming) and release the file watch."""
+        """Stop and join the page-in and expert reader threads and release the file watch."""
+        if self.pagein is not None:
+            self.pagein.stop()
         if self.moe is not None:
             self.moe.close()
         if self.model.watch is not None:
@@ -105,20 +117,51 @@ def resident_ranges(gf: GGUFFile, streaming: bool) -> list[tuple[int, int]]:
     return [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." not in t.name or not streaming]
 
 
+def forward_order(gf: GGUFFile, ranges) -> list[tuple[int, int]]:
+    """The ranges in the order a first forward pass wants them: the non-expert weights (attention, norms,
+    routers, output head) in file order, then the experts in file order (layer by layer), the token embedding
+    table last (a prompt needs a few of its rows, which it faults in itself)."""
+    def kind(t) -> int:
+        return 2 if t.name == "token_embd.weight" else 1 if "_exps." in t.name else 0
+
+    kinds = {t.offset: kind(t) for t in gf.tensors.values()}
+    return sorted(ranges, key=lambda r: (kinds.get(r[0], 1), r[0]))
+
+
+def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int | None) -> list[tuple[int, int]]:
+    """What to read into RAM up front, in forward order, and never more than the RAM budget keeps resident:
+    - streaming: the non-expert weights (the plan counts them in the budget; experts go to the expert cache);
+    - a MoE whose plan found every expert fits: the whole file;
+    - otherwise (dense, --no-stream, a sized expert cache): everything used in place if it fits in `budget`
+      (None: the default share of available memory), else nothing (the OS pages it as it is used)."""
+    from streamer.budget import default_budget
+
+    streaming = moe is not None and moe.source.streams
+    ranges = resident_ranges(gf, streaming)
+    if not streaming and not (moe is not None and moe.plan is not None and moe.plan.fits_resident):
+        if sum(n for _, n in ranges) > (default_budget() if budget is None else budget):
+            return []
+    return forward_order(gf, ranges)
+
+
 def advise_pages(gf: GGUFFile) -> None:
-    """Tell the kernel what to read ahead. Non-expert weights are read ahead in the background (in large
-    requests instead of one page fault at a time). Expert bytes in the mapping get MADV_RANDOM: readahead
-    around other pages never drags them into the page cache. Streamed experts are read into our own cache;
-    resident ones are read ahead expert by expert as they are first needed (experts/source.py)."""
+    """Expert bytes in the mapping get MADV_RANDOM: a fault on one never reads neighbouring experts ahead.
+    Streamed experts are read into our own cache; resident ones are read in large requests by the page-in
+    (streamer/pagein.py) or, ahead of it, expert by expert as they are first needed (experts/source.py).
+    The page-in reads non-expert weights in large requests too; their faults keep normal readahead."""
     import mmap
 
-    from streamer.budget import DEFAULT_FRACTION, available_memory
+    gf.advise([(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name], mmap.MADV_RANDOM)
 
-    experts = [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name]
-    resident = resident_ranges(gf, streaming=True)
-    if sum(n for _, n in resident) < DEFAULT_FRACTION * available_memory():
-        gf.advise(resident, mmap.MADV_WILLNEED)
-    gf.advise(experts, mmap.MADV_RANDOM)
+
+def start_pagein(session: Session, budget: int | None) -> None:
+    """Read what the budget keeps resident in the background, in the order the forward pass needs it, so the
+    first token waits for its own bytes only and the rest arrives at the disk's sequential speed."""
+    from streamer.pagein import PageIn
+
+    ranges = pagein_ranges(session.gf, session.moe, budget)
+    if ranges and session.gf.mm is not None:
+        session.pagein = PageIn(session.gf.mm, ranges).start()
 
 
 def physical_cores() -> int:
@@ -172,6 +215,7 @@ def open_model(
     model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch([s.path for s in gf.shards]))
     session = Session(gf, cfg, model, moe, tokenizer)
     advise_pages(gf)
+    start_pagein(session, options.ram_budget)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
         if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token

@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Cold start, side by side with llama.cpp: disk bandwidth, page-in GB/s, cold `run -n 64` wall, TTFT under a cap.
+
+    python bench/cold_start.py [--model PATH] [--parts disk,pagein,run,llama,ttft] [--cap 8G] [--json OUT]
+
+Every timed part starts from a cold page cache (the model file evicted: bench/cgroup.py's evict, checked
+with mincore) and runs as a child process, timed by wall clock:
+- disk:   the device's sequential read speed: the first --disk-gib GiB of the file read with O_DIRECT in 16 MiB
+          requests, 4 in flight, and the same range read buffered (64 MiB reads after eviction).
+- pagein: streamer.pagein.PageIn over every tensor of the file, in forward order (what `stream-run bench`'s
+          warm-up and the background page-in of a resident model do): bytes / seconds.
+- run:    `stream-run run MODEL -p PROMPT -n 64` wall time (resident: the budget holds the file).
+- llama:  llama.cpp without repacking on the same prompt ids (bench/llama_run.py --pp N --tg 64
+          --no-repack --no-warmup under /opt/llamavenv/bin/python), wall time.
+- ttft:   under a memory cgroup of --cap (root; cgroup v1) with --ram-budget equal to it, `stream-run run
+          --tokens IDS -n 1` for 1- and 16-token prompts (bench's fixed random prompt): whole-process wall.
+          Beside it: the bytes the prompt needs (non-expert weights without the embedding table, plus each
+          layer's distinct routed experts, from a --trace of the same run) / the disk's sequential GB/s, and
+          the target 1.2x that. Never OOM-killed is checked (the cgroup's oom_kill counter).
+Use --rounds 2 or 3 for alternating rounds. Results: one JSON line per measurement on stdout (and --json),
+then a summary table. Run it on a quiet machine as root, with the project venv's python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import cgroup  # noqa: E402  (bench/cgroup.py: evict, cached_bytes, run_capped)
+
+DEFAULT_MODEL = "/work/models/qwen3-30b-a3b-Q4_K.gguf"
+PROMPT = "def fibonacci(n):"
+ALL_PARTS = ("disk", "pagein", "run", "llama", "ttft")
+
+
+def cold(path: str) -> int:
+    """Evict the file; the bytes still cached (0 = fully cold)."""
+    return cgroup.evict_all([path])[str(path)]
+
+
+def disk_direct(path: str, nbytes: int, block: int = 16 << 20, depth: int = 4) -> float:
+    """GB/s of O_DIRECT reads of [0, nbytes): `depth` threads each reading every depth-th block."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    nbytes = min(nbytes, os.path.getsize(path)) // block * block
+    done = [0] * depth
+
+    def worker(k: int) -> None:
+        buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT wants
+        for off in range(k * block, nbytes, depth * block):
+            done[k] += os.preadv(fd, [buf], off)
+
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+def disk_buffered(path: str, nbytes: int, block: int = 64 << 20) -> float:
+    """GB/s of plain sequential reads of [0, nbytes) through the page cache (evicted first; evicted after)."""
+    cold(path)
+    buf = bytearray(block)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0, got = time.perf_counter(), 0
+        while got < nbytes:
+            n = os.preadv(fd, [buf], got)
+            if n <= 0:
+                break
+            got += n
+        return got / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+        cold(path)
+
+
+_PAGEIN = r"""
+import json, sys, time
+from streamer.gguf_file import GGUFFile
+from streamer.pagein import PageIn
+from streamer.session import forward_order
+gf = GGUFFile(sys.argv[1])
+p = PageIn(gf.mm, forward_order(gf, [(t.offset, t.nbytes) for t in gf.tensors.values()]))
+p.run()
+print(json.dumps({"pagein_bytes": p.done, "pagein_s": p.seconds, "pagein_gb_s": p.gb_s}))
+"""
+
+
+def timed(label: str, cmd: list[str], path: str, cap: str | None = None, timeout: float = 900) -> dict:
+    """Evict `path`, run cmd (under a cgroup cap if given), return its wall time and counters."""
+    left = cold(path)
+    r = cgroup.run_capped(cmd, cap, timeout=timeout)
+    out = r.summary()
+    out.update(label=label, cached_after_evict=left, stdout_tail=r.stdout[-400:], stderr_tail=r.stderr[-600:])
+    if r.returncode != 0:
+        print(f"warning: {label} exited {r.returncode}: {r.stderr[-400:]}", file=sys.stderr)
+    return out
+
+
+def prompt_ids(model: str, n: int | None, stream_python: str) -> list[int]:
+    """n None: the tokens of PROMPT; else the first n of stream-run bench's fixed random prompt."""
+    code = (
+        "import sys, json\nfrom streamer.gguf_file import GGUFFile\nfrom streamer.config import ModelConfig\n"
+        "gf = GGUFFile(sys.argv[1])\n"
+        "if sys.argv[2] == 'text':\n"
+        "    from streamer.tokenizer import Tokenizer\n"
+        "    print(json.dumps(Tokenizer.from_gguf(gf).encode(sys.argv[3])))\n"
+        "else:\n"
+        "    from streamer.bench import prompt_tokens\n"
+        "    print(json.dumps([int(t) for t in prompt_tokens(ModelConfig.from_gguf(gf).n_vocab, int(sys.argv[2]))]))\n"
+    )
+    arg = "text" if n is None else str(n)
+    out = subprocess.run([stream_python, "-c", code, model, arg, PROMPT], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def needed_bytes(model: str, ids: list[int], args) -> dict:
+    """Bytes a prompt needs: non-expert weights (the embedding table: one row per token) plus each layer's
+    distinct routed experts, from a --trace of the same run (routing does not depend on the budget)."""
+    code = (
+        "import sys, json, numpy as np\nfrom streamer.trace import load_trace\nfrom streamer.gguf_file import GGUFFile\n"
+        "gf = GGUFFile(sys.argv[1]); t = load_trace(sys.argv[2]); a = t.a; g = t.geometry\n"
+        "rows = t.call_rows(); need = 0\n"
+        "for layer in range(g['n_layer']):\n"
+        "    ids = set()\n"
+        "    for c in np.nonzero((a['c_step'] == 0) & (a['c_layer'] == layer))[0]:\n"
+        "        r = slice(rows[c], rows[c + 1])\n"
+        "        ids |= set(int(e) for e, w in zip(a['r_ids'][r].ravel(), a['r_wp'][r].ravel()) if w > 0)\n"
+        "    need += len(ids) * g['expert_bytes'][layer]\n"
+        "e = gf.tensors['token_embd.weight']\n"
+        "ne = sum(x.nbytes for x in gf.tensors.values() if '_exps.' not in x.name) - e.nbytes\n"
+        "ne += int(sys.argv[3]) * (e.nbytes // e.shape[0])\n"
+        "print(json.dumps({'expert_bytes': need, 'nonexpert_bytes': ne, 'needed_bytes': need + ne}))\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="cold-start-") as d:
+        trace = os.path.join(d, "t.npz")
+        cmd = ttft_cmd(args, model, ids) + ["--trace", trace]
+        subprocess.run(cmd, capture_output=True, check=True, env=run_env())
+        out = subprocess.run(
+            [args.python, "-c", code, model, trace, str(len(ids))], capture_output=True, text=True, check=True
+        )
+    return json.loads(out.stdout)
+
+
+def run_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("STREAM_RUN_CACHE", tempfile.mkdtemp(prefix="cold-start-cache-"))  # no learned pins
+    return env
+
+
+def ttft_cmd(args, model: str, ids: list[int]) -> list[str]:
+    return [
+        args.stream_run, "run", model, "--tokens", ",".join(map(str, ids)), "-n", "1", "--no-display-prompt",
+        "-t", str(args.threads), "-c", "64", "--ram-budget", args.cap,
+    ]  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {','.join(ALL_PARTS)}")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of run / llama and of each ttft")
+    ap.add_argument("--cap", default="8G", help="cgroup cap and --ram-budget of the ttft runs")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-predict", type=int, default=64)
+    ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB read by the disk measurement")
+    ap.add_argument("--python", default=sys.executable, help="the project venv's python")
+    ap.add_argument("--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run"))
+    ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
+    ap.add_argument("--json", help="also append the JSON lines to this file")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in ALL_PARTS]
+    if bad or not os.path.isfile(args.model):
+        print(f"error: {'unknown parts ' + ','.join(bad) if bad else 'no such model file ' + args.model}", file=sys.stderr)
+        return 2
+    model, results = args.model, []
+
+    def emit(rec: dict) -> None:
+        results.append(rec)
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(line + "\n")
+
+    size = os.path.getsize(model)
+    disk_gb_s = None
+    if "disk" in parts:
+        n = int(args.disk_gib * 2**30)
+        cold(model)
+        direct = disk_direct(model, n)
+        buffered = disk_buffered(model, n)
+        disk_gb_s = max(direct, buffered)
+        emit({"label": "disk", "bytes": n, "direct_gb_s": direct, "buffered_gb_s": buffered, "gb_s": disk_gb_s})
+    if "pagein" in parts:
+        r = timed("pagein", [args.python, "-c", _PAGEIN, model], model)
+        rec = json.loads(r["stdout_tail"].strip().splitlines()[-1]) if r["returncode"] == 0 else {}
+        emit({**r, **rec, "file_bytes": size})
+    fib = None
+    for rnd in range(args.rounds):
+        if "run" in parts:
+            cmd = [args.stream_run, "run", model, "-p", PROMPT, "-n", str(args.n_predict), "-t", str(args.threads)]
+            emit({**timed("stream-run cold run", cmd, model), "round": rnd})
+        if "llama" in parts:
+            fib = fib or prompt_ids(model, None, args.python)
+            cmd = [
+                args.llama_python, str(HERE / "llama_run.py"), model, "--threads", str(args.threads),
+                "--pp", str(len(fib)), "--tg", str(args.n_predict), "--prompt-tokens", ",".join(map(str, fib)),
+                "--no-repack", "--no-warmup",
+            ]  # fmt: skip
+            emit({**timed("llama.cpp no-repack cold run", cmd, model), "round": rnd})
+    if "ttft" in parts:
+        for n in (1, 16):
+            ids = prompt_ids(model, n, args.python)
+            need = needed_bytes(model, ids, args)
+            for rnd in range(args.rounds):
+                r = timed(f"stream-run ttft {n}", ttft_cmd(args, model, ids), model, cap=args.cap)
+                rec = {**r, **need, "prompt_tokens": n, "round": rnd}
+                if disk_gb_s:
+                    rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
+                    rec["target_s"] = 1.2 * rec["floor_s"]
+                emit(rec)
+    print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
+    for r in results:
+        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "pagein_gb_s", "wall_s", "target_s", "needed_bytes",
+                "oom_killed", "max_usage_bytes", "rusage_read_bytes")  # fmt: skip
+        print(f"  {r['label']:32s} " + " ".join(f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}"
+                                               for k in keys if k in r), file=sys.stderr)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

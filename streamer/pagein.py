@@ -1,0 +1,152 @@
+"""Page-in: bring byte ranges of the model's mapping into RAM at the disk's sequential speed.
+
+The ranges are read in the order given (the caller puts them in the order the forward pass needs them), in
+pieces of at most `chunk` bytes. MADV_WILLNEED queues the kernel's reads of the pieces up to `ahead` bytes
+past the one being waited for: large asynchronous requests covering exactly those pages (no readahead beyond
+them), several in flight, so the device streams. MADV_POPULATE_READ on the current piece then waits for its
+pages and maps them, so the kernels computing on them later take no page faults at all. Neither depends on
+the range's own advice: expert ranges marked MADV_RANDOM are read in the same large requests, never one
+4 KiB fault at a time. Where POPULATE_READ is missing (Linux < 5.14) one byte per page is touched instead;
+those faults find the pages already being read and only wait.
+
+Only the given ranges are read (widened to whole pages): what the RAM budget allows is the caller's choice
+(session.pagein_ranges). A PageIn runs in the caller's thread (run) or in a background thread (start), with
+(done, total) progress either way.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise
+
+CHUNK = 16 * 2**20  # bytes waited for at a time (progress and stop granularity)
+AHEAD = 128 * 2**20  # bytes of reads queued past the piece being waited for
+
+Progress = Callable[[int, int], None]
+
+
+def pieces(ranges, chunk: int = CHUNK, limit: int | None = None) -> list[tuple[int, int]]:
+    """Whole-page (start, length) pieces of at most `chunk` bytes covering `ranges` ((offset, length) pairs)
+    in their order. A range that starts inside or right at the end of the previous one (after widening to
+    pages) extends it (tensors side by side become one read). Tensors share pages only at their edges: an edge
+    page an earlier piece covers is not read again. limit: the size of the mapping."""
+    merged: list[list[int]] = []
+    for start, n in ranges:
+        if n <= 0:
+            continue
+        a = start // PAGE * PAGE
+        b = -(-(start + n) // PAGE) * PAGE
+        if limit is not None:
+            b = min(b, limit)
+        if merged and merged[-1][0] <= a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out, edges = [], set()
+    for a, b in merged:
+        if a in edges:
+            a += PAGE
+        if b - PAGE in edges and b > a:
+            b -= PAGE
+        if b <= a:
+            continue
+        edges.update((a, b - PAGE))
+        for s in range(a, b, chunk):
+            out.append((s, min(chunk, b - s)))
+    return out
+
+
+class PageIn:
+    """Reads `ranges` of the mapping `mm` (a uint8 array from mapping.map_files) into the page cache and maps
+    them. `advise(mm, start, length, advice) -> errno` is mapping.madvise (tests pass a recorder)."""
+
+    def __init__(self, mm: np.ndarray, ranges, chunk: int = CHUNK, ahead: int = AHEAD, advise=madvise):
+        self.mm = mm
+        self.pieces = pieces(ranges, chunk, limit=mm.size)
+        self.total = sum(n for _, n in self.pieces)
+        self.ahead = ahead
+        self.advise = advise
+        self.done = 0
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._populate = True  # MADV_POPULATE_READ works here (cleared at its first failure)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def gb_s(self) -> float:
+        return self.done / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def run(self, progress: Progress | None = None) -> int:
+        """Read every piece now, in order; returns the bytes paged in (all of them, unless stopped)."""
+        t0 = time.perf_counter()
+        try:
+            queued = 0  # pieces whose reads are queued
+            queued_bytes = 0  # their bytes
+            for i, (start, n) in enumerate(self.pieces):
+                if self._stop.is_set():
+                    break
+                # queue this piece, and the next ones while they end at most `ahead` bytes past it
+                while queued < len(self.pieces) and (
+                    queued <= i or queued_bytes + self.pieces[queued][1] - (self.done + n) <= self.ahead
+                ):
+                    s, m = self.pieces[queued]
+                    self.advise(self.mm, s, m, mmap.MADV_WILLNEED)
+                    queued += 1
+                    queued_bytes += m
+                self._map(start, n)
+                self.done += n
+                self.seconds = time.perf_counter() - t0
+                if progress is not None:
+                    progress(self.done, self.total)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._finished.set()
+        return self.done
+
+    def _map(self, start: int, n: int) -> None:
+        if self._populate and self.advise(self.mm, start, n, MADV_POPULATE_READ) == 0:
+            return
+        self._populate = False  # an old kernel (EINVAL): touch a byte per page, the pages are on their way
+        int(self.mm[start : start + n : PAGE].sum(dtype=np.uint64))
+
+    def start(self) -> PageIn:
+        """Run in a background (daemon) thread; stop() or wait() later."""
+
+        def body():
+            try:
+                self.run()
+            except BaseException as e:  # a hint only: the forward pass faults the pages in itself
+                self.error = e
+
+        self._thread = threading.Thread(target=body, name="stream-run page-in", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self, progress: Progress | None = None, poll_s: float = 0.25) -> int:
+        """Block until the background run finishes, reporting progress meanwhile."""
+        while not self._finished.wait(poll_s):
+            if progress is not None:
+                progress(self.done, self.total)
+        if progress is not None:
+            progress(self.done, self.total)
+        if self._thread is not None:
+            self._thread.join()
+        return self.done
+
+    def stop(self) -> None:
+        """Stop after the piece being read (at most `chunk` bytes) and join the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

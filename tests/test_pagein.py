@@ -1,0 +1,164 @@
+"""Page-in (streamer/pagein.py): the right byte ranges come into the page cache, in large queued reads, and
+nothing beyond what the RAM budget keeps resident. Which bytes are cached is asked of the kernel (mincore);
+which tensors are experts, of gguf-py's own parser. No timing here."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from streamer.gguf_file import GGUFFile
+from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
+from streamer.options import StreamOptions
+from streamer.pagein import PageIn, pieces
+from streamer.session import open_model, pagein_ranges
+
+MiB = 2**20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def resident_pages(arr: np.ndarray) -> np.ndarray:
+    """Per page of a page-aligned mapped array: is it in the page cache (the kernel's mincore)."""
+    n = -(-arr.size // PAGE)
+    vec = (ctypes.c_ubyte * n)()
+    assert _libc.mincore(arr.ctypes.data, arr.size, vec) == 0, os.strerror(ctypes.get_errno())
+    return np.frombuffer(vec, np.uint8) & 1 == 1
+
+
+def evicted(path) -> bool:
+    """Drop the file from the page cache; False where the filesystem keeps it (tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    mm, _ = map_files([fd := os.open(path, os.O_RDONLY)], [os.path.getsize(path)])
+    os.close(fd)
+    return not resident_pages(mm).any()
+
+
+def test_pieces_widen_merge_split_in_order():
+    P = PAGE
+    got = pieces([(5 * P + 10, 10), (3 * P, 2 * P + 1), (20 * P, 0), (40 * P, 9 * P), (0, 1)], chunk=4 * P)
+    # 5P+10..5P+20 -> page 5; then 3P..5P+1 -> pages 3-4 (page 5, an earlier piece's edge, is not read
+    # twice); a zero-length range is nothing; 40P..49P in chunks of 4 pages; then page 0
+    assert got == [(5 * P, P), (3 * P, 2 * P), (40 * P, 4 * P), (44 * P, 4 * P), (48 * P, P), (0, P)]
+    assert pieces([(0, 10 * P)], chunk=4 * P, limit=6 * P) == [(0, 4 * P), (4 * P, 2 * P)]
+    assert pieces([(0, P), (P, P), (2 * P - 1, 2)], chunk=8 * P) == [(0, 3 * P)]  # touching ranges merge
+
+
+def test_reads_are_queued_ahead_then_waited_for_in_order():
+    calls = []
+
+    def advise(mm, start, n, advice):
+        calls.append((advice, start, n))
+        return 0
+
+    mm = np.zeros(64 * PAGE, np.uint8)
+    ranges = [(0, 10 * PAGE), (30 * PAGE, 20 * PAGE)]
+    progress = []
+    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, advise=advise)
+    assert p.run(lambda done, total: progress.append((done, total))) == p.total == 30 * PAGE
+    want = pieces(ranges, 4 * PAGE)
+    queued = [(s, n) for a, s, n in calls if a == mmap.MADV_WILLNEED]
+    populated = [(s, n) for a, s, n in calls if a == MADV_POPULATE_READ]
+    assert queued == want and populated == want  # every piece read once, in the given order
+    for i, piece in enumerate(want):  # queued before it is waited for, and at most `ahead` bytes further on
+        at = calls.index((MADV_POPULATE_READ, *piece))
+        assert (mmap.MADV_WILLNEED, *piece) in calls[:at]
+        ahead = sum(n for a, s, n in calls[:at] if a == mmap.MADV_WILLNEED) - sum(n for _, n in want[:i])
+        assert ahead <= 8 * PAGE + piece[1]
+        assert ahead >= min(8 * PAGE, p.total - sum(n for _, n in want[: i + 1])) + piece[1] - 4 * PAGE
+    assert [d for d, _ in progress] == list(np.cumsum([n for _, n in want]))
+    assert progress[-1] == (p.total, p.total) and p.finished
+
+
+@pytest.mark.parametrize("populate", [True, False])  # False: a kernel without MADV_POPULATE_READ (touch pages)
+def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate):
+    path = tmp_path / "blob"
+    data = np.random.default_rng(0).integers(0, 256, 48 * MiB, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    if not evicted(path):
+        pytest.skip("this filesystem keeps files in the page cache (tmpfs): nothing to page in")
+    fd = os.open(path, os.O_RDONLY)
+    mm, _ = map_files([fd], [data.size])
+    os.close(fd)
+    madvise(mm, 0, mm.size, mmap.MADV_RANDOM)  # as expert ranges are: no readahead of a fault's neighbours
+
+    def advise(arr, start, n, advice):
+        return 22 if advice == MADV_POPULATE_READ and not populate else madvise(arr, start, n, advice)
+
+    ranges = [(20 * MiB + 100, 5 * MiB), (2 * MiB, 3 * MiB + 5)]
+    p = PageIn(mm, ranges, chunk=MiB, ahead=4 * MiB, advise=advise)
+    p.run()
+    want = np.zeros(mm.size // PAGE, bool)
+    for s, n in ranges:
+        want[s // PAGE : -(-(s + n) // PAGE)] = True
+    got = resident_pages(mm)
+    assert got[want].all(), "a page of the ranges is not in the page cache"
+    assert not got[~want].any(), f"{int(got[~want].sum())} pages outside the ranges were read"
+    assert p.done == int(want.sum()) * PAGE
+    assert np.array_equal(mm[20 * MiB : 25 * MiB], data[20 * MiB : 25 * MiB])  # the file's bytes, mapped
+
+
+def _tensors(path):
+    """(offset in the file, bytes, is an expert) of every tensor, from gguf-py's parser."""
+    return [(int(t.data_offset), int(t.n_bytes), "_exps." in t.name) for t in GGUFReader(str(path)).tensors]
+
+
+def _covered(ranges) -> set:
+    return {pg for s, n in ranges for pg in range(s // PAGE, -(-(s + n) // PAGE))}
+
+
+def test_pagein_keeps_to_what_the_budget_keeps_resident(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    ts = _tensors(path)
+    expert_pages = _covered([(s, n) for s, n, e in ts if e])
+    nonexpert_pages = _covered([(s, n) for s, n, e in ts if not e])
+    all_pages = expert_pages | nonexpert_pages
+    total = sum(n for _, n, _ in ts)
+
+    def ranges_for(options):
+        with open_model(path, options) as s:
+            return pagein_ranges(s.gf, s.moe, options.ram_budget), s.pagein
+
+    # streaming (an expert cache of two slots): the non-expert weights only, every one of them
+    from streamer.experts.store import ExpertLayout
+
+    gf = GGUFFile(path)
+    from streamer.config import ModelConfig
+
+    slot = ExpertLayout(gf, ModelConfig.from_gguf(gf)).slot_bytes
+    got, p = ranges_for(StreamOptions(learn=False, expert_cache_bytes=4 * slot))
+    assert _covered(got) == nonexpert_pages
+    assert not (_covered(p.pieces) - nonexpert_pages), "a page holding only expert bytes was paged in"
+    # a budget that holds every expert: the plan uses them in place, and the whole file is paged in
+    got, p = ranges_for(StreamOptions(learn=False, ram_budget=4 * 2**30))
+    assert _covered(got) == all_pages and sum(n for _, n in got) == total
+    # --no-stream under a budget smaller than the weights: nothing up front (no page beyond the budget)
+    got, p = ranges_for(StreamOptions(learn=False, stream=False, ram_budget=total // 2))
+    assert got == [] and p is None
+    got, _ = ranges_for(StreamOptions(learn=False, stream=False, ram_budget=4 * total))
+    assert _covered(got) == all_pages
+
+
+def test_forward_order_and_warmup_progress(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    names = {int(t.data_offset): t.name for t in GGUFReader(str(path)).tensors}
+    with open_model(path, StreamOptions(learn=False, stream=False)) as s:
+        order = [names[o] for o, _ in pagein_ranges(s.gf, s.moe, None)]
+        seen = []
+        p = s.populate(lambda done, total: seen.append((done, total)))
+    kinds = ["embd" if n == "token_embd.weight" else "exp" if "_exps." in n else "w" for n in order]
+    assert kinds == sorted(kinds, key=["w", "exp", "embd"].index)  # non-expert, experts, embedding table
+    layers = [int(n.split(".")[1]) for n in order if "_exps." in n]
+    assert layers == sorted(layers)  # experts layer by layer, as the forward pass needs them
+    assert seen and seen[-1] == (p.total, p.total) and p.done == p.total
+    assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, None))) * PAGE
