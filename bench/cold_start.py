@@ -181,14 +181,18 @@ def main(argv=None) -> int:
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB read by the disk measurement")
     ap.add_argument("--python", default=sys.executable, help="the project venv's python")
-    ap.add_argument("--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run"))
+    ap.add_argument(
+        "--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run")
+    )
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--json", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in ALL_PARTS]
     if bad or not os.path.isfile(args.model):
-        print(f"error: {'unknown parts ' + ','.join(bad) if bad else 'no such model file ' + args.model}", file=sys.stderr)
+        print(
+            f"error: {'unknown parts ' + ','.join(bad) if bad else 'no such model file ' + args.model}", file=sys.stderr
+        )
         return 2
     model, results = args.model, []
 
