@@ -72,7 +72,8 @@ class Session:
         if self.pagein is None:
             from streamer.pagein import PageIn
 
-            self.pagein = PageIn(self.gf.mm, forward_order(self.gf, resident_ranges(self.gf, self.streaming)))
+            ranges = forward_order(self.gf, resident_ranges(self.gf, self.streaming))
+            self.pagein = PageIn(self.gf.mm, ranges, step=readahead_step(self.gf))
             self.pagein.run(progress)
         else:
             self.pagein.wait(progress)
@@ -161,7 +162,14 @@ def start_pagein(session: Session, budget: int | None) -> None:
 
     ranges = pagein_ranges(session.gf, session.moe, budget)
     if ranges and session.gf.mm is not None:
-        session.pagein = PageIn(session.gf.mm, ranges).start()
+        session.pagein = PageIn(session.gf.mm, ranges, step=readahead_step(session.gf)).start()
+
+
+def readahead_step(gf: GGUFFile) -> int:
+    """Bytes one MADV_WILLNEED may cover on every file of the model (shards may sit on different disks)."""
+    from streamer.pagein import readahead_bytes
+
+    return min(readahead_bytes(s.path) for s in gf.shards)
 
 
 def physical_cores() -> int:

@@ -15,7 +15,7 @@ from gguf import GGUFReader
 from streamer.gguf_file import GGUFFile
 from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
 from streamer.options import StreamOptions
-from streamer.pagein import PageIn, pieces
+from streamer.pagein import PageIn, pieces, readahead_bytes
 from streamer.session import open_model, pagein_ranges
 
 MiB = 2**20
@@ -64,24 +64,37 @@ def test_reads_are_queued_ahead_then_waited_for_in_order():
     mm = np.zeros(64 * PAGE, np.uint8)
     ranges = [(0, 10 * PAGE), (30 * PAGE, 20 * PAGE)]
     progress = []
-    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, advise=advise)
+    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, step=3 * PAGE, advise=advise)
     assert p.run(lambda done, total: progress.append((done, total))) == p.total == 30 * PAGE
     want = pieces(ranges, 4 * PAGE)
     queued = [(s, n) for a, s, n in calls if a == mmap.MADV_WILLNEED]
     populated = [(s, n) for a, s, n in calls if a == MADV_POPULATE_READ]
-    assert queued == want and populated == want  # every piece read once, in the given order
-    for i, piece in enumerate(want):  # queued before it is waited for, and at most `ahead` bytes further on
-        at = calls.index((MADV_POPULATE_READ, *piece))
-        assert (mmap.MADV_WILLNEED, *piece) in calls[:at]
-        ahead = sum(n for a, s, n in calls[:at] if a == mmap.MADV_WILLNEED) - sum(n for _, n in want[:i])
-        assert ahead <= 8 * PAGE + piece[1]
-        assert ahead >= min(8 * PAGE, p.total - sum(n for _, n in want[: i + 1])) + piece[1] - 4 * PAGE
+    assert populated == want  # every piece waited for once, in the given order
+    # WILLNEED in steps of at most 3 pages (what the kernel reads for one call), covering each piece exactly
+    assert queued == [(a, min(3 * PAGE, s + n - a)) for s, n in want for a in range(s, s + n, 3 * PAGE)]
+    done = 0
+    for i, c in enumerate(calls):
+        if c[0] != MADV_POPULATE_READ:
+            continue
+        n = c[2]
+        queued_bytes = sum(m for a, _, m in calls[:i] if a == mmap.MADV_WILLNEED)
+        # all of this piece queued before it is waited for; the next ones up to `ahead` bytes past it
+        assert done + n <= queued_bytes <= done + n + 8 * PAGE
+        assert queued_bytes >= min(done + n + 8 * PAGE - 4 * PAGE, p.total)
+        done += n
     assert [d for d, _ in progress] == list(np.cumsum([n for _, n in want]))
     assert progress[-1] == (p.total, p.total) and p.finished
 
 
-@pytest.mark.parametrize("populate", [True, False])  # False: a kernel without MADV_POPULATE_READ (touch pages)
-def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate):
+@pytest.mark.parametrize(
+    "populate,advice",
+    [
+        (True, mmap.MADV_RANDOM),  # as expert ranges are: a fault never reads its neighbours ahead
+        (False, mmap.MADV_RANDOM),  # a kernel without MADV_POPULATE_READ: pages are touched
+        (True, mmap.MADV_NORMAL),  # as non-expert ranges are: a fault would read read_ahead_kb around itself
+    ],
+)
+def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate, advice):
     path = tmp_path / "blob"
     data = np.random.default_rng(0).integers(0, 256, 48 * MiB, dtype=np.uint8)
     path.write_bytes(data.tobytes())
@@ -90,13 +103,15 @@ def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate):
     fd = os.open(path, os.O_RDONLY)
     mm, _ = map_files([fd], [data.size])
     os.close(fd)
-    madvise(mm, 0, mm.size, mmap.MADV_RANDOM)  # as expert ranges are: no readahead of a fault's neighbours
+    madvise(mm, 0, mm.size, advice)
 
-    def advise(arr, start, n, advice):
-        return 22 if advice == MADV_POPULATE_READ and not populate else madvise(arr, start, n, advice)
+    def advise(arr, start, n, what):
+        return 22 if what == MADV_POPULATE_READ and not populate else madvise(arr, start, n, what)
 
-    ranges = [(20 * MiB + 100, 5 * MiB), (2 * MiB, 3 * MiB + 5)]
-    p = PageIn(mm, ranges, chunk=MiB, ahead=4 * MiB, advise=advise)
+    # pieces larger than one WILLNEED the kernel honours (8 MiB here with read_ahead_kb 8192): every page
+    # must still be queued, or the populate faults read around themselves
+    ranges = [(20 * MiB + 100, 11 * MiB), (2 * MiB, 3 * MiB + 5)]
+    p = PageIn(mm, ranges, chunk=16 * MiB, ahead=32 * MiB, step=readahead_bytes(path), advise=advise)
     p.run()
     want = np.zeros(mm.size // PAGE, bool)
     for s, n in ranges:
@@ -105,7 +120,7 @@ def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate):
     assert got[want].all(), "a page of the ranges is not in the page cache"
     assert not got[~want].any(), f"{int(got[~want].sum())} pages outside the ranges were read"
     assert p.done == int(want.sum()) * PAGE
-    assert np.array_equal(mm[20 * MiB : 25 * MiB], data[20 * MiB : 25 * MiB])  # the file's bytes, mapped
+    assert np.array_equal(mm[21 * MiB : 31 * MiB], data[21 * MiB : 31 * MiB])  # the file's bytes, mapped
 
 
 def _tensors(path):
