@@ -131,7 +131,8 @@ def forward_order(gf: GGUFFile, ranges) -> list[tuple[int, int]]:
 
 def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int | None) -> list[tuple[int, int]]:
     """What to read into RAM up front, in forward order, and never more than the RAM budget keeps resident:
-    - streaming: the non-expert weights (the plan counts them in the budget; experts go to the expert cache);
+    - streaming: the non-expert weights (the plan counts them in the budget; experts go to the expert cache)
+      but the embedding table, unless it is also the output head: each token faults in its own row;
     - a MoE whose plan found every expert fits: the whole file;
     - otherwise (dense, --no-stream, a sized expert cache): everything used in place if it fits in `budget`
       (None: the default share of available memory), else nothing (the OS pages it as it is used)."""
@@ -139,6 +140,9 @@ def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int | None) -> list[
 
     streaming = moe is not None and moe.source.streams
     ranges = resident_ranges(gf, streaming)
+    if streaming and "output.weight" in gf.tensors:  # untied: a prompt needs a few rows of the embedding table
+        embd = gf.tensors["token_embd.weight"]
+        ranges = [r for r in ranges if r[0] != embd.offset]
     if not streaming and not (moe is not None and moe.plan is not None and moe.plan.fits_resident):
         if sum(n for _, n in ranges) > (default_budget() if budget is None else budget):
             return []
@@ -149,10 +153,14 @@ def advise_pages(gf: GGUFFile) -> None:
     """Expert bytes in the mapping get MADV_RANDOM: a fault on one never reads neighbouring experts ahead.
     Streamed experts are read into our own cache; resident ones are read in large requests by the page-in
     (streamer/pagein.py) or, ahead of it, expert by expert as they are first needed (experts/source.py).
-    The page-in reads non-expert weights in large requests too; their faults keep normal readahead."""
+    So does an embedding table that is not the output head: a token's row faults in alone, not the
+    read_ahead_kb around it. The page-in reads the rest in large requests; their faults keep readahead."""
     import mmap
 
-    gf.advise([(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name], mmap.MADV_RANDOM)
+    rows = "token_embd.weight" if "output.weight" in gf.tensors else None
+    gf.advise(
+        [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name or t.name == rows], mmap.MADV_RANDOM
+    )
 
 
 def start_pagein(session: Session, budget: int | None) -> None:
