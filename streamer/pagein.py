@@ -19,6 +19,7 @@ Only the given ranges are read (widened to whole pages): what the RAM budget all
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -143,9 +144,13 @@ class PageIn:
         return self.done
 
     def _map(self, start: int, n: int) -> None:
-        if self._populate and self.advise(self.mm, start, n, MADV_POPULATE_READ) == 0:
-            return
-        self._populate = False  # an old kernel (EINVAL): touch a byte per page, the pages are on their way
+        if self._populate:
+            err = self.advise(self.mm, start, n, MADV_POPULATE_READ)
+            if err == 0:
+                return
+            if err != errno.EINVAL:  # EFAULT: the file shrank under us; the forward pass will say so
+                raise OSError(err, os.strerror(err))
+            self._populate = False  # a kernel without it: touch a byte per page, the pages are on their way
         int(self.mm[start : start + n : PAGE].sum(dtype=np.uint64))
 
     def start(self) -> PageIn:

@@ -66,14 +66,13 @@ class Session:
         return self.moe is not None and self.moe.source.streams
 
     def populate(self, progress=None) -> PageIn:
-        """Bring every weight used in place into memory now, at the disk's sequential speed (benchmarks do
-        this, as llama.cpp's load does): wait for the background page-in, or run one over what the budget
-        keeps resident. progress(done, total) in bytes."""
-        if self.pagein is None:
+        """Bring the weights the budget keeps resident (pagein_ranges) into memory now, at the disk's
+        sequential speed (benchmarks do this, as llama.cpp's load does): wait for the background page-in
+        open_model started. progress(done, total) in bytes."""
+        if self.pagein is None:  # nothing fits the budget (open_model decided): nothing is read up front
             from streamer.pagein import PageIn
 
-            ranges = forward_order(self.gf, resident_ranges(self.gf, self.streaming))
-            self.pagein = PageIn(self.gf.mm, ranges, step=readahead_step(self.gf))
+            self.pagein = PageIn(self.gf.mm, [])
             self.pagein.run(progress)
         else:
             self.pagein.wait(progress)
@@ -122,6 +121,7 @@ def forward_order(gf: GGUFFile, ranges) -> list[tuple[int, int]]:
     """The ranges in the order a first forward pass wants them: the non-expert weights (attention, norms,
     routers, output head) in file order, then the experts in file order (layer by layer), the token embedding
     table last (a prompt needs a few of its rows, which it faults in itself)."""
+
     def kind(t) -> int:
         return 2 if t.name == "token_embd.weight" else 1 if "_exps." in t.name else 0
 
@@ -134,7 +134,7 @@ def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int | None) -> list[
     - streaming: the non-expert weights (the plan counts them in the budget; experts go to the expert cache)
       but the embedding table, unless it is also the output head: each token faults in its own row;
     - a MoE whose plan found every expert fits: the whole file;
-    - otherwise (dense, --no-stream, a sized expert cache): everything used in place if it fits in `budget`
+    - otherwise (dense, --no-stream): everything used in place if it fits in `budget`
       (None: the default share of available memory), else nothing (the OS pages it as it is used)."""
     from streamer.budget import default_budget
 

@@ -5,6 +5,7 @@ which tensors are experts, of gguf-py's own parser. No timing here."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 
@@ -106,7 +107,7 @@ def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate, advice)
     madvise(mm, 0, mm.size, advice)
 
     def advise(arr, start, n, what):
-        return 22 if what == MADV_POPULATE_READ and not populate else madvise(arr, start, n, what)
+        return errno.EINVAL if what == MADV_POPULATE_READ and not populate else madvise(arr, start, n, what)
 
     # pieces larger than one WILLNEED the kernel honours (8 MiB here with read_ahead_kb 8192): every page
     # must still be queued, or the populate faults read around themselves
@@ -166,6 +167,8 @@ def test_pagein_keeps_to_what_the_budget_keeps_resident(synth_model):
     # --no-stream under a budget smaller than the weights: nothing up front (no page beyond the budget)
     got, p = ranges_for(StreamOptions(learn=False, stream=False, ram_budget=total // 2))
     assert got == [] and p is None
+    with open_model(path, StreamOptions(learn=False, stream=False, ram_budget=total // 2)) as s:
+        assert s.populate().total == 0  # bench's warm-up then reads nothing either
     got, _ = ranges_for(StreamOptions(learn=False, stream=False, ram_budget=4 * total))
     assert _covered(got) == all_pages
 
@@ -183,3 +186,18 @@ def test_forward_order_and_warmup_progress(synth_model):
     assert layers == sorted(layers)  # experts layer by layer, as the forward pass needs them
     assert seen and seen[-1] == (p.total, p.total) and p.done == p.total
     assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, None))) * PAGE
+
+
+def test_warmup_progress_lines(capsys):
+    from streamer.cli.common import progress_printer
+
+    show = progress_printer("reading weights into RAM")
+    for done in range(0, 101, 5):
+        show(done * MiB, 100 * MiB)
+    lines = capsys.readouterr().err.splitlines()  # not a terminal: a line every 10%
+    assert [line.rsplit("(", 1)[1] for line in lines] == [f"{p}%)" for p in range(0, 101, 10)]
+    assert all(line.startswith("reading weights into RAM: ") for line in lines)
+    quiet = progress_printer("reading weights into RAM", after_s=3600)  # work faster than after_s: silent
+    quiet(MiB, 2 * MiB)
+    quiet(2 * MiB, 2 * MiB)
+    assert capsys.readouterr().err == ""
