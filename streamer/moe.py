@@ -19,6 +19,7 @@ from streamer.budget import Plan
 from streamer.experts.source import serve
 from streamer.kernels import ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
+from streamer.kernels.routing import topk_softmax
 from streamer.model import linear, qmatrix
 
 
@@ -30,13 +31,12 @@ def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, n
 
 
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over all experts, the top k by descending weight, renormalised (before expert top-p)."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
-    w = np.take_along_axis(p, ids, axis=1)
-    w /= w.sum(axis=1, keepdims=True)
+    """Softmax over all experts, the top k by descending weight (ties: lower id first), renormalised (before
+    expert top-p). One kernel call (kernels/routing.py)."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    ids = np.empty((logits.shape[0], k), np.int64)
+    w = np.empty((logits.shape[0], k), np.float32)
+    topk_softmax(logits, k, ids, w)
     return ids, w
 
 
@@ -62,6 +62,8 @@ class Router:
         self.mats = [qmatrix(gf, f"blk.{i}.ffn_gate_inp.weight") for i in range(cfg.n_layer)]
         self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
         self.trace = None  # a streamer.trace.TraceRecorder: gets the top-k before and after expert top-p
+        self._h = np.empty((1, cfg.n_embd), np.float32)  # the lookahead's scratch
+        self._logits = np.empty((1, cfg.n_expert), np.float32)
 
     def __call__(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids_k, w_k = route_topk(linear(self.mats[layer], h), self.cfg.n_expert_used)
@@ -72,11 +74,14 @@ class Router:
 
     def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
         """The experts `layer` would pick for the residual x of one token (before its attention)."""
-        h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, np.empty_like(x))
-        ids_k, w_k = route_topk(self.mats[layer].matvec(h[0]).reshape(1, -1), self.cfg.n_expert_used)
-        ids, _ = apply_top_p(ids_k, w_k, self.expert_top_p)
+        h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h)
+        self.mats[layer].matvec(h[0], self._logits[0])
+        ids_k, w_k = route_topk(self._logits, self.cfg.n_expert_used)
         if self.trace is not None:
             self.trace.lookahead(layer, ids_k, w_k)
+        if self.expert_top_p >= 1.0:
+            return ids_k[0]
+        ids, _ = apply_top_p(ids_k, w_k, self.expert_top_p)
         return ids[0][ids[0] >= 0]
 
 
@@ -136,40 +141,46 @@ class MoEFFN:
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
         ids, w = self.router(layer, h)
-        used = ids >= 0
         self.prof.routed(layer, ids, self.predicted.pop(layer, None))
-        if self.usage is not None:
-            self.usage.record(layer, ids[used])
         out = np.zeros_like(h)
-        experts = np.unique(ids[used])
-        self.source.announce(layer, experts)
-        nxt = self.predicted.get(layer + 1) if m == 1 else None
         if m == 1 and self.fused[layer] is not None:  # decode: as many experts per kernel call as are ready
-            order = np.argsort(ids[0])  # expert weights in ascending id order, dropped (-1) first
-            wts = w[0][order][ids[0][order] >= 0].astype(np.float32)
+            order = np.argsort(ids[0])  # expert ids ascending, dropped (-1) first
+            experts, wts = ids[0][order], w[0][order]
+            if experts[0] < 0:
+                keep = experts >= 0
+                experts, wts = experts[keep], wts[keep]
+            if self.usage is not None:
+                self.usage.record(layer, experts)
+            self.source.announce(layer, experts)
             serve(
                 self.source,
                 layer,
                 experts,
                 lambda start, group, mats: self._fused(layer, group, wts[start : start + len(group)], h[0], out[0]),
-                prefetch_next=nxt,
+                prefetch_next=self.predicted.get(layer + 1),
             )
-        else:  # one expert at a time, in ascending id order, reads up to the window ahead
-            serve(
-                self.source,
-                layer,
-                experts,
-                lambda start, group, mats: self._expert(mats[0], group[0], h, ids, w, out),
-                self.window,
-                nxt,
-            )
+            return out
+        used = ids >= 0
+        if self.usage is not None:
+            self.usage.record(layer, ids[used])
+        experts = np.unique(ids[used])
+        self.source.announce(layer, experts)
+        nxt = self.predicted.get(layer + 1) if m == 1 else None
+        # one expert at a time, in ascending id order, reads up to the window ahead
+        serve(
+            self.source,
+            layer,
+            experts,
+            lambda start, group, mats: self._expert(mats[0], group[0], h, ids, w, out),
+            self.window,
+            nxt,
+        )
         return out
 
     def _fused(self, layer, group, wts, x, out) -> None:
         plan = self.fused[layer]
-        locs = [self.source.locate(layer, e) for e in group]
-        base, g = locs[0][0], len(group)
-        offs = np.array([o[0] for _, o in locs] + [o[1] for _, o in locs] + [o[2] for _, o in locs], np.int64)
+        base, offs = self.source.offsets(layer, group)
+        g = len(group)
         gu = np.empty((2 * g, self.cfg.n_ff_exp), np.float32)
         experts_matvec(
             plan.gate_up_format,

@@ -62,12 +62,18 @@ class Profiler:
     def routed(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None = None) -> None:
         """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p;
         for one token, how many of its experts the router lookahead had predicted."""
-        st, used = self.layers[layer], ids >= 0
-        st.routed += int(used.sum())
-        st.dropped += int((~used).sum())
-        if predicted is not None and ids.shape[0] == 1:
-            st.recall_hit += len(np.intersect1d(predicted, ids[0][used[0]]))
-            st.recall_total += int(used[0].sum())
+        st = self.layers[layer]
+        if ids.shape[0] == 1:  # decode: a handful of ids, cheaper in Python than in numpy calls
+            row = [e for e in ids[0].tolist() if e >= 0]
+            st.routed += len(row)
+            st.dropped += ids.shape[1] - len(row)
+            if predicted is not None:
+                st.recall_hit += len(set(row).intersection(predicted.tolist()))
+                st.recall_total += len(row)
+        else:
+            used = ids >= 0
+            st.routed += int(used.sum())
+            st.dropped += int((~used).sum())
         if layer == 0:
             self.tokens += ids.shape[0]
 

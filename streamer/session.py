@@ -76,6 +76,8 @@ class Session:
             self.pagein.run(progress)
         else:
             self.pagein.wait(progress)
+        if self.moe is not None and not self.streaming:
+            self.moe.source.resident()  # every expert is in RAM: no read-ahead or lookahead needed
         return self.pagein
 
     @property

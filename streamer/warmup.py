@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import experts, ops
+from streamer.kernels import experts, ops, routing
 from streamer.kernels.dispatch import SUPPORTED, QMatrix
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
@@ -99,6 +99,8 @@ def _run_experts() -> None:
             sa.xq,
             sa.aux,
         )
+    for m in (1, 2):  # the router's top-k (Router.predict and one token: m = 1; prefill: more)
+        routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
 
 def groups() -> list[Group]:
@@ -106,7 +108,7 @@ def groups() -> list[Group]:
     MoE kernels."""
     return _matrix_groups() + [
         Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu), _run_ops),
-        Group("experts", (experts.experts_matvec, experts.experts_down), _run_experts),
+        Group("experts", (experts.experts_matvec, experts.experts_down, routing.topk_softmax), _run_experts),
     ]
 
 

@@ -14,6 +14,8 @@ import time
 import weakref
 from collections import deque
 
+import numpy as np
+
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
 from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
@@ -37,11 +39,23 @@ class ResidentSource:
         self.prof = profiler
         self.gf = gf
         self.layout = ExpertLayout(gf, cfg)
+        self._spans = [  # per layer: where expert 0's gate, up, down start, and each part's bytes per expert
+            (np.array([[p.offset] for p in ps], np.int64), np.array([[p.nbytes] for p in ps], np.int64))
+            for ps in self.layout.parts
+        ]
         self.mats: dict = {}
         self.touched: set = set()
         self.wants_lookahead = True  # until every expert has been touched once
 
+    in_place = True  # every expert is always there: serve() need not request, wait for or release them
+
+    def resident(self) -> None:
+        """Every expert is in RAM now (the caller read the whole file in): no more read-ahead, no lookahead."""
+        self.wants_lookahead = False
+
     def _warm(self, layer: int, experts) -> None:
+        if not self.wants_lookahead:
+            return
         new = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.touched]
         if new:
             self.gf.advise(
@@ -60,6 +74,16 @@ class ResidentSource:
         self._warm(layer, (e,))
         return True
 
+    def request_all(self, layer: int, experts) -> None:
+        """request() for each of experts, counted at once (they are all in place)."""
+        st = self.prof.layers[layer]
+        st.requests += len(experts)
+        st.hit_pinned += len(experts)
+        if self.prof.trace is not None:
+            for e in experts:
+                self.prof.trace.request(layer, int(e), PINNED, 0)
+        self._warm(layer, experts)
+
     def prefetch(self, layer: int, experts) -> None:
         self._warm(layer, experts)
 
@@ -70,9 +94,11 @@ class ResidentSource:
     def drain(self) -> None:
         pass
 
-    def locate(self, layer: int, e: int):
-        """(base array, byte offsets of gate, up, down in it): experts in place in the file's mapping."""
-        return self.gf.mm, tuple(p.offset + e * p.nbytes for p in self.layout.parts[layer])
+    def offsets(self, layer: int, group):
+        """(base array, byte offsets in it of the group's gates, then ups, then downs, int64): experts in place
+        in the file's mapping."""
+        start, size = self._spans[layer]
+        return self.gf.mm, (start + size * np.asarray(group, np.int64)).reshape(-1)
 
     def wait(self, layer: int, e: int):
         m = self.mats.get((layer, e))
@@ -90,6 +116,7 @@ class ResidentSource:
 class StreamingSource:
     wants_lookahead = True
     streams = True
+    in_place = False
 
     def __init__(
         self,
@@ -209,9 +236,11 @@ class StreamingSource:
                 except BaseException:  # a failed prefetch has already given its slot back
                     pass
 
-    def locate(self, layer: int, e: int):
-        """(base array, byte offsets of gate, up, down in it), for an expert that wait() returned."""
-        return self.cache.flat, self.cache.entries[(layer, e)].offsets
+    def offsets(self, layer: int, group):
+        """(base array, byte offsets in it of the group's gates, then ups, then downs, int64), for experts
+        that wait() returned."""
+        offs = [self.cache.entries[(layer, int(e))].offsets for e in group]
+        return self.cache.flat, np.array([o[j] for j in range(3) for o in offs], np.int64)
 
     def release(self, layer: int, e: int) -> None:
         entry = self.cache.entries.get((layer, e))
@@ -233,8 +262,16 @@ def serve(source, layer: int, experts, compute, window: int | None = None, prefe
     whole group. window N: request up to N ahead, and call compute on each in turn as it is ready. Either
     way compute(start, group, mats) gets the experts' index in `experts`, their ids and (gate, up, down); the
     next layer's predicted experts are prefetched once this layer's own misses are queued; and every request
-    is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever."""
+    is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever. A source whose experts
+    are all in place (ResidentSource) is asked for them at once in together mode, and compute gets None for
+    the matrices (it finds the experts with source.offsets)."""
     together = window is None
+    if together and source.in_place:
+        source.request_all(layer, experts)
+        if prefetch_next is not None:
+            source.prefetch(layer + 1, prefetch_next)
+        compute(0, experts, None)
+        return
     window = len(experts) if together else window
     pending, i, stuck = deque(), 0, False
     try:

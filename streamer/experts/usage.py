@@ -88,7 +88,7 @@ class Usage:
         self.saved = load_counts(self.path, self.key, n_layer, n_expert) if learn else None
 
     def record(self, layer: int, experts) -> None:
-        np.add.at(self.counts[layer], np.asarray(experts, dtype=np.int64), 1.0)
+        self.counts[layer] += np.bincount(np.asarray(experts, dtype=np.int64), minlength=self.counts.shape[1])
 
     def pins(self, capacity: int) -> list[tuple[int, int]]:
         return choose_pins(self.saved, capacity)
