@@ -239,6 +239,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         s.gf.populate(keep)
         print(f"populated {sum(n for _, n in keep) / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s")
+        if not s.streaming and hasattr(s.moe.source, "resident"):
+            s.moe.source.resident()  # as Session.populate: every expert used is in RAM
     from streamer.session import advise_pages
 
     advise_pages(s.gf)

@@ -19,6 +19,7 @@ from streamer.budget import Plan
 from streamer.experts.source import serve
 from streamer.kernels import ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
+from streamer.kernels.grouped import grouped_down, grouped_gate_up, prepare_rows
 from streamer.kernels.routing import topk_softmax
 from streamer.model import linear, qmatrix
 
@@ -85,6 +86,11 @@ class Router:
         return ids[0][ids[0] >= 0]
 
 
+# A prefill expert with at most this many tokens goes through the grouped kernels (one row read, a dot per
+# token), one with more through the dequantized-tile matmul (measured on 768x2048 Q4_K experts).
+GROUPED_MAX = 8
+
+
 class FusedPlan(NamedTuple):
     """How the multi-expert decode kernels read one layer's experts: format code and bytes per row."""
 
@@ -120,6 +126,8 @@ class MoEFFN:
         self.router = Router(gf, cfg, expert_top_p)
         self.predicted: dict[int, np.ndarray] = {}
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
+        self.group = cfg.n_expert_used  # streamed prefill: experts computed together (reads run window ahead)
+        self.grouped_max = GROUPED_MAX
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
@@ -166,6 +174,9 @@ class MoEFFN:
         experts = np.unique(ids[used])
         self.source.announce(layer, experts)
         nxt = self.predicted.get(layer + 1) if m == 1 else None
+        if m > 1 and self.fused[layer] is not None:
+            self._prefill(layer, h, ids, w, experts, out)
+            return out
         # one expert at a time, in ascending id order, reads up to the window ahead
         serve(
             self.source,
@@ -176,6 +187,61 @@ class MoEFFN:
             nxt,
         )
         return out
+
+    def _prefill(self, layer, h, ids, w, experts, out) -> None:
+        """The chunk's tokens grouped by expert: each routed expert is read once. Experts with at most
+        grouped_max tokens go through the grouped kernels (kernels/grouped.py), several experts per call;
+        the others through QMatrix.matmul. Reads run `window` experts ahead of the group being computed
+        (streaming); resident experts are computed in one group. Each token's expert outputs are added in
+        ascending expert order whatever the grouping, so streamed == resident bit for bit."""
+        plan, m, k = self.fused[layer], h.shape[0], ids.shape[1]
+        e_flat, t_flat = ids.reshape(-1), np.repeat(np.arange(m, dtype=np.int64), k)
+        sel = np.flatnonzero(e_flat >= 0)
+        order = sel[np.lexsort((t_flat[sel], e_flat[sel]))]  # pairs by (expert, token)
+        pe, pt, pw = e_flat[order], t_flat[order], w.reshape(-1)[order].astype(np.float32)
+        pstart = np.searchsorted(pe, experts, side="left")
+        pend = np.searchsorted(pe, experts, side="right")
+        xq = np.empty((m, h.shape[1]), np.int16)
+        aux = np.empty((m, 2 * (h.shape[1] >> 5) + 1), np.float32)
+        prepare_rows(plan.gate_up_format, h, xq, aux)
+        small = (pend - pstart) <= self.grouped_max
+
+        def compute(start, group, mats):
+            j, n = 0, len(group)
+            while j < n:
+                if not small[start + j]:
+                    self._expert(mats[j], group[j], h, ids, w, out)
+                    j += 1
+                    continue
+                j1 = j
+                while j1 < n and small[start + j1]:
+                    j1 += 1
+                self._grouped(layer, group[j:j1], pstart[start + j : start + j1], pend[start + j1 - 1], pt, pw, xq, aux, out)
+                j = j1
+
+        if self.source.in_place:
+            serve(self.source, layer, experts, compute, len(experts), None, len(experts))
+        else:
+            serve(self.source, layer, experts, compute, self.group + self.window, None, self.group)
+
+    def _grouped(self, layer, group, starts, end, pt, pw, xq, aux, out) -> None:
+        """Experts `group` (ascending), their pairs starts[0]..end of (pt token, pw weight), by the grouped
+        kernels: out[t] += pw * down(silu(gate x_t) * up x_t), per token in ascending expert order."""
+        plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
+        base, offs = self.source.offsets(layer, group)
+        p0 = starts[0]
+        starts = np.append(starts[:g], end) - p0
+        toks = pt[p0:end]
+        P = end - p0
+        gu = np.empty((2, P, n_ff), np.float32)
+        grouped_gate_up(plan.gate_up_format, base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
+        a = ops.swiglu(gu[0], gu[1], gu[0])
+        perm = np.argsort(toks, kind="stable")  # pairs by token, each token's in ascending expert order
+        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        poffs = np.repeat(offs[2 * g :], np.diff(starts))
+        aq = np.empty((P, n_ff), np.int16)
+        aaux = np.empty((P, 2 * (n_ff >> 5) + 1), np.float32)
+        grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, pw[p0:end], tstarts, perm, out)
 
     def _fused(self, layer, group, wts, x, out) -> None:
         plan = self.fused[layer]

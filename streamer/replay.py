@@ -288,6 +288,8 @@ def simulate(
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None
         if m == 1 and g["fused"][layer]:
             serve(src, layer, experts, _no_compute, prefetch_next=nxt_set)
+        elif m > 1 and g["fused"][layer] and o.get("group"):  # grouped prefill (older traces: one at a time)
+            serve(src, layer, experts, _no_compute, o["group"] + o["window"], nxt_set, o["group"])
         else:
             serve(src, layer, experts, _no_compute, o["window"], nxt_set)
     if policy == "belady" and rec.n_requests != len(keys):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import experts, ops, routing
+from streamer.kernels import experts, grouped, ops, routing
 from streamer.kernels.dispatch import SUPPORTED, QMatrix
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
@@ -99,6 +99,25 @@ def _run_experts() -> None:
             sa.xq,
             sa.aux,
         )
+        m, g = 3, 2  # the grouped prefill kernels: m tokens over g experts, one pair each
+        xq, aux = np.empty((m, N_IN), np.int16), np.empty((m, 2 * (N_IN >> 5) + 1), np.float32)
+        grouped.prepare_rows(fmt, np.zeros((m, N_IN), np.float32), xq, aux)
+        starts, toks = np.arange(g + 1, dtype=np.int64), np.arange(g, dtype=np.int64)
+        gu = np.empty((2, g, N_OUT), np.float32)
+        grouped.grouped_gate_up(fmt, w, np.zeros((2, g), np.int64), row_bytes, xq, aux, starts, toks, gu)
+        grouped.grouped_down(
+            fmt,
+            w,
+            np.zeros(g, np.int64),
+            row_bytes,
+            np.zeros((g, N_IN), np.float32),
+            np.empty((g, N_IN), np.int16),
+            np.empty((g, 2 * (N_IN >> 5) + 1), np.float32),
+            np.ones(g, np.float32),
+            np.array([0, 1, 2, 2], np.int64),
+            toks,
+            np.zeros((m, N_OUT), np.float32),
+        )
     for m in (1, 2):  # the router's top-k (Router.predict and one token: m = 1; prefill: more)
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
@@ -108,7 +127,18 @@ def groups() -> list[Group]:
     MoE kernels."""
     return _matrix_groups() + [
         Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu), _run_ops),
-        Group("experts", (experts.experts_matvec, experts.experts_down, routing.topk_softmax), _run_experts),
+        Group(
+            "experts",
+            (
+                experts.experts_matvec,
+                experts.experts_down,
+                routing.topk_softmax,
+                grouped.prepare_rows,
+                grouped.grouped_gate_up,
+                grouped.grouped_down,
+            ),
+            _run_experts,
+        ),
     ]
 
 

@@ -9,6 +9,7 @@ one loop that drives them for a layer's experts.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import time
 import weakref
@@ -256,21 +257,22 @@ def _shutdown(pool: ReaderPool, reader: ExpertReader) -> None:
     reader.close()
 
 
-def serve(source, layer: int, experts, compute, window: int | None = None, prefetch_next=None) -> None:
+def serve(source, layer: int, experts, compute, window: int | None = None, prefetch_next=None, group: int = 1) -> None:
     """The one request/prefetch/release loop over a layer's experts (ascending ids), for both ways of computing
     them. window None: request all of them (as many as the cache gives at once), then call compute on the
-    whole group. window N: request up to N ahead, and call compute on each in turn as it is ready. Either
+    whole group. window N: request up to N ahead, and call compute on the first `group` of them (fewer if
+    fewer are requested) as they are ready, while the reads of the others go on. Either
     way compute(start, group, mats) gets the experts' index in `experts`, their ids and (gate, up, down); the
     next layer's predicted experts are prefetched once this layer's own misses are queued; and every request
     is released, even on Ctrl-C or an I/O error, so no slot stays referenced forever. A source whose experts
     are all in place (ResidentSource) is asked for them at once in together mode, and compute gets None for
     the matrices (it finds the experts with source.offsets)."""
     together = window is None
-    if together and source.in_place:
+    if source.in_place and (together or group >= len(experts)):
         source.request_all(layer, experts)
         if prefetch_next is not None:
             source.prefetch(layer + 1, prefetch_next)
-        compute(0, experts, None)
+        compute(0, experts, None if together else [source.wait(layer, int(e)) for e in experts])
         return
     window = len(experts) if together else window
     pending, i, stuck = deque(), 0, False
@@ -286,9 +288,9 @@ def serve(source, layer: int, experts, compute, window: int | None = None, prefe
                 stuck = _no_room(source, layer, stuck)
                 continue
             stuck = False
-            group = list(pending) if together else [pending[0]]
-            compute(i - len(pending), group, [source.wait(layer, e) for e in group])
-            for e in group:
+            batch = list(pending) if together else list(itertools.islice(pending, group))
+            compute(i - len(pending), batch, [source.wait(layer, e) for e in batch])
+            for e in batch:
                 pending.popleft()
                 source.release(layer, e)
     finally:
