@@ -13,15 +13,17 @@ from __future__ import annotations
 import weakref
 from typing import NamedTuple
 
+import numba
 import numpy as np
 
 from streamer.budget import Plan
 from streamer.experts.source import serve
 from streamer.kernels import ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
-from streamer.kernels.grouped import grouped_down, grouped_gate_up, prepare_rows
+from streamer.kernels.gemm import TILE
+from streamer.kernels.grouped import grouped_down, grouped_gate_up, grouped_matmul, prepare_rows, scatter_add
 from streamer.kernels.routing import topk_softmax
-from streamer.model import linear, qmatrix
+from streamer.model import MATVEC_ROWS, linear, qmatrix
 
 
 def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -86,11 +88,10 @@ class Router:
         return ids[0][ids[0] >= 0]
 
 
-# A prefill expert with at most this many tokens goes through the grouped kernels (one row read, a dot per
-# token), one with more through QMatrix.matmul. Measured on one 30B-A3B Q4_K layer (768x2048 experts, 2
-# threads): every expert grouped took 273 ms for 128 tokens and 1042 ms for 512, against 989 and 2936 ms with
-# every expert through the f32-tile matmul, and 2444 ms for 512 with experts above 32 tokens through matmul.
-GROUPED_MAX = 256
+# A prefill expert with at most this many tokens goes through the grouped int16 row dots (one row read, a dot
+# per token: the decode kernels' math), one with more through grouped_matmul (dequantized f32 tiles, reused
+# across its tokens): the crossover model.linear measured between matvec and matmul.
+GROUPED_MAX = MATVEC_ROWS
 
 
 class FusedPlan(NamedTuple):
@@ -130,6 +131,7 @@ class MoEFFN:
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
         self.group = cfg.n_expert_used  # streamed prefill: experts computed together (reads run window ahead)
         self.grouped_max = GROUPED_MAX
+        self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
@@ -191,9 +193,9 @@ class MoEFFN:
         return out
 
     def _prefill(self, layer, h, ids, w, experts, out) -> None:
-        """The chunk's tokens grouped by expert: each routed expert is read once. Experts with at most
-        grouped_max tokens go through the grouped kernels (kernels/grouped.py), several experts per call;
-        the others through QMatrix.matmul. Reads run `window` experts ahead of the group being computed
+        """The chunk's tokens grouped by expert: each routed expert is read once, several experts per kernel
+        call (kernels/grouped.py): experts with at most grouped_max tokens by int16 row dots, the others by
+        dequantized f32 tiles. Reads run `window` experts ahead of the group being computed
         (streaming); resident experts are computed in one group. Each token's expert outputs are added in
         ascending expert order whatever the grouping, so streamed == resident bit for bit."""
         plan, m, k = self.fused[layer], h.shape[0], ids.shape[1]
@@ -210,15 +212,16 @@ class MoEFFN:
 
         def compute(start, group, mats):
             j, n = 0, len(group)
-            while j < n:
-                if not small[start + j]:
-                    self._expert(mats[j], group[j], h, ids, w, out)
-                    j += 1
-                    continue
+            while j < n:  # runs of experts of one kind, in ascending order
+                kind = small[start + j]
                 j1 = j
-                while j1 < n and small[start + j1]:
+                while j1 < n and small[start + j1] == kind:
                     j1 += 1
-                self._grouped(layer, group[j:j1], pstart[start + j : start + j1], pend[start + j1 - 1], pt, pw, xq, aux, out)
+                run, starts, end = group[j:j1], pstart[start + j : start + j1], pend[start + j1 - 1]
+                if kind:
+                    self._grouped(layer, run, starts, end, pt, pw, xq, aux, out)
+                else:
+                    self._grouped_mm(layer, run, starts, end, h, pt, pw, out)
                 j = j1
 
         if self.source.in_place:
@@ -244,6 +247,31 @@ class MoEFFN:
         aq = np.empty((P, n_ff), np.int16)
         aaux = np.empty((P, 2 * (n_ff >> 5) + 1), np.float32)
         grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, pw[p0:end], tstarts, perm, out)
+
+    def _grouped_mm(self, layer, group, starts, end, h, pt, pw, out) -> None:
+        """As _grouped, through grouped_matmul (QMatrix.matmul's math: dequantized f32 tiles) and scatter_add."""
+        plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
+        base, offs = self.source.offsets(layer, group)
+        p0 = starts[0]
+        starts = np.append(starts[:g], end) - p0
+        toks = pt[p0:end]
+        x = h[toks]
+        gu = np.empty((2, end - p0, n_ff), np.float32)
+        grouped_matmul(
+            plan.gate_up_format, base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, x, starts, gu, self._tiles(h.shape[1])
+        )
+        a = ops.swiglu(gu[0], gu[1], gu[0])
+        y = np.empty((1, end - p0, h.shape[1]), np.float32)
+        grouped_matmul(plan.down_format, base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, a, starts, y, self._tiles(n_ff))
+        perm = np.argsort(toks, kind="stable")
+        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        scatter_add(out, y[0], pw[p0:end], tstarts, perm)
+
+    def _tiles(self, n_in: int) -> np.ndarray:
+        t = self._tile_scratch.get(n_in)
+        if t is None:
+            t = self._tile_scratch[n_in] = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, n_in), np.float32)
+        return t
 
     def _fused(self, layer, group, wts, x, out) -> None:
         plan = self.fused[layer]

@@ -16,11 +16,13 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from streamer.kernels import experts, grouped, ops, routing
 from streamer.kernels.dispatch import SUPPORTED, QMatrix
+from streamer.kernels.gemm import TILE
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
 N_OUT = 4
@@ -118,6 +120,10 @@ def _run_experts() -> None:
             toks,
             np.zeros((m, N_OUT), np.float32),
         )
+        tiles = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, N_IN), np.float32)
+        gu = np.empty((2, g, N_IN), np.float32)
+        grouped.grouped_matmul(fmt, w, np.zeros((2, g), np.int64), row_bytes, np.zeros((g, N_IN), np.float32), starts, gu, tiles)
+        grouped.scatter_add(np.zeros((m, N_IN), np.float32), gu[0], np.ones(g, np.float32), np.array([0, 1, 2, 2], np.int64), toks)
     for m in (1, 2):  # the router's top-k (Router.predict and one token: m = 1; prefill: more)
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
@@ -136,6 +142,8 @@ def groups() -> list[Group]:
                 grouped.prepare_rows,
                 grouped.grouped_gate_up,
                 grouped.grouped_down,
+                grouped.grouped_matmul,
+                grouped.scatter_add,
             ),
             _run_experts,
         ),

@@ -172,7 +172,7 @@ def test_budget_too_small_is_one_clear_error(synth_model):
         open_model(path, StreamOptions(learn=False, expert_cache_bytes=3 * slot_bytes(path)))
 
 
-@pytest.mark.parametrize("method,n_tokens", [("_expert", 5), ("_fused", 1)])  # prefill and decode paths
+@pytest.mark.parametrize("method,n_tokens", [("_grouped", 5), ("_fused", 1)])  # prefill and decode paths
 def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatch, method, n_tokens):
     """Ctrl-C (or an I/O error) mid-layer must release every requested expert, or its slot would be stuck."""
     from streamer.moe import MoEFFN

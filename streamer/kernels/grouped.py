@@ -8,12 +8,16 @@ is read once and dotted with every token routed to that expert (`grouped_gate_up
 down rows and adds each token's weighted expert outputs into its output row, in ascending expert order
 (`grouped_down`). The row dots are blocks.dot on activations from blocks.prepare, exactly what the decode
 kernels (experts.py) compute for one token, so a token's result equals the per-token path's bit for bit.
+Experts with more tokens go through `grouped_matmul` (QMatrix.matmul's dequantized tiles, every expert of the
+group in one call) and `scatter_add`.
 """
 
+import numba
 from numba import prange
 
 from ._bits import FASTMATH, kernel
-from .blocks import dot, prepare
+from .blocks import deq, dot, prepare
+from .gemm import TILE, gemm_tile
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -58,3 +62,40 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
                 p = perm[q]
                 acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 2 * ng], n_in)
             out[t, r] = acc
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def grouped_matmul(fmt, w, offs, row_bytes, X, starts, out, scratch):
+    """For part j and expert i of the group (its rows at byte offs[j, i] of w) and its pairs starts[i]..
+    starts[i+1] (rows of X): out[j, those] = X[those] @ W_ji^T. As QMatrix.matmul computes it (blocks'
+    block_matmul: TILE rows dequantized exactly into a per-thread f32 scratch, then gemm_tile), for every
+    expert of the group in one parallel call. out is (parts, P, n_rows); scratch (threads, TILE, n_in)."""
+    parts, g = offs.shape
+    n = out.shape[2]
+    K = X.shape[1]
+    nt = (n + TILE - 1) // TILE
+    for task in prange(parts * g * nt):
+        j = task // (g * nt)
+        rest = task - j * g * nt
+        i = rest // nt
+        t = rest - i * nt
+        a = starts[i]
+        b = starts[i + 1]
+        if b > a:
+            buf = scratch[numba.get_thread_id()]
+            r0 = t * TILE
+            nr = min(TILE, n - r0)
+            for q in range(nr):
+                deq(fmt, w, offs[j, i] + (r0 + q) * row_bytes, buf, q * K, K)
+            gemm_tile(X[a:b], buf, 0, nr, out[j, a:b], r0)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def scatter_add(out, y, weights, tstarts, perm):
+    """out[t] += weights[p] * y[p] for p = perm[q], q in tstarts[t]..tstarts[t+1], in that order."""
+    for t in prange(tstarts.size - 1):
+        for q in range(tstarts[t], tstarts[t + 1]):
+            p = perm[q]
+            wp = weights[p]
+            for r in range(out.shape[1]):
+                out[t, r] += wp * y[p, r]
