@@ -179,7 +179,8 @@ def split(n_layer: int, n_tokens: int, n_steps: int, wall: float) -> dict:
     calls_div = n_layer * n_steps  # calls and launches: per layer per forward step
     out["parallel launches per layer"] = {sec: n / calls_div for sec, n in T.launches.items()}
     out["kernels"] = {
-        f"{sec}/{name}": [T.calls[(sec, name)] / calls_div, 1e6 * t / div] for (sec, name), t in sorted(T.kernel.items())
+        f"{sec}/{name}": [T.calls[(sec, name)] / calls_div, 1e6 * t / div]
+        for (sec, name), t in sorted(T.kernel.items())
     }
     return out
 
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
 
     instrument(s)
     plain, inst = [], []
-    for r in range(a.rounds):
+    for _ in range(a.rounds):
         T.on = False
         plain.append(run())
         T.reset()

@@ -239,7 +239,8 @@ class MoEFFN:
         toks = pt[p0:end]
         P = end - p0
         gu = np.empty((2, P, n_ff), np.float32)
-        grouped_gate_up(plan.gate_up_format, base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
+        gu_offs = offs[: 2 * g].reshape(2, g)
+        grouped_gate_up(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
         a = ops.swiglu(gu[0], gu[1], gu[0])
         perm = np.argsort(toks, kind="stable")  # pairs by token, each token's in ascending expert order
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
@@ -257,12 +258,12 @@ class MoEFFN:
         toks = pt[p0:end]
         x = h[toks]
         gu = np.empty((2, end - p0, n_ff), np.float32)
-        grouped_matmul(
-            plan.gate_up_format, base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, x, starts, gu, self._tiles(h.shape[1])
-        )
+        gu_offs, down_offs = offs[: 2 * g].reshape(2, g), offs[2 * g :].reshape(1, g)
+        tiles = self._tiles(h.shape[1])
+        grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, starts, gu, tiles)
         a = ops.swiglu(gu[0], gu[1], gu[0])
         y = np.empty((1, end - p0, h.shape[1]), np.float32)
-        grouped_matmul(plan.down_format, base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, a, starts, y, self._tiles(n_ff))
+        grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, starts, y, self._tiles(n_ff))
         perm = np.argsort(toks, kind="stable")
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
         scatter_add(out, y[0], pw[p0:end], tstarts, perm)

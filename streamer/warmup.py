@@ -122,8 +122,10 @@ def _run_experts() -> None:
         )
         tiles = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, N_IN), np.float32)
         gu = np.empty((2, g, N_IN), np.float32)
-        grouped.grouped_matmul(fmt, w, np.zeros((2, g), np.int64), row_bytes, np.zeros((g, N_IN), np.float32), starts, gu, tiles)
-        grouped.scatter_add(np.zeros((m, N_IN), np.float32), gu[0], np.ones(g, np.float32), np.array([0, 1, 2, 2], np.int64), toks)
+        x = np.zeros((g, N_IN), np.float32)
+        grouped.grouped_matmul(fmt, w, np.zeros((2, g), np.int64), row_bytes, x, starts, gu, tiles)
+        tstarts = np.array([0, 1, 2, 2], np.int64)
+        grouped.scatter_add(np.zeros((m, N_IN), np.float32), gu[0], np.ones(g, np.float32), tstarts, toks)
     for m in (1, 2):  # the router's top-k (Router.predict and one token: m = 1; prefill: more)
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
