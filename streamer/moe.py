@@ -94,6 +94,14 @@ class Router:
 GROUPED_MAX = MATVEC_ROWS
 
 
+def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pair ranges a[i]..b[i] of several experts -> (starts: expert i's pairs are starts[i]..starts[i+1] of
+    idx, idx: the pair indices, concatenated)."""
+    cnt = b - a
+    cs = np.cumsum(cnt)
+    return np.concatenate(([0], cs)), np.arange(cs[-1]) - np.repeat(cs - cnt, cnt) + np.repeat(a, cnt)
+
+
 class FusedPlan(NamedTuple):
     """How the multi-expert decode kernels read one layer's experts: format code and bytes per row."""
 
@@ -196,8 +204,10 @@ class MoEFFN:
         """The chunk's tokens grouped by expert: each routed expert is read once, several experts per kernel
         call (kernels/grouped.py): experts with at most grouped_max tokens by int16 row dots, the others by
         dequantized f32 tiles. Reads run `window` experts ahead of the group being computed
-        (streaming); resident experts are computed in one group. Each token's expert outputs are added in
-        ascending expert order whatever the grouping, so streamed == resident bit for bit."""
+        (streaming); resident experts are computed in one group. Each token's outputs of the int16 experts
+        are added into out in ascending expert order, those of the f32 experts into big_out likewise, and
+        big_out into out at the end: the same additions whatever the grouping, so streamed == resident bit
+        for bit (and a token with only int16 experts gets exactly the per-token path's result)."""
         plan, m, k = self.fused[layer], h.shape[0], ids.shape[1]
         e_flat, t_flat = ids.reshape(-1), np.repeat(np.arange(m, dtype=np.int64), k)
         sel = np.flatnonzero(e_flat >= 0)
@@ -209,35 +219,33 @@ class MoEFFN:
         aux = np.empty((m, 2 * (h.shape[1] >> 5) + 1), np.float32)
         prepare_rows(plan.gate_up_format, h, xq, aux)
         small = (pend - pstart) <= self.grouped_max
+        big_out = np.zeros_like(out) if not small.all() else None
 
         def compute(start, group, mats):
-            j, n = 0, len(group)
-            while j < n:  # runs of experts of one kind, in ascending order
-                kind = small[start + j]
-                j1 = j
-                while j1 < n and small[start + j1] == kind:
-                    j1 += 1
-                run, starts, end = group[j:j1], pstart[start + j : start + j1], pend[start + j1 - 1]
+            for kind in (True, False):
+                pick = np.flatnonzero(small[start : start + len(group)] == kind)
+                if len(pick) == 0:
+                    continue
+                sub = np.asarray(group)[pick]
+                starts, idx = _pairs(pstart[start + pick], pend[start + pick])
                 if kind:
-                    self._grouped(layer, run, starts, end, pt, pw, xq, aux, out)
+                    self._grouped(layer, sub, starts, pt[idx], pw[idx], xq, aux, out)
                 else:
-                    self._grouped_mm(layer, run, starts, end, h, pt, pw, out)
-                j = j1
+                    self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, big_out)
 
         if self.source.in_place:
             serve(self.source, layer, experts, compute, len(experts), None, len(experts))
         else:
             serve(self.source, layer, experts, compute, self.group + self.window, None, self.group)
+        if big_out is not None:
+            out += big_out
 
-    def _grouped(self, layer, group, starts, end, pt, pw, xq, aux, out) -> None:
-        """Experts `group` (ascending), their pairs starts[0]..end of (pt token, pw weight), by the grouped
-        kernels: out[t] += pw * down(silu(gate x_t) * up x_t), per token in ascending expert order."""
-        plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
+    def _grouped(self, layer, group, starts, toks, weights, xq, aux, out) -> None:
+        """Experts `group` (ascending) and their pairs (token toks[p], weight weights[p]; expert i's are
+        starts[i]..starts[i+1]) by the int16 grouped kernels: out[t] += weight * down(silu(gate x_t) * up x_t),
+        per token in ascending expert order."""
+        plan, g, n_ff, P = self.fused[layer], len(group), self.cfg.n_ff_exp, len(toks)
         base, offs = self.source.offsets(layer, group)
-        p0 = starts[0]
-        starts = np.append(starts[:g], end) - p0
-        toks = pt[p0:end]
-        P = end - p0
         gu = np.empty((2, P, n_ff), np.float32)
         gu_offs = offs[: 2 * g].reshape(2, g)
         grouped_gate_up(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
@@ -247,26 +255,23 @@ class MoEFFN:
         poffs = np.repeat(offs[2 * g :], np.diff(starts))
         aq = np.empty((P, n_ff), np.int16)
         aaux = np.empty((P, 2 * (n_ff >> 5) + 1), np.float32)
-        grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, pw[p0:end], tstarts, perm, out)
+        grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
 
-    def _grouped_mm(self, layer, group, starts, end, h, pt, pw, out) -> None:
+    def _grouped_mm(self, layer, group, starts, toks, weights, h, out) -> None:
         """As _grouped, through grouped_matmul (QMatrix.matmul's math: dequantized f32 tiles) and scatter_add."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        p0 = starts[0]
-        starts = np.append(starts[:g], end) - p0
-        toks = pt[p0:end]
         x = h[toks]
-        gu = np.empty((2, end - p0, n_ff), np.float32)
+        gu = np.empty((2, len(toks), n_ff), np.float32)
         gu_offs, down_offs = offs[: 2 * g].reshape(2, g), offs[2 * g :].reshape(1, g)
         tiles = self._tiles(h.shape[1])
         grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, starts, gu, tiles)
         a = ops.swiglu(gu[0], gu[1], gu[0])
-        y = np.empty((1, end - p0, h.shape[1]), np.float32)
+        y = np.empty((1, len(toks), h.shape[1]), np.float32)
         grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, starts, y, self._tiles(n_ff))
         perm = np.argsort(toks, kind="stable")
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
-        scatter_add(out, y[0], pw[p0:end], tstarts, perm)
+        scatter_add(out, y[0], weights, tstarts, perm)
 
     def _tiles(self, n_in: int) -> np.ndarray:
         t = self._tile_scratch.get(n_in)
