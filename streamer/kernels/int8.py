@@ -1,0 +1,233 @@
+"""The int8 prefill matmul: activations quantized to int8 per group, weight tiles unpacked to bytes, integer
+dot products (simd_i8.py, where the error bound is derived).
+
+Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's
+f32 tiles. The instruction set is chosen here, in Python, once: "vnni" (vpdpbusd) when the CPU has
+AVX512-VNNI and AVX512-BW, else "generic"; STREAM_RUN_ISA=generic forces the generic one. Each is its own
+cached kernel (a choice made inside a cached kernel would be served stale from numba's cache).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from numba import prange
+
+from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+from ._bits import FASTMATH, kernel
+from .simd_i8 import (
+    N_TOK,
+    ROWS,
+    gemm_generic_1_16_0,
+    gemm_generic_1_32_0,
+    gemm_generic_1_32_1,
+    gemm_generic_4_16_0,
+    gemm_generic_4_32_0,
+    gemm_generic_4_32_1,
+    gemm_vnni_1_16_0,
+    gemm_vnni_1_32_0,
+    gemm_vnni_1_32_1,
+    gemm_vnni_4_16_0,
+    gemm_vnni_4_32_0,
+    gemm_vnni_4_32_1,
+    q4_0_tile,
+    q4_k_tile,
+    q5_k_tile,
+    q6_k_tile,
+    q8_0_tile,
+)
+
+CODES = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)  # format codes (streamer.formats) the int8 path serves
+XI8_MAX = 127
+
+
+def group_of(fmt: int) -> int:
+    return 16 if fmt == Q6_K else 32
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _group(fmt):
+    return 16 if fmt == Q6_K else 32
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _offset(fmt):
+    """The weight code offset: w = d * (u - OFF) (- min)."""
+    if fmt == Q8_0:
+        return 128
+    if fmt == Q4_0:
+        return 8
+    if fmt == Q6_K:
+        return 32
+    return 0
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def quantize_i8(X, group, off, xq, dx, xs, xc):
+    """Per row i and group g of X: xq = rint(x / dx) in [-127, 127], dx = max|x| / 127, xs = sum of x (f32),
+    xc = -off * sum(xq) (the int32 correction of the weight offset)."""
+    m, K = X.shape
+    ng = K // group
+    for i in prange(m):
+        for g in range(ng):
+            k0 = g * group
+            amax = np.float32(0)
+            for k in range(k0, k0 + group):
+                amax = max(amax, abs(X[i, k]))
+            dx[i, g] = amax / np.float32(XI8_MAX)
+            inv = np.float32(XI8_MAX) / amax if amax > 0 else np.float32(0)
+            s = 0
+            f = np.float32(0)
+            for k in range(k0, k0 + group):
+                q = np.int32(np.rint(X[i, k] * inv))
+                xq[i, k] = q
+                s += q
+                f += X[i, k]
+            xs[i, g] = f
+            xc[i, g] = -off * s
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _decode(fmt, w, r0, last, tile, sc, mn, K):
+    if fmt == Q4_K:
+        q4_k_tile(w, r0, last, tile, sc, mn, K >> 8)
+    elif fmt == Q6_K:
+        q6_k_tile(w, r0, last, tile, sc, mn, K >> 8)
+    elif fmt == Q5_K:
+        q5_k_tile(w, r0, last, tile, sc, mn, K >> 8)
+    elif fmt == Q8_0:
+        q8_0_tile(w, r0, last, tile, sc, mn, K >> 5)
+    else:  # Q4_0
+        q4_0_tile(w, r0, last, tile, sc, mn, K >> 5)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+    if fmt == Q4_K or fmt == Q5_K:
+        if nt == N_TOK:
+            gemm_vnni_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_vnni_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    elif fmt == Q6_K:
+        if nt == N_TOK:
+            gemm_vnni_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_vnni_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    else:
+        if nt == N_TOK:
+            gemm_vnni_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_vnni_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+    if fmt == Q4_K or fmt == Q5_K:
+        if nt == N_TOK:
+            gemm_generic_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_generic_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    elif fmt == Q6_K:
+        if nt == N_TOK:
+            gemm_generic_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_generic_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    else:
+        if nt == N_TOK:
+            gemm_generic_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_generic_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def i8_matmul_vnni(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
+    """out = X . w^T with int8 activations (vpdpbusd). Scratch per thread: tiles [T, 32*K] u8, scs/mns
+    [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group]."""
+    m, K = X.shape
+    n_out = w.shape[0]
+    quantize_i8(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    for t in prange((n_out + ROWS - 1) // ROWS):
+        tid = numba.get_thread_id()
+        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
+        r0 = t * ROWS
+        _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
+        nr = min(ROWS, n_out - r0)
+        i = 0
+        while i < m:
+            nt = N_TOK if i + N_TOK <= m else 1
+            if nr == ROWS:
+                _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+            else:
+                _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                for a in range(nt):
+                    for j in range(nr):
+                        out[i + a, r0 + j] = ob[a, j]
+            i += nt
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
+    """As i8_matmul_vnni, with the portable integer dot (simd_i8._dp_generic)."""
+    m, K = X.shape
+    n_out = w.shape[0]
+    quantize_i8(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    for t in prange((n_out + ROWS - 1) // ROWS):
+        tid = numba.get_thread_id()
+        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
+        r0 = t * ROWS
+        _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
+        nr = min(ROWS, n_out - r0)
+        i = 0
+        while i < m:
+            nt = N_TOK if i + N_TOK <= m else 1
+            if nr == ROWS:
+                _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+            else:
+                _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                for a in range(nt):
+                    for j in range(nr):
+                        out[i + a, r0 + j] = ob[a, j]
+            i += nt
+
+
+def host_isa() -> str:
+    """'vnni' if this CPU has AVX512-VNNI and AVX512-BW (and STREAM_RUN_ISA does not say 'generic'), else
+    'generic'."""
+    if os.environ.get("STREAM_RUN_ISA", "").strip().lower() == "generic":
+        return "generic"
+    import llvmlite.binding as llvm
+
+    f = llvm.get_host_cpu_features()
+    return "vnni" if f.get("avx512vnni", False) and f.get("avx512bw", False) else "generic"
+
+
+ISA = host_isa()
+KERNELS = {"vnni": i8_matmul_vnni, "generic": i8_matmul_generic}
+
+_tiles: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _scratch(n_in: int):
+    buf = _tiles.get(n_in)
+    if buf is None:
+        T = numba.config.NUMBA_NUM_THREADS
+        buf = _tiles[n_in] = (
+            np.empty((T, ROWS * n_in), np.uint8),
+            np.empty((T, ROWS * (n_in // 16)), np.float32),
+            np.zeros((T, ROWS * (n_in // 16)), np.float32),
+            np.empty((T, N_TOK, ROWS), np.float32),
+        )
+    return buf
+
+
+def matmul(fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | None = None) -> None:
+    """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous)."""
+    m, K = X.shape
+    ng = K // group_of(fmt)
+    xq = np.empty((m, K), np.int8)
+    dx, xs = np.empty((m, ng), np.float32), np.empty((m, ng), np.float32)
+    xc = np.empty((m, ng), np.int32)
+    tiles, scs, mns, obuf = _scratch(K)
+    KERNELS[isa or ISA](fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)

@@ -1,0 +1,352 @@
+"""int8 matrix-matrix products (prefill): weight tiles unpacked to bytes, activations quantized to int8.
+
+The tile: ROWS = 32 weight rows unpacked once per matmul into unsigned codes u (0..255), 4-byte interleaved
+([K/4][32 rows][4 bytes]), so that one 64-byte vector holds 4 consecutive elements of each of 16 rows and
+`vpdpbusd` (u8 x s8, 4 products summed into each int32 lane) gives 16 rows' partial dots against 4 bytes of
+one token broadcast to every lane. The weight w = d_g * (u - OFF) - m_g per group g of G elements (G = 32, or
+16 for Q6_K): the tile keeps d_g (and m_g, the K-quant mins) per row as f32, exact products of the block's
+f16 scales and small integers; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_K 32, Q4_K/Q5_K 0).
+
+x ~= xq * dx per group of G (xq int8 in [-127, 127], dx = max|x| / 127: activations.quantize_i8). For each
+token and group the int32 sum  sum(u * xq) - OFF * sum(xq)  is exact (|sum| < 2^22), and one f32 step
+    acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the exact f32 sum of x over the group ]
+folds it in. So the only error beyond f32 rounding is the activation step: |x - xq*dx| <= dx/2 (+ f32
+rounding of x/dx), i.e. 1/254 of the group's largest |x| -- as ggml's q8_0/q8_K activations, 128x coarser
+than the int16 matvec path. The bound per output (tests/test_int8.py checks it against gguf-py):
+    |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|
+with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound).
+
+Two instruction sets, chosen in Python (int8.py), never inside a cached kernel: "vnni" calls
+llvm.x86.avx512.vpdpbusd.512; "generic" is plain vector IR (i16 products summed in pairs: vpmaddwd on
+AVX2/AVX-512BW) that any LLVM target lowers. Both form the same exact int32 sums and then run the same f32
+code, so on one machine they give the same results bit for bit.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
+
+ROWS = 32  # weight rows per tile: two 16-lane halves
+HALF = 16
+
+
+# ---- the 16x(G/4) int32 transpose: 16 rows' natural-order groups -> 4-byte interleave ----------------
+
+
+def _transpose(e, vecs):
+    """vecs: 16 vectors <n x i32> (row j's 4-byte chunks s = 0..n-1, n = 4 or 8) -> n vectors <16 x i32>
+    (chunk s of rows 0..15), by 2-input shuffles (each lowers to one vpermt2d/vpunpck)."""
+    n = vecs[0].type.count
+    per = HALF // n  # rows per 16-lane register
+    regs, labels = [], []
+    for r in range(0, HALF, per):
+        parts = [(vecs[r + q], [(r + q, s) for s in range(n)]) for q in range(per)]
+        while len(parts) > 1:
+            nxt = []
+            for (a, la), (b, lb) in zip(parts[0::2], parts[1::2]):
+                w = a.type.count
+                nxt.append((e.shuffle(a, b, list(range(2 * w))), la + lb))
+            parts = nxt
+        v, lab = parts[0]
+        regs.append(v)
+        labels.append(lab)
+    # Swap register-index bit p with lane bit p (a chunk bit) until register i holds chunk i.
+    nreg = len(regs)
+    p = 1
+    while p < nreg:
+        new_regs, new_labels = [None] * nreg, [None] * nreg
+        for r0 in range(nreg):
+            if r0 & p:
+                continue
+            r1 = r0 | p
+            pool = {lab: (0, i) for i, lab in enumerate(labels[r0])}
+            pool.update({lab: (1, i) for i, lab in enumerate(labels[r1])})
+            for r in (r0, r1):
+                want = []
+                for lane in range(HALF):
+                    src_r = (r & ~p) | (p if lane & p else 0)
+                    src_lane = (lane & ~p) | (p if r & p else 0)
+                    want.append(labels[src_r][src_lane])
+                mask = [pool[lab][0] * HALF + pool[lab][1] for lab in want]
+                new_regs[r] = e.shuffle(regs[r0], regs[r1], mask)
+                new_labels[r] = want
+        regs, labels = new_regs, new_labels
+        p <<= 1
+    out = []
+    for s in range(n):  # find the register holding chunk s; order its lanes by row
+        r = next(i for i, lab in enumerate(labels) if all(c == s for _, c in lab))
+        pos = {lab: i for i, lab in enumerate(labels[r])}
+        mask = [pos[(j, s)] for j in range(HALF)]
+        out.append(regs[r] if mask == list(range(HALF)) else e.shuffle(regs[r], regs[r], mask))
+    return out
+
+
+# ---- per-format tile decoders -------------------------------------------------------------------------
+
+
+def _decode_intrinsic(block_bytes, block_elems, group, scales_fn, values_fn):
+    """Intrinsic `(w, r0, last, tile, sc, mn, nb)`: unpack rows r0..r0+31 of w (row index clamped to `last`)
+    over nb blocks into tile (u8), and the f32 per-group scales / mins into sc / mn ([K/G][32])."""
+
+    @intrinsic
+    def dec(typingctx, w, r0, last, tile, sc, mn, nb):
+        if not (
+            isinstance(w, types.Array)
+            and w.dtype == types.uint8
+            and w.layout == "C"
+            and w.ndim == 2
+            and _c_array(tile, types.uint8)
+            and _c_array(sc, types.float32)
+            and _c_array(mn, types.float32)
+        ):
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            bb = builder
+            w_, r0_, last_, tile_, sc_, mn_, nb_ = args
+            wary = context.make_array(sig.args[0])(context, builder, w_)
+            rowb = builder.extract_value(wary.strides, 0)
+            wb = bb.bitcast(wary.data, ir.IntType(8).as_pointer())
+            tb, scb, mnb = e.base(sig.args[3], tile_), e.base(sig.args[4], sc_), e.base(sig.args[5], mn_)
+            def row_off(j):  # byte offset of row min(r0 + j, last)
+                r = bb.add(r0_, j)
+                return bb.mul(bb.select(bb.icmp_signed(">", r, last_), last_, r), rowb)
+
+            rows = [row_off(ir.Constant(I64, j)) for j in range(ROWS)]
+            gpb = block_elems // group  # groups per block
+
+            def block(b, carried):
+                boff = bb.mul(b, ir.Constant(I64, block_bytes))
+
+                def srow(j, c):  # the f32 scales (and mins) of row j in this block -> sc/mn[(b*gpb + gl)*32 + j]
+                    dsc, dmn = scales_fn(e, wb, bb.add(row_off(j), boff))
+                    for gl in range(gpb):
+                        g = bb.add(bb.mul(b, ir.Constant(I64, gpb)), ir.Constant(I64, gl))
+                        at = bb.mul(bb.add(bb.mul(g, ir.Constant(I64, ROWS)), j), ir.Constant(I64, 4))
+                        bb.store(dsc[gl], e.ptr(scb, at, F32), align=4)
+                        if dmn is not None:
+                            bb.store(dmn[gl], e.ptr(mnb, at, F32), align=4)
+                    return c
+
+                e.loop(ir.Constant(I64, ROWS), [], srow)
+                for h in range(2):
+                    for part, gls in values_fn.parts:
+                        vals = [values_fn(e, wb, bb.add(rows[16 * h + j], boff), part) for j in range(HALF)]
+                        for gi, gl in enumerate(gls):
+                            vs = [bb.bitcast(v[gi], V(I32, group // 4)) for v in vals]
+                            chunks = _transpose(e, vs)
+                            # element index of this group's first element, in the row
+                            g0 = bb.add(bb.mul(b, ir.Constant(I64, block_elems)), ir.Constant(I64, gl * group))
+                            for s, cv in enumerate(chunks):
+                                c = bb.add(bb.udiv(g0, ir.Constant(I64, 4)), ir.Constant(I64, s))
+                                off = bb.add(bb.mul(c, ir.Constant(I64, 4 * ROWS)), ir.Constant(I64, 64 * h))
+                                bb.store(cv, e.ptr(tb, off, V(I32, 16)), align=1)
+                return carried
+
+            e.loop(nb_, [], block)
+            return context.get_dummy_value()
+
+        return types.none(w, types.int64, types.int64, tile, sc, mn, types.int64), codegen
+
+    return dec
+
+
+class _Values:
+    """values(e, wb, at, part) -> list of <G x i8> code vectors; parts: [(part, [group index in block])]."""
+
+    def __init__(self, fn, parts):
+        self.fn, self.parts = fn, parts
+
+    def __call__(self, e, wb, at, part):
+        return self.fn(e, wb, at, part)
+
+
+def _q8_0_scales(e, wb, at):
+    return [e.f16x2(wb, at)[0]], None
+
+
+def _q8_0_values(e, wb, at, part):
+    q = e.load(wb, e.off(at, 2), V(I8, 32))
+    return [e.b.xor(q, e.const(I8, 32, -128))]  # q + 128 as an unsigned byte
+
+
+def _q4_0_values(e, wb, at, part):
+    bb = e.b
+    q = e.load(wb, e.off(at, 2), V(I8, 16))
+    return [e.shuffle(bb.and_(q, e.const(I8, 16, 15)), bb.lshr(q, e.const(I8, 16, 4)), list(range(32)))]
+
+
+def _k4_scale_fn(e, wb, at):
+    bb = e.b
+    d, dmin = e.f16x2(wb, at)
+    scales, mins = _k4_scales(e, wb, e.off(at, 4))
+    dsc = bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8)))
+    dmn = bb.fmul(e.splat(dmin, 8), bb.uitofp(mins, V(F32, 8)))
+    return [bb.extract_element(dsc, I32(j)) for j in range(8)], [bb.extract_element(dmn, I32(j)) for j in range(8)]
+
+
+def _q45_k_values(qs_at, has_qh):
+    def fn(e, wb, at, c):
+        bb = e.b
+        q = e.load(wb, e.off(at, qs_at + 32 * c), V(I8, 32))
+        lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
+        if has_qh:
+            qh = e.load(wb, e.off(at, 16), V(I8, 32))
+            one, four = e.const(I8, 32, 1), e.const(I8, 32, 4)
+            lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), one), four))
+            hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), one), four))
+        return [lo, hi]
+
+    return fn
+
+
+def _q6_k_scale_fn(e, wb, at):
+    bb = e.b
+    d = e.f16x2(wb, e.off(at, 206))[1]
+    dsc = bb.fmul(e.splat(d, 16), bb.sitofp(e.load(wb, e.off(at, 192), V(I8, 16)), V(F32, 16)))
+    return [bb.extract_element(dsc, I32(j)) for j in range(16)], None
+
+
+def _q6_k_values(e, wb, at, part):
+    """part = (h, k): the 32 elements 128h + 32k.., as two groups of 16 (raw 6-bit codes 0..63)."""
+    bb = e.b
+    h, k = divmod(part, 4)
+    ql = e.load(wb, e.off(at, 64 * h + 32 * (k & 1)), V(I8, 32))
+    qh = e.load(wb, e.off(at, 128 + 32 * h), V(I8, 32))
+    nib = bb.and_(bb.lshr(ql, e.const(I8, 32, 4 * (k >> 1))), e.const(I8, 32, 15))
+    top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
+    q = bb.or_(nib, top)
+    return [e.shuffle(q, q, list(range(16))), e.shuffle(q, q, list(range(16, 32)))]
+
+
+q8_0_tile = _decode_intrinsic(34, 32, 32, _q8_0_scales, _Values(_q8_0_values, [(0, [0])]))
+q4_0_tile = _decode_intrinsic(18, 32, 32, _q8_0_scales, _Values(_q4_0_values, [(0, [0])]))
+q4_k_tile = _decode_intrinsic(
+    144, 256, 32, _k4_scale_fn, _Values(_q45_k_values(16, False), [(c, [2 * c, 2 * c + 1]) for c in range(4)])
+)
+q5_k_tile = _decode_intrinsic(
+    176, 256, 32, _k4_scale_fn, _Values(_q45_k_values(48, True), [(c, [2 * c, 2 * c + 1]) for c in range(4)])
+)
+q6_k_tile = _decode_intrinsic(
+    210, 256, 16, _q6_k_scale_fn, _Values(_q6_k_values, [(p, [2 * p, 2 * p + 1]) for p in range(8)])
+)
+
+
+# ---- the tile product -----------------------------------------------------------------------------------
+
+
+def _dp_vnni(e, acc, w, x):
+    mod = e.b.module
+    name = "llvm.x86.avx512.vpdpbusd.512"
+    fn = mod.globals.get(name)
+    v16 = V(I32, 16)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(v16, [v16, v16, v16]), name=name)
+    return e.b.call(fn, [acc, e.b.bitcast(w, v16), e.b.bitcast(x, v16)])
+
+
+def _dp_generic(e, acc, w, x):
+    """acc + (sums of 4 adjacent u8(w) * s8(x) products): exact i16 products summed in pairs (vpmaddwd),
+    then pairs of pairs."""
+    bb = e.b
+    w16, x16 = bb.zext(w, V(I16, 64)), bb.sext(x, V(I16, 64))
+    lo = e.pairdot(e.shuffle(w16, w16, list(range(32))), e.shuffle(x16, x16, list(range(32))))
+    hi = e.pairdot(e.shuffle(w16, w16, list(range(32, 64))), e.shuffle(x16, x16, list(range(32, 64))))
+    both = e.shuffle(lo, hi, list(range(32)))
+    u = ir.Constant(V(I32, 32), ir.Undefined)
+    return bb.add(acc, bb.add(e.shuffle(both, u, list(range(0, 32, 2))), e.shuffle(both, u, list(range(1, 32, 2)))))
+
+
+def _gemm_intrinsic(n_tok, group, has_min, dp):
+    """Intrinsic `(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)`: for tokens t0..t0+n_tok-1 and the 32
+    rows of the tile, dst[doff + t*ld + j] = row j . x_t (f32; ld = dst's row stride in elements)."""
+
+    @intrinsic
+    def gemm(typingctx, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+        if not (
+            _c_array(tile, types.uint8)
+            and _c_array(sc, types.float32)
+            and _c_array(mn, types.float32)
+            and _c_array(xq, types.int8)
+            and _c_array(dx, types.float32)
+            and _c_array(xs, types.float32)
+            and _c_array(xc, types.int32)
+            and _c_array(dst, types.float32)
+            and xq.ndim == 2
+        ):
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            bb = builder
+            tile_, sc_, mn_, xq_, dx_, xs_, xc_, t0_, dst_, doff_, ld_ = args
+            tb, scb, mnb = e.base(sig.args[0], tile_), e.base(sig.args[1], sc_), e.base(sig.args[2], mn_)
+            xqa = context.make_array(sig.args[3])(context, builder, xq_)
+            K = builder.extract_value(xqa.shape, 1)
+            xqb = bb.bitcast(xqa.data, I8.as_pointer())
+            dxb, xsb, xcb = e.base(sig.args[4], dx_), e.base(sig.args[5], xs_), e.base(sig.args[6], xc_)
+            db = e.base(sig.args[8], dst_)
+            ng = bb.udiv(K, ir.Constant(I64, group))
+            xrow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), K) for t in range(n_tok)]  # byte offsets of x_t
+            grow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), ng) for t in range(n_tok)]  # group-array rows
+            zero = ir.Constant(V(F32, 16), [0.0] * 16)
+            steps = group // 4
+
+            def body(g, accs):
+                k0 = bb.mul(g, ir.Constant(I64, group))
+                iacc = []
+                for t in range(n_tok):
+                    c = e.load(xcb, bb.mul(bb.add(grow[t], g), ir.Constant(I64, 4)), I32, 4)
+                    iacc.append([e.splat(c, 16), e.splat(c, 16)])
+                for s in range(steps):
+                    chunk = bb.add(bb.udiv(k0, ir.Constant(I64, 4)), ir.Constant(I64, s))
+                    toff = bb.mul(chunk, ir.Constant(I64, 4 * ROWS))
+                    wv = [e.load(tb, bb.add(toff, ir.Constant(I64, 64 * h)), V(I8, 64), 1) for h in range(2)]
+                    for t in range(n_tok):
+                        xi = e.load(xqb, bb.add(xrow[t], bb.add(k0, ir.Constant(I64, 4 * s))), I32, 4)
+                        xv = bb.bitcast(e.splat(xi, 16), V(I8, 64))
+                        for h in range(2):
+                            iacc[t][h] = dp(e, iacc[t][h], wv[h], xv)
+                new = list(accs)
+                goff = bb.mul(g, ir.Constant(I64, 4 * ROWS))
+                scv = [e.load(scb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)]
+                mnv = [e.load(mnb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)] \
+                    if has_min else None
+                for t in range(n_tok):
+                    gi = bb.mul(bb.add(grow[t], g), ir.Constant(I64, 4))
+                    dxs = e.splat(e.load(dxb, gi, F32, 4), 16)
+                    xss = e.splat(e.load(xsb, gi, F32, 4), 16) if has_min else None
+                    for h in range(2):
+                        a = new[2 * t + h]
+                        f = bb.sitofp(iacc[t][h], V(F32, 16))
+                        a = e.fma(a, f, bb.fmul(scv[h], dxs, flags=("fast",)))
+                        if has_min:
+                            a = bb.fsub(a, bb.fmul(mnv[h], xss, flags=("fast",)), flags=("fast",))
+                        new[2 * t + h] = a
+                return new
+
+            accs = e.loop(ng, [zero] * (2 * n_tok), body)
+            for t in range(n_tok):
+                row = bb.add(doff_, bb.mul(ir.Constant(I64, t), ld_))
+                for h in range(2):
+                    at = bb.mul(bb.add(row, ir.Constant(I64, 16 * h)), ir.Constant(I64, 4))
+                    bb.store(accs[2 * t + h], e.ptr(db, at, V(F32, 16)), align=4)
+            return context.get_dummy_value()
+
+        sig = types.none(tile, sc, mn, xq, dx, xs, xc, types.int64, dst, types.int64, types.int64)
+        return sig, codegen
+
+    return gemm
+
+
+N_TOK = 4  # tokens per register block: 2 x 4 int32 + 2 x 4 f32 accumulators + 2 weight vectors
+
+# gemm_<isa>_<tokens>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
+for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
+    for _t in (N_TOK, 1):
+        for _g in (32, 16):
+            for _m in (0, 1):
+                globals()[f"gemm_{_isa}_{_t}_{_g}_{_m}"] = _gemm_intrinsic(_t, _g, _m, _dp)
