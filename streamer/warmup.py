@@ -2,7 +2,8 @@
 
 Each group runs its kernels once on tiny zero inputs: the QMatrix matvec, matmul and rows of each set of
 GGML types sharing kernels (F32; F16/BF16; the block formats), for every type of the set;
-the forward pass's ops (RMSNorm, head norm + RoPE, attention, SwiGLU); the multi-expert decode kernels.
+the forward pass's ops (RMSNorm, head norm + RoPE, attention, SwiGLU); the multi-expert decode kernels; the
+int8 prefill matmul for each instruction set the CPU runs.
 numba compiles one machine-code version per argument-type signature, and a cached version is only found
 again for the same signature, so the inputs here have exactly the types a model run passes: weights
 read-only and C-contiguous (as views of the file's read-only mapping or of the expert cache's read-only
@@ -20,8 +21,8 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import experts, grouped, ops, routing
-from streamer.kernels.dispatch import SUPPORTED, QMatrix
+from streamer.kernels import experts, grouped, int8, ops, routing
+from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
@@ -130,6 +131,17 @@ def _run_experts() -> None:
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
 
+def _run_int8() -> None:
+    """The int8 prefill matmul of every format it serves, for each instruction set this CPU runs (the selected
+    one already ran in its format group; the other serves STREAM_RUN_ISA=generic)."""
+    for qtype in INT8:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
+        out = np.empty((2, N_OUT), np.float32)
+        for isa in int8.usable_isas():
+            int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
+
+
 def groups() -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
     MoE kernels."""
@@ -149,6 +161,7 @@ def groups() -> list[Group]:
             ),
             _run_experts,
         ),
+        Group("int8", tuple(int8.KERNELS[i] for i in int8.usable_isas()), _run_int8),
     ]
 
 

@@ -11,6 +11,8 @@ at most n_in * 2^-149.
 The block-format matvecs quantize x to int16 per group of G elements (activations.py):
 x_k ~ xq_k * dx_g with dx_g = max|x in g| / XQ_MAX and |x_k - xq_k dx_g| <= dx_g/2 + 4u|x_k|,
 which adds sum_k A_k (dx_g/2 + 4u|x_k|) to the bound (the matmul tile path uses x exactly).
+The integer matmul (kernels/int8.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, m > 1, where the CPU has VNNI) quantizes
+x the same way, dx_g = max|x in g| / XA_MAX per group of 32 (16 for Q6_K): the same term with those dx_g.
 """
 
 import numpy as np
@@ -22,6 +24,8 @@ import streamer.formats
 from streamer.errors import StreamerError
 from streamer.kernels import SUPPORTED, QMatrix, set_threads
 from streamer.kernels.activations import XQ_MAX
+from streamer.kernels.dispatch import INT8
+from streamer.kernels.int8 import ISA as INT8_ISA, XA_MAX, group_of
 
 U = 2.0**-24
 FORMATS = list(streamer.formats.FORMATS)  # every format stream-run reads: the one table
@@ -121,16 +125,25 @@ def _magnitude(qtype, raw, deq):
     return a
 
 
-def _tolerance(qtype, raw, deq, X, quantized_x=False):
-    """Per-output bound gamma_n * A|x| + n * 2^-149 [+ activation step] (X: [m, n_in]) -> [m, n_out]."""
+def activation_grid(qtype, m):
+    """(group, levels) of the activation quantization the kernel for m rows uses, or None if x is used as f32:
+    int16 per act_group for matvec (m == 1), int8 per group_of(fmt) for the int8 matmul."""
+    if m == 1:
+        return (SUPPORTED[qtype].act_group, XQ_MAX) if SUPPORTED[qtype].act_group else None
+    return (group_of(SUPPORTED[qtype].fmt), XA_MAX) if qtype in INT8 and INT8_ISA else None
+
+
+def _tolerance(qtype, raw, deq, X, grid=None):
+    """Per-output bound gamma_n * A|x| + n * 2^-149 [+ activation step on grid=(group, levels)] (X: [m, n_in])
+    -> [m, n_out]."""
     m, n_in = X.shape
     n = n_in + n_in // 16 + 8
     a = _magnitude(qtype, raw, deq)
     ax = np.abs(X.astype(np.float64))
     tol = (n * U / (1 - n * U)) * (ax @ a.T) + n_in * 2.0**-149
-    group = SUPPORTED[qtype].act_group
-    if quantized_x and group:
-        dx = ax.reshape(m, -1, group).max(axis=2) / XQ_MAX
+    if grid is not None:
+        group, levels = grid
+        dx = ax.reshape(m, -1, group).max(axis=2) / levels
         step = np.repeat(dx, group, axis=1) / 2 + 4 * U * ax
         tol += step @ a.T
     return tol
@@ -158,14 +171,14 @@ def _check(qtype, n_out, n_in, regime, seed):
     x = rng.standard_normal(n_in).astype(np.float32)
     ref = deq.astype(np.float64) @ x.astype(np.float64)
     err = np.abs(q.matvec(x) - ref)
-    tol = _tolerance(qtype, raw, deq, x[None], quantized_x=True)[0]
+    tol = _tolerance(qtype, raw, deq, x[None], activation_grid(qtype, 1))[0]
     assert np.all(err <= tol), f"matvec: worst err/tol {np.max(err / tol):.3g}"
 
     for m in (1, 5, 37):
         X = rng.standard_normal((m, n_in)).astype(np.float32)
         ref = X.astype(np.float64) @ deq.astype(np.float64).T
         err = np.abs(q.matmul(X) - ref)
-        tol = _tolerance(qtype, raw, deq, X, quantized_x=(m == 1))
+        tol = _tolerance(qtype, raw, deq, X, activation_grid(qtype, m))
         assert np.all(err <= tol), f"matmul m={m}: worst err/tol {np.max(err / tol):.3g}"
 
     # Dequantization itself is exact: the same f32 values the oracle produces.

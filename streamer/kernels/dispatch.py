@@ -9,7 +9,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import StreamerError
 from ..formats import FORMATS, NAMES
-from . import blocks, floats
+from . import blocks, floats, int8
 from .gemm import TILE
 
 
@@ -28,6 +28,8 @@ _FAMILIES = {  # streamer.formats' kernel families: (matvec, matmul, rows, view)
     "block": (blocks.block_matvec, blocks.block_matmul, blocks.block_rows, np.uint8),
 }
 SUPPORTED: dict[T, Kernels] = {t: Kernels(*_FAMILIES[f.family], f.act_group, f.code) for t, f in FORMATS.items()}
+# Formats whose matmul (m > 1) runs int8.py's integer kernel instead of the f32 tiles.
+INT8: frozenset[T] = frozenset(t for t, f in FORMATS.items() if f.family == "block" and f.code in int8.CODES)
 
 # Scratch shared by all matrices (only the main thread runs kernels), keyed by n_in.
 _act: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -52,7 +54,7 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq", "_aux")
+    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq", "_aux", "_i8")
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
         try:
@@ -80,6 +82,7 @@ class QMatrix:
         self.nbytes = data.nbytes
         self._fmt, self._mv = k.fmt, k.matvec
         self._xq, self._aux = _act_scratch(n_in)
+        self._i8 = qtype in INT8 and int8.ISA is not None
 
     def first_rows(self, n: int) -> "QMatrix":
         """A QMatrix over the first n rows (same bytes, same array type: used to warm kernels up cheaply)."""
@@ -111,6 +114,8 @@ class QMatrix:
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({m}, {self.n_out})")
         if m == 1:
             self._mv(self._fmt, self._w, X[0], out[0], self._xq, self._aux)
+        elif self._i8:
+            int8.matmul(self._fmt, self._w, X, out)
         else:
             self._k.matmul(self._fmt, self._w, X, out, _tile_scratch(self.n_in))
         return out

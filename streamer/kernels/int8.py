@@ -2,9 +2,10 @@
 dot products (simd_i8.py, where the error bound is derived).
 
 Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's
-f32 tiles. The instruction set is chosen here, in Python, once: "vnni" (vpdpbusd) when the CPU has
-AVX512-VNNI and AVX512-BW, else "generic"; STREAM_RUN_ISA=generic forces the generic one. Each is its own
-cached kernel (a choice made inside a cached kernel would be served stale from numba's cache).
+f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni" (vpdpbusd) when the CPU has
+AVX512-VNNI and AVX512-BW, else the f32 tiles; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32
+tiles. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from numba's
+cache).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from numba import prange
 from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from ._bits import FASTMATH, kernel
 from .simd_i8 import (
+    DIGITS,
     N_TOK,
     ROWS,
     gemm_generic_1_16_0,
@@ -40,7 +42,8 @@ from .simd_i8 import (
 )
 
 CODES = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)  # format codes (streamer.formats) the int8 path serves
-XI8_MAX = 127
+# Activation levels: int8 (127), or with two int8 digits 127 * 256 + 127 (hi stays within int8).
+XA_MAX = 127 * 256 + 127 if DIGITS == 2 else 127
 
 
 def group_of(fmt: int) -> int:
@@ -65,9 +68,10 @@ def _offset(fmt):
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
-def quantize_i8(X, group, off, xq, dx, xs, xc):
-    """Per row i and group g of X: xq = rint(x / dx) in [-127, 127], dx = max|x| / 127, xs = sum of x (f32),
-    xc = -off * sum(xq) (the int32 correction of the weight offset)."""
+def quantize_act(X, group, off, xq, dx, xs, xc):
+    """Per row i and group g of X: q = rint(x / dx) in [-XA_MAX, XA_MAX], dx = max|x| / XA_MAX, xs = sum of x
+    (f32), xc = -off * sum(q) (the int32 correction of the weight offset). With DIGITS = 2, q = 256 hi + lo
+    (hi, lo int8) is stored per 4 elements as their 4 hi bytes, then their 4 lo bytes."""
     m, K = X.shape
     ng = K // group
     for i in prange(m):
@@ -76,13 +80,19 @@ def quantize_i8(X, group, off, xq, dx, xs, xc):
             amax = np.float32(0)
             for k in range(k0, k0 + group):
                 amax = max(amax, abs(X[i, k]))
-            dx[i, g] = amax / np.float32(XI8_MAX)
-            inv = np.float32(XI8_MAX) / amax if amax > 0 else np.float32(0)
+            dx[i, g] = amax / np.float32(XA_MAX)
+            inv = np.float32(XA_MAX) / amax if amax > 0 else np.float32(0)
             s = 0
             f = np.float32(0)
             for k in range(k0, k0 + group):
                 q = np.int32(np.rint(X[i, k] * inv))
-                xq[i, k] = q
+                if DIGITS == 2:
+                    lo = ((q + 128) & 255) - 128
+                    at = 2 * k - (k & 3)  # chunk k >> 2 starts at byte 8 * (k >> 2)
+                    xq[i, at] = (q - lo) >> 8
+                    xq[i, at + 4] = lo
+                else:
+                    xq[i, k] = q
                 s += q
                 f += X[i, k]
             xs[i, g] = f
@@ -147,7 +157,7 @@ def i8_matmul_vnni(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group]."""
     m, K = X.shape
     n_out = w.shape[0]
-    quantize_i8(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    quantize_act(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
     for t in prange((n_out + ROWS - 1) // ROWS):
         tid = numba.get_thread_id()
         tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
@@ -172,7 +182,7 @@ def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     """As i8_matmul_vnni, with the portable integer dot (simd_i8._dp_generic)."""
     m, K = X.shape
     n_out = w.shape[0]
-    quantize_i8(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    quantize_act(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
     for t in prange((n_out + ROWS - 1) // ROWS):
         tid = numba.get_thread_id()
         tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
@@ -192,19 +202,33 @@ def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
             i += nt
 
 
-def host_isa() -> str:
-    """'vnni' if this CPU has AVX512-VNNI and AVX512-BW (and STREAM_RUN_ISA does not say 'generic'), else
-    'generic'."""
-    if os.environ.get("STREAM_RUN_ISA", "").strip().lower() == "generic":
-        return "generic"
+def host_has_vnni() -> bool:
     import llvmlite.binding as llvm
 
     f = llvm.get_host_cpu_features()
-    return "vnni" if f.get("avx512vnni", False) and f.get("avx512bw", False) else "generic"
+    return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+
+
+def host_isa() -> str | None:
+    """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else None
+    (today's f32 tiles, which the generic kernel does not beat: 0.4-0.5x of them on this machine).
+    STREAM_RUN_ISA overrides: 'generic' forces the portable kernel, 'f32' the f32 tiles."""
+    env = os.environ.get("STREAM_RUN_ISA", "").strip().lower()
+    if env == "generic":
+        return "generic"
+    if env == "f32":
+        return None
+    return "vnni" if host_has_vnni() else None
 
 
 ISA = host_isa()
 KERNELS = {"vnni": i8_matmul_vnni, "generic": i8_matmul_generic}
+
+
+def usable_isas() -> list[str]:
+    """The kernels this CPU can run: the generic one always (STREAM_RUN_ISA=generic picks it), vnni if present."""
+    return ["generic"] + (["vnni"] if host_has_vnni() else [])
+
 
 _tiles: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -226,8 +250,8 @@ def matmul(fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | N
     """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous)."""
     m, K = X.shape
     ng = K // group_of(fmt)
-    xq = np.empty((m, K), np.int8)
+    xq = np.empty((m, DIGITS * K), np.int8)
     dx, xs = np.empty((m, ng), np.float32), np.empty((m, ng), np.float32)
     xc = np.empty((m, ng), np.int32)
     tiles, scs, mns, obuf = _scratch(K)
-    KERNELS[isa or ISA](fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)
+    KERNELS[isa or ISA or "generic"](fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)

@@ -1,4 +1,4 @@
-"""int8 matrix-matrix products (prefill): weight tiles unpacked to bytes, activations quantized to int8.
+"""Integer matrix-matrix products (prefill): weight tiles unpacked to bytes, activations as int8 digits.
 
 The tile: ROWS = 32 weight rows unpacked once per matmul into unsigned codes u (0..255), 4-byte interleaved
 ([K/4][32 rows][4 bytes]), so that one 64-byte vector holds 4 consecutive elements of each of 16 rows and
@@ -7,19 +7,25 @@ one token broadcast to every lane. The weight w = d_g * (u - OFF) - m_g per grou
 16 for Q6_K): the tile keeps d_g (and m_g, the K-quant mins) per row as f32, exact products of the block's
 f16 scales and small integers; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_K 32, Q4_K/Q5_K 0).
 
-x ~= xq * dx per group of G (xq int8 in [-127, 127], dx = max|x| / 127: activations.quantize_i8). For each
-token and group the int32 sum  sum(u * xq) - OFF * sum(xq)  is exact (|sum| < 2^22), and one f32 step
+x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantize_act). q has two int8
+digits, q = 256 hi + lo (XA_MAX = 127 * 256 + 127 = 32639): two vpdpbusd per 4 elements give sum(u * hi)
+and sum(u * lo), combined exactly as 256 * the first + the second. (DIGITS = 1 is ggml's q8_0 activation,
+q int8 itself, XA_MAX = 127: twice as fast, but 257x coarser; on the tiny test models it missed
+tests/test_model.py's 1e-2 max-error bound against the float64 forward (1.2-2.6%), so it is not the default.)
+For each token and group the int32 sum  sum(u * q) - OFF * sum(q)  is exact (|sum| < 2^30), and one f32
+step
     acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the exact f32 sum of x over the group ]
-folds it in. So the only error beyond f32 rounding is the activation step: |x - xq*dx| <= dx/2 (+ f32
-rounding of x/dx), i.e. 1/254 of the group's largest |x| -- as ggml's q8_0/q8_K activations, 128x coarser
-than the int16 matvec path. The bound per output (tests/test_int8.py checks it against gguf-py):
+folds it in. So the error beyond f32 rounding is the activation step only: |x - q*dx| <= dx/2 + 4u|x|
+(f32 rounding of x/dx), dx/2 = max|x in group| / 65278, 2x finer than the int16 matvec (activations.py).
+The bound per output (tests/test_int8.py, tests/test_kernels.py check it against gguf-py in float64):
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|
-with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound).
+with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound;
+float(isum) may round once per group, well inside gamma_n).
 
 Two instruction sets, chosen in Python (int8.py), never inside a cached kernel: "vnni" calls
 llvm.x86.avx512.vpdpbusd.512; "generic" is plain vector IR (i16 products summed in pairs: vpmaddwd on
 AVX2/AVX-512BW) that any LLVM target lowers. Both form the same exact int32 sums and then run the same f32
-code, so on one machine they give the same results bit for bit.
+code (LLVM may contract it differently: they agree to about an ulp, tests/test_int8.py).
 """
 
 from llvmlite import ir
@@ -260,9 +266,11 @@ def _dp_generic(e, acc, w, x):
     return bb.add(acc, bb.add(e.shuffle(both, u, list(range(0, 32, 2))), e.shuffle(both, u, list(range(1, 32, 2)))))
 
 
-def _gemm_intrinsic(n_tok, group, has_min, dp):
+def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
     """Intrinsic `(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)`: for tokens t0..t0+n_tok-1 and the 32
-    rows of the tile, dst[doff + t*ld + j] = row j . x_t (f32; ld = dst's row stride in elements)."""
+    rows of the tile, dst[doff + t*ld + j] = row j . x_t (f32; ld = dst's row stride in elements).
+    digits = 2: x is int16 held as two int8 digits, xq = 256 * hi + lo, stored per 4 elements as 4 hi bytes
+    then 4 lo bytes (xq is [m, 2K]); two vpdpbusd per 4 elements, combined exactly in int32."""
 
     @intrinsic
     def gemm(typingctx, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
@@ -285,12 +293,13 @@ def _gemm_intrinsic(n_tok, group, has_min, dp):
             tile_, sc_, mn_, xq_, dx_, xs_, xc_, t0_, dst_, doff_, ld_ = args
             tb, scb, mnb = e.base(sig.args[0], tile_), e.base(sig.args[1], sc_), e.base(sig.args[2], mn_)
             xqa = context.make_array(sig.args[3])(context, builder, xq_)
-            K = builder.extract_value(xqa.shape, 1)
+            xrb = builder.extract_value(xqa.shape, 1)  # bytes per token row of xq
+            K = bb.udiv(xrb, ir.Constant(I64, digits))
             xqb = bb.bitcast(xqa.data, I8.as_pointer())
             dxb, xsb, xcb = e.base(sig.args[4], dx_), e.base(sig.args[5], xs_), e.base(sig.args[6], xc_)
             db = e.base(sig.args[8], dst_)
             ng = bb.udiv(K, ir.Constant(I64, group))
-            xrow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), K) for t in range(n_tok)]  # byte offsets of x_t
+            xrow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), xrb) for t in range(n_tok)]  # byte offsets of x_t
             grow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), ng) for t in range(n_tok)]  # group-array rows
             zero = ir.Constant(V(F32, 16), [0.0] * 16)
             steps = group // 4
@@ -301,15 +310,22 @@ def _gemm_intrinsic(n_tok, group, has_min, dp):
                 for t in range(n_tok):
                     c = e.load(xcb, bb.mul(bb.add(grow[t], g), ir.Constant(I64, 4)), I32, 4)
                     iacc.append([e.splat(c, 16), e.splat(c, 16)])
+                izero = ir.Constant(V(I32, 16), [0] * 16)
+                ihi = [[izero, izero] for t in range(n_tok)]
                 for s in range(steps):
                     chunk = bb.add(bb.udiv(k0, ir.Constant(I64, 4)), ir.Constant(I64, s))
                     toff = bb.mul(chunk, ir.Constant(I64, 4 * ROWS))
                     wv = [e.load(tb, bb.add(toff, ir.Constant(I64, 64 * h)), V(I8, 64), 1) for h in range(2)]
+                    xc0 = bb.mul(chunk, ir.Constant(I64, 4 * digits))
                     for t in range(n_tok):
-                        xi = e.load(xqb, bb.add(xrow[t], bb.add(k0, ir.Constant(I64, 4 * s))), I32, 4)
-                        xv = bb.bitcast(e.splat(xi, 16), V(I8, 64))
-                        for h in range(2):
-                            iacc[t][h] = dp(e, iacc[t][h], wv[h], xv)
+                        for d, acc in ((digits - 1, iacc), (0, ihi))[: digits]:
+                            xi = e.load(xqb, bb.add(xrow[t], bb.add(xc0, ir.Constant(I64, 4 * d))), I32, 4)
+                            xv = bb.bitcast(e.splat(xi, 16), V(I8, 64))
+                            for h in range(2):
+                                acc[t][h] = dp(e, acc[t][h], wv[h], xv)
+                if digits == 2:
+                    eight = ir.Constant(V(I32, 16), [8] * 16)
+                    iacc = [[bb.add(bb.shl(ihi[t][h], eight), iacc[t][h]) for h in range(2)] for t in range(n_tok)]
                 new = list(accs)
                 goff = bb.mul(g, ir.Constant(I64, 4 * ROWS))
                 scv = [e.load(scb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)]
@@ -342,6 +358,7 @@ def _gemm_intrinsic(n_tok, group, has_min, dp):
     return gemm
 
 
+DIGITS = 2  # int8 digits per activation (see the module docstring)
 N_TOK = 4  # tokens per register block: 2 x 4 int32 + 2 x 4 f32 accumulators + 2 weight vectors
 
 # gemm_<isa>_<tokens>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
@@ -349,4 +366,4 @@ for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
     for _t in (N_TOK, 1):
         for _g in (32, 16):
             for _m in (0, 1):
-                globals()[f"gemm_{_isa}_{_t}_{_g}_{_m}"] = _gemm_intrinsic(_t, _g, _m, _dp)
+                globals()[f"gemm_{_isa}_{_t}_{_g}_{_m}"] = _gemm_intrinsic(_t, _g, _m, _dp, DIGITS)

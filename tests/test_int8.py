@@ -1,0 +1,96 @@
+"""The int8 prefill matmul (kernels/int8.py, simd_i8.py) against gguf-py's dequantizer in float64, for both
+instruction sets: vpdpbusd (where the CPU has AVX512-VNNI) and the generic fallback, forced here explicitly.
+The bound is test_kernels' formula with x rounded to int8 per group (derivation in simd_i8.py's docstring)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from test_kernels import _tolerance, activation_grid, make_weight
+
+from streamer.kernels import QMatrix, int8
+from streamer.kernels.dispatch import INT8
+
+FORMATS = sorted(INT8, key=lambda t: t.name)
+ISAS = int8.usable_isas()
+
+
+def _case(qtype, n_out, n_in, m, regime, seed, isa):
+    rng = np.random.default_rng(seed)
+    data, raw = make_weight(qtype, n_out, n_in, rng, regime)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
+    X = rng.standard_normal((m, n_in)).astype(np.float32)
+    X[0, : n_in // 2] *= np.float32(1e3)  # groups of very different magnitudes in one row
+    if m > 2:
+        X[2] = 0.0  # an all-zero row: dx = 0 must give exactly 0
+    w = QMatrix(data, qtype, n_in)._w
+    out = np.full((m, n_out), np.nan, np.float32)
+    int8.matmul(_code(qtype), w, X, out, isa)
+    ref = X.astype(np.float64) @ deq.T
+    tol = _tolerance(qtype, raw, deq, X, activation_grid(qtype, m))
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"{qtype.name} {isa} {n_out}x{n_in} m={m}: worst err/tol {np.max(err / tol):.3g}"
+    if m > 2:
+        assert np.all(out[2] == 0)
+    return out
+
+
+def _code(qtype):
+    from streamer.formats import FORMATS as F
+
+    return F[qtype].code
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_int8_matmul_against_oracle(qtype, isa):
+    # partial tiles (n_out % 32), the 1-token tail (m % 4), one and several tiles, Qwen3 widths
+    for n_out, n_in, m in [(1, 256, 2), (33, 256, 5), (70, 768, 9), (64, 2048, 4), (40, 1024, 7)]:
+        _case(qtype, n_out, n_in, m, "normal", n_out * 1000 + n_in, isa)
+
+
+@pytest.mark.parametrize("regime", ["extreme", "subnormal"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_int8_matmul_extreme_scales(qtype, isa, regime):
+    _case(qtype, 37, 512, 6, regime, 11, isa)
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs only the generic kernel")
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_vnni_and_generic_agree(qtype):
+    """Both form the same exact int32 sums; only the f32 steps may contract differently (an ulp or so)."""
+    a, b = (_case(qtype, 64, 1024, 8, "normal", 5, isa) for isa in ("vnni", "generic"))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+
+
+def test_stream_run_isa_generic_forces_the_fallback():
+    """STREAM_RUN_ISA=generic: QMatrix.matmul runs the generic kernel (same bits as calling it explicitly)."""
+    script = (
+        "import numpy as np; from gguf import GGMLQuantizationType as T; from streamer.kernels import QMatrix, int8\n"
+        "rng = np.random.default_rng(0); raw = rng.integers(0, 256, (40, 8 * 34), dtype=np.uint8)\n"
+        "raw.reshape(40, 8, 34)[:, :, 0:2] = np.array([0.01], np.float16).view(np.uint8)\n"
+        "q = QMatrix(raw, T.Q8_0, 256); X = rng.standard_normal((6, 256)).astype(np.float32)\n"
+        "out = np.empty((6, 40), np.float32); int8.matmul(0, q._w, X, out, 'generic')\n"
+        "print(int8.ISA, bool(np.array_equal(q.matmul(X), out)))\n"
+    )
+    env = dict(os.environ, STREAM_RUN_ISA="generic")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["generic", "True"]
+
+
+@pytest.mark.skipif(int8.ISA is None, reason="this CPU uses the f32 tiles")
+def test_qmatrix_matmul_uses_int8_for_its_formats():
+    """m > 1 on an int8 format goes through the int8 kernel: its output equals a direct call bit for bit."""
+    rng = np.random.default_rng(2)
+    for qtype in FORMATS:
+        data, _ = make_weight(qtype, 40, 512, rng)
+        q = QMatrix(data, qtype, 512)
+        X = rng.standard_normal((6, 512)).astype(np.float32)
+        out = np.empty((6, 40), np.float32)
+        int8.matmul(_code(qtype), q._w, X, out)
+        np.testing.assert_array_equal(q.matmul(X), out)
