@@ -22,15 +22,9 @@ from .simd_i8 import (
     DIGITS,
     N_TOK,
     ROWS,
-    gemm_generic_1_16_0,
-    gemm_generic_1_32_0,
-    gemm_generic_1_32_1,
     gemm_generic_4_16_0,
     gemm_generic_4_32_0,
     gemm_generic_4_32_1,
-    gemm_vnni_1_16_0,
-    gemm_vnni_1_32_0,
-    gemm_vnni_1_32_1,
     gemm_vnni_4_16_0,
     gemm_vnni_4_32_0,
     gemm_vnni_4_32_1,
@@ -114,41 +108,23 @@ def _decode(fmt, w, r0, last, tile, sc, mn, K):
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+def _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
     if fmt == Q4_K or fmt == Q5_K:
-        if nt == N_TOK:
-            gemm_vnni_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_vnni_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_vnni_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     elif fmt == Q6_K:
-        if nt == N_TOK:
-            gemm_vnni_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_vnni_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_vnni_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     else:
-        if nt == N_TOK:
-            gemm_vnni_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_vnni_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_vnni_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+def _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
     if fmt == Q4_K or fmt == Q5_K:
-        if nt == N_TOK:
-            gemm_generic_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_generic_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_generic_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     elif fmt == Q6_K:
-        if nt == N_TOK:
-            gemm_generic_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_generic_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_generic_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     else:
-        if nt == N_TOK:
-            gemm_generic_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
-        else:
-            gemm_generic_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_generic_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -164,17 +140,14 @@ def i8_matmul_vnni(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
         r0 = t * ROWS
         _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
         nr = min(ROWS, n_out - r0)
-        i = 0
-        while i < m:
-            nt = N_TOK if i + N_TOK <= m else 1
-            if nr == ROWS:
-                _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+        for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
+            if nr == ROWS and i + N_TOK <= m:
+                _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
             else:
-                _gemm_vnni(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                for a in range(nt):
+                _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                for a in range(min(N_TOK, m - i)):
                     for j in range(nr):
                         out[i + a, r0 + j] = ob[a, j]
-            i += nt
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -189,17 +162,14 @@ def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
         r0 = t * ROWS
         _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
         nr = min(ROWS, n_out - r0)
-        i = 0
-        while i < m:
-            nt = N_TOK if i + N_TOK <= m else 1
-            if nr == ROWS:
-                _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+        for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
+            if nr == ROWS and i + N_TOK <= m:
+                _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
             else:
-                _gemm_generic(fmt, nt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                for a in range(nt):
+                _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                for a in range(min(N_TOK, m - i)):
                     for j in range(nr):
                         out[i + a, r0 + j] = ob[a, j]
-            i += nt
 
 
 def host_has_vnni() -> bool:
@@ -250,8 +220,10 @@ def matmul(fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | N
     """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous)."""
     m, K = X.shape
     ng = K // group_of(fmt)
-    xq = np.empty((m, DIGITS * K), np.int8)
-    dx, xs = np.empty((m, ng), np.float32), np.empty((m, ng), np.float32)
-    xc = np.empty((m, ng), np.int32)
+    mp = -(-m // N_TOK) * N_TOK  # the kernel reads whole blocks of N_TOK tokens: zero rows past m
+    xq = np.empty((mp, DIGITS * K), np.int8)
+    dx, xs, xc = np.empty((mp, ng), np.float32), np.empty((mp, ng), np.float32), np.empty((mp, ng), np.int32)
+    for a in (xq, dx, xs, xc):
+        a[m:] = 0
     tiles, scs, mns, obuf = _scratch(K)
     KERNELS[isa or ISA or "generic"](fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)

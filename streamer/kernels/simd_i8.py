@@ -117,11 +117,11 @@ def _decode_intrinsic(block_bytes, block_elems, group, scales_fn, values_fn):
             rowb = builder.extract_value(wary.strides, 0)
             wb = bb.bitcast(wary.data, ir.IntType(8).as_pointer())
             tb, scb, mnb = e.base(sig.args[3], tile_), e.base(sig.args[4], sc_), e.base(sig.args[5], mn_)
+
             def row_off(j):  # byte offset of row min(r0 + j, last)
                 r = bb.add(r0_, j)
                 return bb.mul(bb.select(bb.icmp_signed(">", r, last_), last_, r), rowb)
 
-            rows = [row_off(ir.Constant(I64, j)) for j in range(ROWS)]
             gpb = block_elems // group  # groups per block
 
             def block(b, carried):
@@ -138,18 +138,31 @@ def _decode_intrinsic(block_bytes, block_elems, group, scales_fn, values_fn):
                     return c
 
                 e.loop(ir.Constant(I64, ROWS), [], srow)
-                for h in range(2):
-                    for part, gls in values_fn.parts:
-                        vals = [values_fn(e, wb, bb.add(rows[16 * h + j], boff), part) for j in range(HALF)]
-                        for gi, gl in enumerate(gls):
+
+                def half(h, hc):  # rows 16h .. 16h + 15 (loops, not unrolled: less code to compile)
+                    hrow = bb.mul(h, ir.Constant(I64, HALF))
+
+                    def part(p, pc):  # values_fn.n_parts code vectors per row, groups p * len + i
+                        vals = [
+                            values_fn(e, wb, bb.add(row_off(bb.add(hrow, ir.Constant(I64, j))), boff), p)
+                            for j in range(HALF)
+                        ]
+                        for gi in range(len(vals[0])):
                             vs = [bb.bitcast(v[gi], V(I32, group // 4)) for v in vals]
                             chunks = _transpose(e, vs)
+                            gl = bb.add(bb.mul(p, ir.Constant(I64, len(vals[0]))), ir.Constant(I64, gi))
                             # element index of this group's first element, in the row
-                            g0 = bb.add(bb.mul(b, ir.Constant(I64, block_elems)), ir.Constant(I64, gl * group))
+                            g0 = bb.add(bb.mul(b, ir.Constant(I64, block_elems)), bb.mul(gl, ir.Constant(I64, group)))
                             for s, cv in enumerate(chunks):
                                 c = bb.add(bb.udiv(g0, ir.Constant(I64, 4)), ir.Constant(I64, s))
-                                off = bb.add(bb.mul(c, ir.Constant(I64, 4 * ROWS)), ir.Constant(I64, 64 * h))
+                                off = bb.add(bb.mul(c, ir.Constant(I64, 4 * ROWS)), bb.mul(h, ir.Constant(I64, 64)))
                                 bb.store(cv, e.ptr(tb, off, V(I32, 16)), align=1)
+                        return pc
+
+                    e.loop(ir.Constant(I64, values_fn.n_parts), [], part)
+                    return hc
+
+                e.loop(ir.Constant(I64, 2), [], half)
                 return carried
 
             e.loop(nb_, [], block)
@@ -161,10 +174,11 @@ def _decode_intrinsic(block_bytes, block_elems, group, scales_fn, values_fn):
 
 
 class _Values:
-    """values(e, wb, at, part) -> list of <G x i8> code vectors; parts: [(part, [group index in block])]."""
+    """values(e, wb, at, part) -> list of n <G x i8> code vectors, groups part * n .. of the block; part is a
+    runtime i64 in range(n_parts)."""
 
-    def __init__(self, fn, parts):
-        self.fn, self.parts = fn, parts
+    def __init__(self, fn, n_parts):
+        self.fn, self.n_parts = fn, n_parts
 
     def __call__(self, e, wb, at, part):
         return self.fn(e, wb, at, part)
@@ -194,16 +208,21 @@ def _k4_scale_fn(e, wb, at):
     return [bb.extract_element(dsc, I32(j)) for j in range(8)], [bb.extract_element(dmn, I32(j)) for j in range(8)]
 
 
+def _bshift(e, n):  # a runtime i64 shift count as <32 x i8>
+    return e.splat(e.b.trunc(n, I8), 32)
+
+
 def _q45_k_values(qs_at, has_qh):
-    def fn(e, wb, at, c):
+    def fn(e, wb, at, c):  # c: 32-byte chunk of qs -> groups 2c (low nibbles), 2c + 1 (high)
         bb = e.b
-        q = e.load(wb, e.off(at, qs_at + 32 * c), V(I8, 32))
+        q = e.load(wb, bb.add(at, bb.add(bb.mul(c, ir.Constant(I64, 32)), ir.Constant(I64, qs_at))), V(I8, 32))
         lo, hi = bb.and_(q, e.const(I8, 32, 15)), bb.lshr(q, e.const(I8, 32, 4))
         if has_qh:
             qh = e.load(wb, e.off(at, 16), V(I8, 32))
             one, four = e.const(I8, 32, 1), e.const(I8, 32, 4)
-            lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c)), one), four))
-            hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * c + 1)), one), four))
+            c2 = bb.mul(c, ir.Constant(I64, 2))
+            lo = bb.or_(lo, bb.shl(bb.and_(bb.lshr(qh, _bshift(e, c2)), one), four))
+            hi = bb.or_(hi, bb.shl(bb.and_(bb.lshr(qh, _bshift(e, bb.add(c2, ir.Constant(I64, 1)))), one), four))
         return [lo, hi]
 
     return fn
@@ -219,26 +238,21 @@ def _q6_k_scale_fn(e, wb, at):
 def _q6_k_values(e, wb, at, part):
     """part = (h, k): the 32 elements 128h + 32k.., as two groups of 16 (raw 6-bit codes 0..63)."""
     bb = e.b
-    h, k = divmod(part, 4)
-    ql = e.load(wb, e.off(at, 64 * h + 32 * (k & 1)), V(I8, 32))
-    qh = e.load(wb, e.off(at, 128 + 32 * h), V(I8, 32))
-    nib = bb.and_(bb.lshr(ql, e.const(I8, 32, 4 * (k >> 1))), e.const(I8, 32, 15))
-    top = bb.shl(bb.and_(bb.lshr(qh, e.const(I8, 32, 2 * k)), e.const(I8, 32, 3)), e.const(I8, 32, 4))
+    c = lambda k: ir.Constant(I64, k)  # noqa: E731
+    h, k = bb.lshr(part, c(2)), bb.and_(part, c(3))
+    ql = e.load(wb, bb.add(at, bb.add(bb.mul(h, c(64)), bb.mul(bb.and_(k, c(1)), c(32)))), V(I8, 32))
+    qh = e.load(wb, bb.add(at, bb.add(c(128), bb.mul(h, c(32)))), V(I8, 32))
+    nib = bb.and_(bb.lshr(ql, _bshift(e, bb.mul(bb.lshr(k, c(1)), c(4)))), e.const(I8, 32, 15))
+    top = bb.shl(bb.and_(bb.lshr(qh, _bshift(e, bb.mul(k, c(2)))), e.const(I8, 32, 3)), e.const(I8, 32, 4))
     q = bb.or_(nib, top)
     return [e.shuffle(q, q, list(range(16))), e.shuffle(q, q, list(range(16, 32)))]
 
 
-q8_0_tile = _decode_intrinsic(34, 32, 32, _q8_0_scales, _Values(_q8_0_values, [(0, [0])]))
-q4_0_tile = _decode_intrinsic(18, 32, 32, _q8_0_scales, _Values(_q4_0_values, [(0, [0])]))
-q4_k_tile = _decode_intrinsic(
-    144, 256, 32, _k4_scale_fn, _Values(_q45_k_values(16, False), [(c, [2 * c, 2 * c + 1]) for c in range(4)])
-)
-q5_k_tile = _decode_intrinsic(
-    176, 256, 32, _k4_scale_fn, _Values(_q45_k_values(48, True), [(c, [2 * c, 2 * c + 1]) for c in range(4)])
-)
-q6_k_tile = _decode_intrinsic(
-    210, 256, 16, _q6_k_scale_fn, _Values(_q6_k_values, [(p, [2 * p, 2 * p + 1]) for p in range(8)])
-)
+q8_0_tile = _decode_intrinsic(34, 32, 32, _q8_0_scales, _Values(_q8_0_values, 1))
+q4_0_tile = _decode_intrinsic(18, 32, 32, _q8_0_scales, _Values(_q4_0_values, 1))
+q4_k_tile = _decode_intrinsic(144, 256, 32, _k4_scale_fn, _Values(_q45_k_values(16, False), 4))
+q5_k_tile = _decode_intrinsic(176, 256, 32, _k4_scale_fn, _Values(_q45_k_values(48, True), 4))
+q6_k_tile = _decode_intrinsic(210, 256, 16, _q6_k_scale_fn, _Values(_q6_k_values, 8))
 
 
 # ---- the tile product -----------------------------------------------------------------------------------
@@ -363,7 +377,7 @@ N_TOK = 4  # tokens per register block: 2 x 4 int32 + 2 x 4 f32 accumulators + 2
 
 # gemm_<isa>_<tokens>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
 for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
-    for _t in (N_TOK, 1):
+    for _t in (N_TOK,):
         for _g in (32, 16):
             for _m in (0, 1):
                 globals()[f"gemm_{_isa}_{_t}_{_g}_{_m}"] = _gemm_intrinsic(_t, _g, _m, _dp, DIGITS)
