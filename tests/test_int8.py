@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 from gguf.quants import dequantize
-from test_kernels import _tolerance, activation_grid, make_weight
+from test_kernels import _tolerance, make_weight
 
 from streamer.kernels import QMatrix, int8
 from streamer.kernels.dispatch import INT8
@@ -18,7 +18,7 @@ FORMATS = sorted(INT8, key=lambda t: t.name)
 ISAS = int8.usable_isas()
 
 
-def _case(qtype, n_out, n_in, m, regime, seed, isa):
+def _case(qtype, n_out, n_in, m, regime, seed, isa, digits=2):
     rng = np.random.default_rng(seed)
     data, raw = make_weight(qtype, n_out, n_in, rng, regime)
     deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
@@ -28,9 +28,9 @@ def _case(qtype, n_out, n_in, m, regime, seed, isa):
         X[2] = 0.0  # an all-zero row: dx = 0 must give exactly 0
     w = QMatrix(data, qtype, n_in)._w
     out = np.full((m, n_out), np.nan, np.float32)
-    int8.matmul(_code(qtype), w, X, out, isa)
+    int8.matmul(_code(qtype), w, X, out, isa, digits)
     ref = X.astype(np.float64) @ deq.T
-    tol = _tolerance(qtype, raw, deq, X, activation_grid(qtype, m))
+    tol = _tolerance(qtype, raw, deq, X, (int8.group_of(_code(qtype)), int8.LEVELS[digits]))
     err = np.abs(out - ref)
     assert np.all(err <= tol), f"{qtype.name} {isa} {n_out}x{n_in} m={m}: worst err/tol {np.max(err / tol):.3g}"
     if m > 2:
@@ -44,19 +44,38 @@ def _code(qtype):
     return F[qtype].code
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_int8_matmul_against_oracle(qtype, isa):
-    # partial tiles (n_out % 32), the 1-token tail (m % 4), one and several tiles, Qwen3 widths
+def test_int8_matmul_against_oracle(qtype, isa, digits):
+    # partial tiles (n_out % 32), a token tail (m % 4), one and several tiles, Qwen3 widths
     for n_out, n_in, m in [(1, 256, 2), (33, 256, 5), (70, 768, 9), (64, 2048, 4), (40, 1024, 7)]:
-        _case(qtype, n_out, n_in, m, "normal", n_out * 1000 + n_in, isa)
+        _case(qtype, n_out, n_in, m, "normal", n_out * 1000 + n_in, isa, digits)
 
 
 @pytest.mark.parametrize("regime", ["extreme", "subnormal"])
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_int8_matmul_extreme_scales(qtype, isa, regime):
-    _case(qtype, 37, 512, 6, regime, 11, isa)
+def test_int8_matmul_extreme_scales(qtype, isa, digits, regime):
+    _case(qtype, 37, 512, 6, regime, 11, isa, digits)
+
+
+def test_two_digits_are_finer_than_one():
+    """The default (int16 as two int8 digits) is far more accurate than ggml's int8 activations."""
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(4)
+    data, raw = make_weight(T.Q8_0, 64, 1024, rng)
+    deq = dequantize(raw, T.Q8_0).reshape(64, 1024).astype(np.float64)
+    X = rng.standard_normal((8, 1024)).astype(np.float32)
+    ref = X.astype(np.float64) @ deq.T
+    err = {}
+    for digits in (1, 2):
+        out = np.empty((8, 64), np.float32)
+        int8.matmul(_code(T.Q8_0), QMatrix(data, T.Q8_0, 1024)._w, X, out, ISAS[-1], digits)
+        err[digits] = np.abs(out - ref).max()
+    assert err[2] * 50 < err[1]
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs only the generic kernel")

@@ -1,5 +1,6 @@
-"""The int8 prefill matmul: activations quantized to int8 per group, weight tiles unpacked to bytes, integer
-dot products (simd_i8.py, where the error bound is derived).
+"""The integer prefill matmul: activations quantized per group to int16 held as two int8 digits (one digit,
+ggml's int8, with STREAM_RUN_ACT=int8), weight tiles unpacked to bytes, integer dot products (simd_i8.py,
+where the error bound is derived).
 
 Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's
 f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni" (vpdpbusd) when the CPU has
@@ -19,15 +20,20 @@ from numba import prange
 from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from ._bits import FASTMATH, kernel
 from .simd_i8 import (
-    DIGITS,
     N_TOK,
     ROWS,
-    gemm_generic_4_16_0,
-    gemm_generic_4_32_0,
-    gemm_generic_4_32_1,
-    gemm_vnni_4_16_0,
-    gemm_vnni_4_32_0,
-    gemm_vnni_4_32_1,
+    gemm_generic_1_16_0,
+    gemm_generic_1_32_0,
+    gemm_generic_1_32_1,
+    gemm_generic_2_16_0,
+    gemm_generic_2_32_0,
+    gemm_generic_2_32_1,
+    gemm_vnni_1_16_0,
+    gemm_vnni_1_32_0,
+    gemm_vnni_1_32_1,
+    gemm_vnni_2_16_0,
+    gemm_vnni_2_32_0,
+    gemm_vnni_2_32_1,
     q4_0_tile,
     q4_k_tile,
     q5_k_tile,
@@ -36,8 +42,11 @@ from .simd_i8 import (
 )
 
 CODES = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)  # format codes (streamer.formats) the int8 path serves
-# Activation levels: int8 (127), or with two int8 digits 127 * 256 + 127 (hi stays within int8).
-XA_MAX = 127 * 256 + 127 if DIGITS == 2 else 127
+# Activation levels per number of int8 digits: 127, or 127 * 256 + 127 (hi stays within int8).
+LEVELS = {1: 127, 2: 127 * 256 + 127}
+# Two digits (int16-fine) unless STREAM_RUN_ACT=int8 asks for ggml's one (faster, 257x coarser).
+DIGITS = 1 if os.environ.get("STREAM_RUN_ACT", "").strip().lower() == "int8" else 2
+XA_MAX = LEVELS[DIGITS]
 
 
 def group_of(fmt: int) -> int:
@@ -62,10 +71,11 @@ def _offset(fmt):
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
-def quantize_act(X, group, off, xq, dx, xs, xc):
-    """Per row i and group g of X: q = rint(x / dx) in [-XA_MAX, XA_MAX], dx = max|x| / XA_MAX, xs = sum of x
-    (f32), xc = -off * sum(q) (the int32 correction of the weight offset). With DIGITS = 2, q = 256 hi + lo
+def quantize_act(X, group, off, digits, xq, dx, xs, xc):
+    """Per row i and group g of X: q = rint(x / dx) in [-L, L], dx = max|x| / L (L = LEVELS[digits]), xs = sum
+    of x (f32), xc = -off * sum(q) (the int32 correction of the weight offset). With 2 digits, q = 256 hi + lo
     (hi, lo int8) is stored per 4 elements as their 4 hi bytes, then their 4 lo bytes."""
+    levels = np.float32(127 * 256 + 127) if digits == 2 else np.float32(127)
     m, K = X.shape
     ng = K // group
     for i in prange(m):
@@ -74,13 +84,13 @@ def quantize_act(X, group, off, xq, dx, xs, xc):
             amax = np.float32(0)
             for k in range(k0, k0 + group):
                 amax = max(amax, abs(X[i, k]))
-            dx[i, g] = amax / np.float32(XA_MAX)
-            inv = np.float32(XA_MAX) / amax if amax > 0 else np.float32(0)
+            dx[i, g] = amax / levels
+            inv = levels / amax if amax > 0 else np.float32(0)
             s = 0
             f = np.float32(0)
             for k in range(k0, k0 + group):
                 q = np.int32(np.rint(X[i, k] * inv))
-                if DIGITS == 2:
+                if digits == 2:
                     lo = ((q + 128) & 255) - 128
                     at = 2 * k - (k & 3)  # chunk k >> 2 starts at byte 8 * (k >> 2)
                     xq[i, at] = (q - lo) >> 8
@@ -108,32 +118,46 @@ def _decode(fmt, w, r0, last, tile, sc, mn, K):
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
-    if fmt == Q4_K or fmt == Q5_K:
-        gemm_vnni_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+def _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+    if digits == 2:
+        if fmt == Q4_K or fmt == Q5_K:
+            gemm_vnni_2_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        elif fmt == Q6_K:
+            gemm_vnni_2_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_vnni_2_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    elif fmt == Q4_K or fmt == Q5_K:
+        gemm_vnni_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     elif fmt == Q6_K:
-        gemm_vnni_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_vnni_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     else:
-        gemm_vnni_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_vnni_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
-    if fmt == Q4_K or fmt == Q5_K:
-        gemm_generic_4_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+def _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+    if digits == 2:
+        if fmt == Q4_K or fmt == Q5_K:
+            gemm_generic_2_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        elif fmt == Q6_K:
+            gemm_generic_2_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:
+            gemm_generic_2_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    elif fmt == Q4_K or fmt == Q5_K:
+        gemm_generic_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     elif fmt == Q6_K:
-        gemm_generic_4_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_generic_1_16_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
     else:
-        gemm_generic_4_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        gemm_generic_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
-def i8_matmul_vnni(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
+def i8_matmul_vnni(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     """out = X . w^T with int8 activations (vpdpbusd). Scratch per thread: tiles [T, 32*K] u8, scs/mns
     [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group]."""
     m, K = X.shape
     n_out = w.shape[0]
-    quantize_act(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
     for t in prange((n_out + ROWS - 1) // ROWS):
         tid = numba.get_thread_id()
         tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
@@ -142,20 +166,20 @@ def i8_matmul_vnni(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
         nr = min(ROWS, n_out - r0)
         for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
             if nr == ROWS and i + N_TOK <= m:
-                _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
             else:
-                _gemm_vnni(fmt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
                 for a in range(min(N_TOK, m - i)):
                     for j in range(nr):
                         out[i + a, r0 + j] = ob[a, j]
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
-def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
+def i8_matmul_generic(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     """As i8_matmul_vnni, with the portable integer dot (simd_i8._dp_generic)."""
     m, K = X.shape
     n_out = w.shape[0]
-    quantize_act(X, _group(fmt), _offset(fmt), xq, dx, xs, xc)
+    quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
     for t in prange((n_out + ROWS - 1) // ROWS):
         tid = numba.get_thread_id()
         tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
@@ -164,9 +188,9 @@ def i8_matmul_generic(fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
         nr = min(ROWS, n_out - r0)
         for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
             if nr == ROWS and i + N_TOK <= m:
-                _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
             else:
-                _gemm_generic(fmt, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
                 for a in range(min(N_TOK, m - i)):
                     for j in range(nr):
                         out[i + a, r0 + j] = ob[a, j]
@@ -216,14 +240,18 @@ def _scratch(n_in: int):
     return buf
 
 
-def matmul(fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | None = None) -> None:
-    """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous)."""
+def matmul(
+    fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | None = None, digits: int | None = None
+) -> None:
+    """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous); isa and digits
+    default to ISA and DIGITS."""
+    digits = digits or DIGITS
     m, K = X.shape
     ng = K // group_of(fmt)
     mp = -(-m // N_TOK) * N_TOK  # the kernel reads whole blocks of N_TOK tokens: zero rows past m
-    xq = np.empty((mp, DIGITS * K), np.int8)
+    xq = np.empty((mp, digits * K), np.int8)
     dx, xs, xc = np.empty((mp, ng), np.float32), np.empty((mp, ng), np.float32), np.empty((mp, ng), np.int32)
     for a in (xq, dx, xs, xc):
         a[m:] = 0
     tiles, scs, mns, obuf = _scratch(K)
-    KERNELS[isa or ISA or "generic"](fmt, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)
+    KERNELS[isa or ISA or "generic"](fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)

@@ -9,9 +9,10 @@ f16 scales and small integers; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_
 
 x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantize_act). q has two int8
 digits, q = 256 hi + lo (XA_MAX = 127 * 256 + 127 = 32639): two vpdpbusd per 4 elements give sum(u * hi)
-and sum(u * lo), combined exactly as 256 * the first + the second. (DIGITS = 1 is ggml's q8_0 activation,
-q int8 itself, XA_MAX = 127: twice as fast, but 257x coarser; on the tiny test models it missed
-tests/test_model.py's 1e-2 max-error bound against the float64 forward (1.2-2.6%), so it is not the default.)
+and sum(u * lo), combined exactly as 256 * the first + the second. (One digit, opt-in with
+STREAM_RUN_ACT=int8, is ggml's q8_0 activation, q int8 itself, XA_MAX = 127: about twice as fast, but 257x
+coarser; on the tiny test models it missed tests/test_model.py's 1e-2 max-error bound against the float64
+forward (1.2-2.6%), so it is not the default.)
 For each token and group the int32 sum  sum(u * q) - OFF * sum(q)  is exact (|sum| < 2^30), and one f32
 step
     acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the exact f32 sum of x over the group ]
@@ -372,12 +373,10 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
     return gemm
 
 
-DIGITS = 2  # int8 digits per activation (see the module docstring)
 N_TOK = 4  # tokens per register block: 2 x 4 int32 + 2 x 4 f32 accumulators + 2 weight vectors
 
-# gemm_<isa>_<tokens>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
+# gemm_<isa>_<digits>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
 for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
-    for _t in (N_TOK,):
-        for _g in (32, 16):
-            for _m in (0, 1):
-                globals()[f"gemm_{_isa}_{_t}_{_g}_{_m}"] = _gemm_intrinsic(_t, _g, _m, _dp, DIGITS)
+    for _d in (1, 2):
+        for _g, _m in ((32, 0), (32, 1), (16, 0)):
+            globals()[f"gemm_{_isa}_{_d}_{_g}_{_m}"] = _gemm_intrinsic(N_TOK, _g, _m, _dp, _d)
