@@ -13,6 +13,7 @@ import argparse
 import datetime
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numba
@@ -54,9 +55,9 @@ def main() -> None:
             w.flags.writeable = False
             X = rng.standard_normal((args.m, n_in)).astype(np.float32)
             out = np.empty((args.m, n_out), np.float32)
-            fns = {"f32": lambda: blocks.block_matmul(code, w, X, out, _tile_scratch(n_in))}
+            fns = {"f32": partial(blocks.block_matmul, code, w, X, out, _tile_scratch(n_in))}
             for isa, d in isas:
-                fns[isa, d] = (lambda isa, d: lambda: int8.matmul(code, w, X, out, isa, d))(isa, d)
+                fns[isa, d] = partial(int8.matmul, code, w, X, out, isa, d)
             for f in fns.values():
                 f()  # compile / warm
             best = dict.fromkeys(fns, float("inf"))
