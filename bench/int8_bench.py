@@ -40,10 +40,14 @@ def main() -> None:
     args = ap.parse_args()
     set_threads(args.threads)
     isas = [(i, int(d)) for i in args.isas.split(",") if i for d in args.digits.split(",")]
-    print(f"# int8_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  m={args.m}  "
-          f"numba {numba.__version__}  host ISA: {int8.ISA or 'f32 tiles'}")
-    print(f"{'format':6} {'shape':>10} | {'f32 GF/s':>8} {'GB/s':>6} | " + " | ".join(
-        f"{f'{i}/{d}d GF/s':>14} {'GB/s':>6} {'x f32':>6}" for i, d in isas))
+    print(
+        f"# int8_bench {datetime.datetime.now():%Y-%m-%d %H:%M}  threads={args.threads}  m={args.m}  "
+        f"numba {numba.__version__}  host ISA: {int8.ISA or 'f32 tiles'}"
+    )
+    print(
+        f"{'format':6} {'shape':>10} | {'f32 GF/s':>8} {'GB/s':>6} | "
+        + " | ".join(f"{f'{i}/{d}d GF/s':>14} {'GB/s':>6} {'x f32':>6}" for i, d in isas)
+    )
     rng = np.random.default_rng(0)
     for name in args.formats.split(","):
         qtype = T[name]

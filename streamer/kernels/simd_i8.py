@@ -333,7 +333,7 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
                     wv = [e.load(tb, bb.add(toff, ir.Constant(I64, 64 * h)), V(I8, 64), 1) for h in range(2)]
                     xc0 = bb.mul(chunk, ir.Constant(I64, 4 * digits))
                     for t in range(n_tok):
-                        for d, acc in ((digits - 1, iacc), (0, ihi))[: digits]:
+                        for d, acc in ((digits - 1, iacc), (0, ihi))[:digits]:
                             xi = e.load(xqb, bb.add(xrow[t], bb.add(xc0, ir.Constant(I64, 4 * d))), I32, 4)
                             xv = bb.bitcast(e.splat(xi, 16), V(I8, 64))
                             for h in range(2):
@@ -344,8 +344,11 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
                 new = list(accs)
                 goff = bb.mul(g, ir.Constant(I64, 4 * ROWS))
                 scv = [e.load(scb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)]
-                mnv = [e.load(mnb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)] \
-                    if has_min else None
+                mnv = (
+                    [e.load(mnb, bb.add(goff, ir.Constant(I64, 64 * h)), V(F32, 16), 4) for h in range(2)]
+                    if has_min
+                    else None
+                )
                 for t in range(n_tok):
                     gi = bb.mul(bb.add(grow[t], g), ir.Constant(I64, 4))
                     dxs = e.splat(e.load(dxb, gi, F32, 4), 16)
