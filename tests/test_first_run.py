@@ -99,15 +99,18 @@ def test_profile_budget_on_the_command_line(synth_model, monkeypatch):
     r = invoke("run", path, "-p", "x", "-n", "1", "--profile", "low-ram", "--no-learn")
     assert r.exit_code == 0, r.output
     assert re.search(r"RAM budget 1(\.00)? GiB", r.stderr), r.stderr
-    r = invoke("run", path, "-p", "x", "-n", "1", "--profile", "low-ram", "--ram-budget", "700M", "--no-learn")
+    # 900M: the plan counts this test process's RSS (the whole suite's compiled kernels, ~570 MiB) as in use
+    r = invoke("run", path, "-p", "x", "-n", "1", "--profile", "low-ram", "--ram-budget", "900M", "--no-learn")
     assert r.exit_code == 0, r.output
-    assert re.search(r"RAM budget 700(\.00)? MiB", r.stderr), r.stderr
+    assert re.search(r"RAM budget 900(\.00)? MiB", r.stderr), r.stderr
 
 
 def test_profiles_command_lists_every_builtin():
     r = invoke("presets")
     assert r.exit_code == 0, r.output
-    assert invoke("profiles").stdout == r.stdout  # the command's old name still works
+    # the command's old name still works (the "= N GiB now" figures follow available memory between calls)
+    now = re.compile(r"\(= [0-9.]+ GiB now\)")
+    assert now.sub("", invoke("profiles").stdout) == now.sub("", r.stdout)
     lines = r.stdout.splitlines()
     for name in available_presets():
         description, opts = describe_preset(name)
