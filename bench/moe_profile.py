@@ -218,7 +218,8 @@ def main(argv=None) -> int:
 
     from streamer.bench import prompt_tokens
     from streamer.options import StreamOptions
-    from streamer.session import open_model
+    from streamer.pagein import PageIn
+    from streamer.session import forward_order, open_model
 
     opts = StreamOptions(ram_budget=a.ram_budget, stream=not a.no_stream, learn=False)
     s = open_model(a.model, opts, n_ctx=a.pp + a.tg + 8, threads=a.threads)
@@ -238,7 +239,9 @@ def main(argv=None) -> int:
             if "_exps." not in name or not s.streaming
         ]
         t0 = time.perf_counter()
-        s.gf.populate(keep)
+        if s.pagein is not None:
+            s.pagein.stop()  # open_model's background page-in of the whole file: only these layers are wanted
+        PageIn(s.gf.mm, forward_order(s.gf, keep)).run()
         print(f"populated {sum(n for _, n in keep) / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s")
         if not s.streaming and hasattr(s.moe.source, "resident"):
             s.moe.source.resident()  # as Session.populate: every expert used is in RAM

@@ -18,7 +18,7 @@ import numpy as np
 
 from streamer.budget import Plan
 from streamer.experts.source import serve
-from streamer.kernels import ops
+from streamer.kernels import int8, ops
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.kernels.gemm import TILE
 from streamer.kernels.grouped import grouped_down, grouped_gate_up, grouped_matmul, prepare_rows, scatter_add
@@ -203,8 +203,8 @@ class MoEFFN:
     def _prefill(self, layer, h, ids, w, experts, out) -> None:
         """The chunk's tokens grouped by expert: each routed expert is read once, several experts per kernel
         call (kernels/grouped.py): experts with at most grouped_max tokens by int16 row dots, the others by
-        dequantized f32 tiles. Reads run `window` experts ahead of the group being computed
-        (streaming); resident experts are computed in one group. Each token's outputs of the int16 experts
+        matmul (the integer kernel or dequantized f32 tiles, as QMatrix.matmul). Reads run `window` experts
+        ahead of the group being computed (streaming); resident experts are computed in one group. Each token's outputs of the int16 experts
         are added into out in ascending expert order, those of the f32 experts into big_out likewise, and
         big_out into out at the end: the same additions whatever the grouping, so streamed == resident bit
         for bit (and a token with only int16 experts gets exactly the per-token path's result)."""
@@ -258,20 +258,35 @@ class MoEFFN:
         grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
 
     def _grouped_mm(self, layer, group, starts, toks, weights, h, out) -> None:
-        """As _grouped, through grouped_matmul (QMatrix.matmul's math: dequantized f32 tiles) and scatter_add."""
+        """As _grouped, by matmul over each expert's tokens (QMatrix.matmul's math: the integer kernel where it
+        serves the format, else dequantized f32 tiles for the whole group in one call) and scatter_add."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
         x = h[toks]
         gu = np.empty((2, len(toks), n_ff), np.float32)
         gu_offs, down_offs = offs[: 2 * g].reshape(2, g), offs[2 * g :].reshape(1, g)
-        tiles = self._tiles(h.shape[1])
-        grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, starts, gu, tiles)
+        self._matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, starts, gu)
         a = ops.swiglu(gu[0], gu[1], gu[0])
         y = np.empty((1, len(toks), h.shape[1]), np.float32)
-        grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, starts, y, self._tiles(n_ff))
+        self._matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, starts, y)
         perm = np.argsort(toks, kind="stable")
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
         scatter_add(out, y[0], weights, tstarts, perm)
+
+    def _matmul(self, fmt, base, offs, row_bytes, X, starts, out) -> None:
+        """out[j, starts[i]:starts[i+1]] = X[those rows] @ W_ji^T, W_ji the rows at byte offs[j, i] of base.
+        int8.py's kernel (one call per matrix; 1.5x the f32 tiles at 8 tokens, bench/int8_bench.py) where the
+        CPU and format allow, as QMatrix.matmul decides; else grouped_matmul's f32 tiles."""
+        if int8.ISA is None or fmt not in int8.CODES:
+            grouped_matmul(fmt, base, offs, row_bytes, X, starts, out, self._tiles(X.shape[1]))
+            return
+        n = out.shape[2]
+        for j in range(offs.shape[0]):
+            for i in range(offs.shape[1]):
+                a, b = starts[i], starts[i + 1]
+                if b > a:
+                    w = base[offs[j, i] : offs[j, i] + n * row_bytes].reshape(n, row_bytes)
+                    int8.matmul(fmt, w, X[a:b], out[j, a:b])
 
     def _tiles(self, n_in: int) -> np.ndarray:
         t = self._tile_scratch.get(n_in)
