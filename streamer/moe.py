@@ -216,7 +216,7 @@ class MoEFFN:
         pstart = np.searchsorted(pe, experts, side="left")
         pend = np.searchsorted(pe, experts, side="right")
         xq = np.empty((m, h.shape[1]), np.int16)
-        aux = np.empty((m, 2 * (h.shape[1] >> 5) + 1), np.float32)
+        aux = np.empty((m, 3 * (h.shape[1] >> 5) + 1), np.float32)
         prepare_rows(plan.gate_up_format, h, xq, aux)
         small = (pend - pstart) <= self.grouped_max
         big_out = np.zeros_like(out) if not small.all() else None
@@ -254,7 +254,7 @@ class MoEFFN:
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
         poffs = np.repeat(offs[2 * g :], np.diff(starts))
         aq = np.empty((P, n_ff), np.int16)
-        aaux = np.empty((P, 2 * (n_ff >> 5) + 1), np.float32)
+        aaux = np.empty((P, 3 * (n_ff >> 5) + 1), np.float32)
         grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
 
     def _grouped_mm(self, layer, group, starts, toks, weights, h, out) -> None:

@@ -22,7 +22,8 @@ from .gemm import TILE, gemm_tile
 
 @kernel(parallel=True, fastmath=FASTMATH)
 def prepare_rows(fmt, X, xq, aux):
-    """Quantize each row of X (m, n_in) for the format's row dot: xq (m, n_in) int16, aux (m, 2 n_in/32 + 1)."""
+    """Quantize each row of X (m, n_in) for the format's row dot: xq (m, n_in) int16, aux (m, 3 n_in/32 + 1)
+    in blocks.prepare's layout (scales, then sums per 32, or per 16 for Q2_K)."""
     for t in prange(X.shape[0]):
         prepare(fmt, X[t], xq[t], aux[t])
 
@@ -43,7 +44,7 @@ def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
         off = offs[part, i] + rr * row_bytes
         for p in range(starts[i], starts[i + 1]):
             t = toks[p]
-            out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 2 * ng], n_in)
+            out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -60,7 +61,7 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
             acc = out[t, r]
             for q in range(tstarts[t], tstarts[t + 1]):
                 p = perm[q]
-                acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 2 * ng], n_in)
+                acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
             out[t, r] = acc
 
 
