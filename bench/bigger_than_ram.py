@@ -99,12 +99,15 @@ def main() -> int:
     files = shards(a.model)
     missing = [str(f) for f in files if not f.exists()]
     if missing:
-        sys.exit(f"error: missing shard(s): {', '.join(missing)}")
+        print(f"error: missing shard(s): {', '.join(missing)}", file=sys.stderr)
+        return 2
     size, ram = sum(f.stat().st_size for f in files), mem_total()
     if size <= ram:
-        sys.exit(
-            f"error: {a.model} is {size / 2**30:.1f} GiB, not bigger than this machine's {ram / 2**30:.1f} GiB RAM"
+        print(
+            f"error: {a.model} is {size / 2**30:.1f} GiB, not bigger than this machine's {ram / 2**30:.1f} GiB RAM",
+            file=sys.stderr,
         )
+        return 2
     print(f"model {size / 2**30:.2f} GiB in {len(files)} file(s); MemTotal {ram / 2**30:.2f} GiB; no cgroup")
 
     sr = [a.stream_run, "bench", str(a.model), "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--json"]
