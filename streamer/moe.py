@@ -102,6 +102,11 @@ def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(([0], cs)), np.arange(cs[-1]) - np.repeat(cs - cnt, cnt) + np.repeat(a, cnt)
 
 
+def _int8_serves(fmt: int) -> bool:
+    """The integer prefill kernel runs on this CPU (or is forced) and serves this format."""
+    return int8.ISA is not None and fmt in int8.CODES
+
+
 class FusedPlan(NamedTuple):
     """How the multi-expert decode kernels read one layer's experts: format code and bytes per row."""
 
@@ -277,7 +282,7 @@ class MoEFFN:
         """out[j, starts[i]:starts[i+1]] = X[those rows] @ W_ji^T, W_ji the rows at byte offs[j, i] of base.
         int8.py's kernel (one call per matrix; 1.5x the f32 tiles at 8 tokens, bench/int8_bench.py) where the
         CPU and format allow, as QMatrix.matmul decides; else grouped_matmul's f32 tiles."""
-        if int8.ISA is None or fmt not in int8.CODES:
+        if not _int8_serves(fmt):
             grouped_matmul(fmt, base, offs, row_bytes, X, starts, out, self._tiles(X.shape[1]))
             return
         n = out.shape[2]
@@ -287,6 +292,13 @@ class MoEFFN:
                 if b > a:
                     w = base[offs[j, i] : offs[j, i] + n * row_bytes].reshape(n, row_bytes)
                     int8.matmul(fmt, w, X[a:b], out[j, a:b])
+
+    def needs_tiles(self) -> bool:
+        """Whether a prefill may call grouped_matmul: some layer's expert format is one the integer kernel
+        does not serve here (warm-up compiles grouped_matmul only then)."""
+        return any(
+            p is not None and not (_int8_serves(p.gate_up_format) and _int8_serves(p.down_format)) for p in self.fused
+        )
 
     def _tiles(self, n_in: int) -> np.ndarray:
         t = self._tile_scratch.get(n_in)

@@ -239,5 +239,5 @@ def open_model(
         if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
             from streamer.warmup import warmup
 
-            warmup(only=("experts",))
+            warmup(only=("experts", "expert-tiles") if moe.needs_tiles() else ("experts",))
     return session

@@ -121,14 +121,25 @@ def _run_experts() -> None:
             toks,
             np.zeros((m, N_OUT), np.float32),
         )
-        tiles = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, N_IN), np.float32)
         gu = np.empty((2, g, N_IN), np.float32)
-        x = np.zeros((g, N_IN), np.float32)
-        grouped.grouped_matmul(fmt, w, np.zeros((2, g), np.int64), row_bytes, x, starts, gu, tiles)
         tstarts = np.array([0, 1, 2, 2], np.int64)
         grouped.scatter_add(np.zeros((m, N_IN), np.float32), gu[0], np.ones(g, np.float32), tstarts, toks)
     for m in (1, 2):  # the router's top-k (Router.predict and one token: m = 1; prefill: more)
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
+
+
+def _run_expert_tiles() -> None:
+    """grouped_matmul (the MoE prefill's f32 tiles) for every format: only models whose expert formats the integer
+    kernel does not serve, or CPUs without it, call it (MoEFFN.needs_tiles)."""
+    g = 2
+    for qtype, fmt in experts.FORMATS.items():
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = N_IN // block * type_size
+        w = _readonly(np.zeros(g * N_OUT * row_bytes, np.uint8))
+        tiles = np.empty((numba.config.NUMBA_NUM_THREADS, TILE, N_IN), np.float32)
+        starts = np.arange(g + 1, dtype=np.int64)
+        x, gu = np.zeros((g, N_IN), np.float32), np.empty((2, g, N_IN), np.float32)
+        grouped.grouped_matmul(fmt, w, np.zeros((2, g), np.int64), row_bytes, x, starts, gu, tiles)
 
 
 def _run_int8() -> None:
@@ -156,11 +167,11 @@ def groups() -> list[Group]:
                 grouped.prepare_rows,
                 grouped.grouped_gate_up,
                 grouped.grouped_down,
-                grouped.grouped_matmul,
                 grouped.scatter_add,
             ),
             _run_experts,
         ),
+        Group("expert-tiles", (grouped.grouped_matmul,), _run_expert_tiles),
         Group("int8", tuple(int8.KERNELS[i] for i in int8.usable_isas()), _run_int8),
     ]
 
