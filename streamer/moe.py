@@ -19,6 +19,7 @@ import numpy as np
 from streamer.budget import Plan
 from streamer.experts.source import serve
 from streamer.kernels import int8, ops
+from streamer.kernels.blocks import act_buffer
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.kernels.gemm import TILE
 from streamer.kernels.grouped import grouped_down, grouped_gate_up, grouped_matmul, prepare_rows, scatter_add
@@ -220,7 +221,7 @@ class MoEFFN:
         pe, pt, pw = e_flat[order], t_flat[order], w.reshape(-1)[order].astype(np.float32)
         pstart = np.searchsorted(pe, experts, side="left")
         pend = np.searchsorted(pe, experts, side="right")
-        xq = np.empty((m, h.shape[1]), np.int16)
+        xq = act_buffer(h.shape[1], m)
         aux = np.empty((m, 3 * (h.shape[1] >> 5) + 1), np.float32)
         prepare_rows(plan.gate_up_format, h, xq, aux)
         small = (pend - pstart) <= self.grouped_max
@@ -258,7 +259,7 @@ class MoEFFN:
         perm = np.argsort(toks, kind="stable")  # pairs by token, each token's in ascending expert order
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
         poffs = np.repeat(offs[2 * g :], np.diff(starts))
-        aq = np.empty((P, n_ff), np.int16)
+        aq = act_buffer(n_ff, P)
         aaux = np.empty((P, 3 * (n_ff >> 5) + 1), np.float32)
         grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
 

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import experts, grouped, int8, ops, routing
+from streamer.kernels import blocks, experts, grouped, int8, ops, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 
@@ -103,7 +103,7 @@ def _run_experts() -> None:
             sa.aux,
         )
         m, g = 3, 2  # the grouped prefill kernels: m tokens over g experts, one pair each
-        xq, aux = np.empty((m, N_IN), np.int16), np.empty((m, 3 * (N_IN >> 5) + 1), np.float32)
+        xq, aux = blocks.act_buffer(N_IN, m), np.empty((m, 3 * (N_IN >> 5) + 1), np.float32)
         grouped.prepare_rows(fmt, np.zeros((m, N_IN), np.float32), xq, aux)
         starts, toks = np.arange(g + 1, dtype=np.int64), np.arange(g, dtype=np.int64)
         gu = np.empty((2, g, N_OUT), np.float32)
@@ -114,7 +114,7 @@ def _run_experts() -> None:
             np.zeros(g, np.int64),
             row_bytes,
             np.zeros((g, N_IN), np.float32),
-            np.empty((g, N_IN), np.int16),
+            blocks.act_buffer(N_IN, g),
             np.empty((g, 3 * (N_IN >> 5) + 1), np.float32),
             np.ones(g, np.float32),
             np.array([0, 1, 2, 2], np.int64),

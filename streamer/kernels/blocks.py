@@ -7,8 +7,10 @@ Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes), block_q4_0 {g
 block_q4_K {d, dmin, scales[12], qs[128]} (144 bytes), block_q5_K {d, dmin, scales[12], qh[32], qs[128]}
 (176 bytes) and block_q6_K {ql[128], qh[64], int8 scales[16], d} (210 bytes), as decoded by ggml's
 dequantize_row_*. Rows are read straight from the GGUF bytes: matvec runs simd's vector row dot on x
-quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32);
-matmul and rows dequantize exactly (simd's *_deq) into f32.
+quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32) or,
+where the CPU has AVX512-VNNI, Q4_K's vpdpbusd row dot (simd_vnni.py) on x as two int8 digits per 32 (the
+activation buffer's dtype selects it: act_buffer, prepare); matmul and rows dequantize exactly (simd's *_deq)
+into f32.
 
 One kernel serves every format: it takes the format's code (streamer.formats) and branches on it once per row,
 a predictable branch; the per-format work is simd's. The multi-expert kernels (experts.py) share prepare and
@@ -16,7 +18,9 @@ dot.
 """
 
 import numba
-from numba import prange
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
 
 from ..formats import (
     IQ1_S,
@@ -41,9 +45,11 @@ from ..formats import (
     SUPER_BLOCKS,
 )
 from ._bits import FASTMATH, kernel
-from .activations import group_sums, quantize_groups
+from .activations import group_sums, quantize_digits, quantize_groups
 from .gemm import TILE, gemm_tile
+from .int8 import ISA
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
+from .simd_vnni import q4_k_dot_vnni
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
@@ -83,7 +89,7 @@ PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are 
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def prepare(fmt, x, xq, aux):
+def prepare_i16(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
     used for super-blocks) and, for super-blocks and the 32-element formats with mins (Q4_1, Q5_1), f32 sums
     per 32 in aux[n/32:] (per 16 for Q2_K, whose sub-blocks are 16). aux holds 3n/32 + 1. Returns (dx, xs)
@@ -103,7 +109,7 @@ def prepare(fmt, x, xq, aux):
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def dot(fmt, w, off, xq, dx, xs, n_in):
+def dot_i16(fmt, w, off, xq, dx, xs, n_in):
     """The row starting at byte `off` of w, dot the prepared x of n_in elements (the common formats first)."""
     if fmt == Q4_K:
         return q4_k_dot(w, off, xq, dx, xs, n_in >> 8, PF)
@@ -144,6 +150,78 @@ def dot(fmt, w, off, xq, dx, xs, n_in):
     if fmt == IQ1_S:
         return iq1_s_dot(w, off, xq, dx, xs, n_in >> 8, PF)
     return iq1_m_dot(w, off, xq, dx, xs, n_in >> 8, PF)  # IQ1_M
+
+
+# The formats whose decode row dot has a vpdpbusd version over int8 activation digits (simd_vnni.py).
+DIGIT_CODES = (Q4_K,)
+# Decode with int8 digits where the CPU has AVX512-VNNI (int8.host_isa: STREAM_RUN_ISA=generic or f32 keep the
+# int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
+DIGITS = ISA == "vnni"
+
+
+def act_buffer(n_in: int, *lead: int) -> np.ndarray:
+    """The activation buffer the kernels fill with prepare, shape (*lead, n_in): int16, or with DIGITS its bytes
+    as int8 (*lead, 2 n_in), which makes the kernels use the vpdpbusd row dots."""
+    xq = np.empty((*lead, n_in), np.int16)
+    return xq.view(np.int8) if DIGITS else xq
+
+
+def _is_digits(xq):
+    return isinstance(xq, types.Array) and xq.dtype == types.int8
+
+
+_OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
+
+
+def prepare(fmt, x, xq, aux):
+    """Quantize x for the format's row dot (kernels only). xq is the activation buffer: int16 [n] (prepare_i16,
+    simd.py's dots) or, where the CPU has AVX512-VNNI (DIGITS), the same bytes as int8 [2n]: then the formats in
+    DIGIT_CODES get two int8 digits per element (activations.quantize_digits: scales per 32 in aux[:n/32], f32
+    sums per 32 after them) for simd_vnni.py's dots, the others the int16 path in those bytes. Which one is
+    chosen when the kernel is compiled, by xq's dtype, never at run time. Returns (dx, xs) views of aux."""
+    raise NotImplementedError("blocks.prepare runs inside numba kernels only")
+
+
+@overload(prepare, inline="always", jit_options=_OV)
+def _prepare(fmt, x, xq, aux):
+    if not _is_digits(xq):
+
+        def impl16(fmt, x, xq, aux):
+            return prepare_i16(fmt, x, xq, aux)
+
+        return impl16
+
+    def impl8(fmt, x, xq, aux):
+        ng = x.size >> 5
+        if fmt == Q4_K:
+            quantize_digits(x, xq, aux[:ng])
+            group_sums(x, aux[ng : 2 * ng], 32)
+            return aux[:ng], aux[ng : 3 * ng]
+        return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+    return impl8
+
+
+def dot(fmt, w, off, xq, dx, xs, n_in):
+    """The row starting at byte `off` of w, dot the prepared x of n_in elements (kernels only; see prepare)."""
+    raise NotImplementedError("blocks.dot runs inside numba kernels only")
+
+
+@overload(dot, inline="always", jit_options=_OV)
+def _dot(fmt, w, off, xq, dx, xs, n_in):
+    if not _is_digits(xq):
+
+        def impl16(fmt, w, off, xq, dx, xs, n_in):
+            return dot_i16(fmt, w, off, xq, dx, xs, n_in)
+
+        return impl16
+
+    def impl8(fmt, w, off, xq, dx, xs, n_in):
+        if fmt == Q4_K:
+            return q4_k_dot_vnni(w, off, xq, dx, xs, n_in >> 8, PF)
+        return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
+
+    return impl8
 
 
 @kernel(fastmath=FASTMATH, inline="always")

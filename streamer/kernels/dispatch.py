@@ -14,7 +14,8 @@ from .gemm import TILE
 
 
 class Kernels(NamedTuple):
-    matvec: Callable  # (fmt, w, x, out, xq, aux) -> None; xq int16[n_in], aux f32 scratch (activations.py)
+    matvec: Callable  # (fmt, w, x, out, xq, aux) -> None; xq blocks.act_buffer (int16[n_in] or int8[2 n_in]),
+    # aux f32 scratch (blocks.prepare)
     matmul: Callable  # (fmt, w, X, out, scratch) -> None; scratch is [threads, TILE, n_in] f32
     rows: Callable  # (fmt, w, ids, out) -> None
     view: type  # dtype the kernels see the data as
@@ -32,15 +33,17 @@ SUPPORTED: dict[T, Kernels] = {t: Kernels(*_FAMILIES[f.family], f.act_group, f.c
 INT8: frozenset[T] = frozenset(t for t, f in FORMATS.items() if f.family == "block" and f.code in int8.CODES)
 
 # Scratch shared by all matrices (only the main thread runs kernels), keyed by n_in.
-_act: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_act: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
 _tiles: dict[int, np.ndarray] = {}
 
 
-def _act_scratch(n_in: int) -> tuple[np.ndarray, np.ndarray]:
-    """int16 x and f32 aux (scales per 32/256, then f32 sums per 32 or 16: blocks.prepare) for one matvec of n_in."""
-    buf = _act.get(n_in)
+def _act_scratch(n_in: int, block: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The quantized x (blocks.act_buffer for the block formats, else int16, unused) and f32 aux (scales per
+    32/256, then f32 sums per 32 or 16: blocks.prepare) for one matvec of n_in."""
+    buf = _act.get((n_in, block))
     if buf is None:
-        buf = _act[n_in] = (np.empty(n_in, np.int16), np.empty(3 * (n_in // 32) + 1, np.float32))
+        xq = blocks.act_buffer(n_in) if block else np.empty(n_in, np.int16)
+        buf = _act[n_in, block] = (xq, np.empty(3 * (n_in // 32) + 1, np.float32))
     return buf
 
 
@@ -81,7 +84,7 @@ class QMatrix:
         self.n_out = data.shape[0]
         self.nbytes = data.nbytes
         self._fmt, self._mv = k.fmt, k.matvec
-        self._xq, self._aux = _act_scratch(n_in)
+        self._xq, self._aux = _act_scratch(n_in, k.matvec is blocks.block_matvec)
         self._i8 = qtype in INT8 and int8.ISA is not None
 
     def first_rows(self, n: int) -> "QMatrix":

@@ -3,8 +3,9 @@
 A token's 8 experts are 24 small matrices (768x2048 at 30B-A3B); one call per matrix pays a parallel
 launch and leaves threads idle at the tail each time. Here every expert's rows sit at a byte offset of one
 base array (the file's mapping when experts are resident, the cache arena when they stream), and one
-prange covers the rows of all of them. The row dots are simd's (same as QMatrix.matvec: x rounded to
-int16 per 32 or 256 elements), so results match the per-matrix path up to float32 rounding.
+prange covers the rows of all of them. The row dots are blocks.dot's (same as QMatrix.matvec: x rounded to
+int16 per 32 or 256 elements, or Q4_K's int8 digits per 32 with VNNI), so results match the per-matrix path up to
+float32 rounding.
 
 `experts_down` adds each expert's weighted contribution into `out` in expert order, starting from out's
 current value: the additions happen in the same sequence however the experts are grouped.
@@ -15,7 +16,7 @@ from numba import prange
 
 from ..formats import BLOCK_CODES as FORMATS
 from ._bits import FASTMATH, kernel
-from .blocks import dot, prepare
+from .blocks import act_buffer, dot, prepare
 
 __all__ = ["FORMATS", "ExpertScratch", "experts_down", "experts_matvec"]
 
@@ -49,5 +50,5 @@ class ExpertScratch:
     """Activation-quantization buffers for up to k experts of n_in inputs, allocated once."""
 
     def __init__(self, k: int, n_in: int):
-        self.xq = np.empty((k, n_in), np.int16)
+        self.xq = act_buffer(n_in, k)  # int16, or int8 digits where the CPU has VNNI (blocks.prepare)
         self.aux = np.empty((k, 3 * (n_in >> 5) + 1), np.float32)  # blocks.prepare's layout

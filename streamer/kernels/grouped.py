@@ -22,8 +22,8 @@ from .gemm import TILE, gemm_tile
 
 @kernel(parallel=True, fastmath=FASTMATH)
 def prepare_rows(fmt, X, xq, aux):
-    """Quantize each row of X (m, n_in) for the format's row dot: xq (m, n_in) int16, aux (m, 3 n_in/32 + 1)
-    in blocks.prepare's layout (scales, then sums per 32, or per 16 for Q2_K)."""
+    """Quantize each row of X (m, n_in) for the format's row dot: xq blocks.act_buffer(n_in, m), aux
+    (m, 3 n_in/32 + 1) in blocks.prepare's layout (scales, then sums per 32, or per 16 for Q2_K)."""
     for t in prange(X.shape[0]):
         prepare(fmt, X[t], xq[t], aux[t])
 
@@ -32,7 +32,7 @@ def prepare_rows(fmt, X, xq, aux):
 def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
     """For expert i of the group (gate at byte offs[0, i] of w, up at offs[1, i]) and each of its pairs p in
     starts[i]..starts[i+1] (token toks[p]): out[0, p] = gate . x, out[1, p] = up . x. out is (2, P, n_rows)."""
-    n_in = xq.shape[1]
+    n_in = (xq.shape[1] * xq.itemsize) >> 1  # xq: int16 (m, n_in) or int8 digits (m, 2 n_in)
     ng = n_in >> 5
     g = starts.size - 1
     n = out.shape[2]

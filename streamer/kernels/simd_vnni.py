@@ -1,0 +1,110 @@
+"""Decode row dots over int8 activation digits with vpdpbusd (AVX512-VNNI): the Q4_K row dot without widening.
+
+simd.py's Q4_K dot widens every nibble to a word, multiplies it by its sub-block scale and sums pairs against
+int16 x (vpmaddwd): about 80 instructions per 256-element super-block, compute-bound at ~25 GB/s on 2 threads.
+Here the nibbles stay bytes: one 64-byte load of qs gives, as its low nibbles, sub-blocks 2c and 2c + 2 (c =
+0 or 2) and, as its high nibbles, 2c + 1 and 2c + 3; `vpdpbusd` (u8 x s8, 4 products summed into each int32
+lane) dots each nibble vector with x directly. Each int32 lane then holds 4 products of ONE sub-block, so the
+sub-block scale is applied per lane in f32: acc += float(isum) * (d * sc_j * dx_j), one cvt and one fma per
+64 weights. prepare_digits (activations.py) lays x out in exactly that order, per super-block b (512 bytes):
+[h = 0, 1][nibble n = lo, hi][digit hi, lo][64 bytes: elements 128h + 64(k // 32) + 32n + k % 32, k < 64].
+
+Accuracy: as simd_i8.py's prefill kernel, x is int16-fine, held as two int8 digits q = 256 hi + lo,
+q = rint(x / dx_j), dx_j = max|x in sub-block j| / XA_MAX (XA_MAX = 127 * 256 + 127 = 32639), per 32
+elements. Per lane, isum = 256 * sum(u * hi) + sum(u * lo) over 4 elements (u = nibble <= 15) is exact in int32
+and below 2^21, so float(isum) is exact; d * sc_j is exact in f32 (11 x 6 bits); (d * sc_j) * dx_j rounds once,
+and the fma chain and the final tree sum add the usual f32 summation error. Per output:
+    |out - W.x| <= sum_k A_k (dx_j(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
+n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_kernels.py's formula with the
+activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16 path's (256, 16383)). The
+mins use exact f32 sums of x per 32, as simd.py's dot does.
+
+Only int8.py's host_isa() == "vnni" selects these (in Python, never inside a cached kernel: the intrinsic
+does not compile for a CPU without AVX512-VNNI). The kernels take them when given the activation buffer as
+int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps simd.py's path.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
+from .simd_i8 import _dp_vnni
+
+SB_BYTES = 512  # activation digit bytes per 256-element super-block
+
+
+def digit_offset(e):
+    """Byte offset, inside its super-block's 512 bytes, of element e's hi digit (its lo digit is 64 further)."""
+    h, r = divmod(e, 128)
+    return 256 * h + 128 * ((r % 64) // 32) + 32 * (r // 64) + r % 32
+
+
+def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
+    # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
+    # of sub-block 2c + 1 (high nibble)
+    bb = e.b
+    d, dmin = e.f16x2(wb, blk)
+    scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+    dx8 = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    sdx = bb.fmul(bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8))), dx8)
+    xb = bb.mul(b, ir.Constant(I64, SB_BYTES))
+    zero = ir.Constant(V(I32, 16), [0] * 16)
+    eight = ir.Constant(V(I32, 16), [8] * 16)
+    new = []
+    for h in range(2):
+        q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
+        for n, wv in enumerate((bb.and_(q, e.const(I8, 64, 15)), bb.lshr(q, e.const(I8, 64, 4)))):
+            at = 256 * h + 128 * n
+            xh = e.load(xdb, e.off(xb, at), V(I8, 64))
+            xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
+            t = _dp_vnni(e, bb.shl(_dp_vnni(e, zero, wv, xh), eight), wv, xl)
+            # lane i: sub-block 2 * (2h + i // 8) + n
+            scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
+            new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
+    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    mf = bb.uitofp(mins, V(F32, 8))
+    new.append(e.fma(accs[4], bb.fmul(mf, xs8, flags=("fast",)), e.splat(dmin, 8)))
+    return new
+
+
+def _row_digits_intrinsic(block_bytes, body_fn, n_vec):
+    """Wrap a per-super-block body into an intrinsic `(w, off, xd, dx, xs, nb, pf) -> f32` over int8 digits xd:
+    body_fn(e, wb, xdb, dxb, xsb, b, blk, accs) -> accs, n_vec <16 x f32> accumulators summed, then one <8 x f32>
+    (the K-quant mins) subtracted."""
+
+    @intrinsic
+    def row(typingctx, w, off, xd, dx, xs, nb, pf):
+        if not (
+            _c_array(w, types.uint8)
+            and _c_array(xd, types.int8)
+            and _c_array(dx, types.float32)
+            and _c_array(xs, types.float32)
+        ):
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            w_, off_, xd_, dx_, xs_, nb_, pf_ = args
+            wb = e.base(sig.args[0], w_)
+            xdb, dxb, xsb = e.base(sig.args[2], xd_), e.base(sig.args[3], dx_), e.base(sig.args[4], xs_)
+            init = [ir.Constant(V(F32, 16), [0.0] * 16)] * n_vec + [ir.Constant(V(F32, 8), [0.0] * 8)]
+
+            def step(b, accs):
+                blk = builder.add(off_, builder.mul(b, ir.Constant(I64, block_bytes)))
+                for k in range(0, block_bytes, 64):
+                    e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, k))))
+                return body_fn(e, wb, xdb, dxb, xsb, b, blk, accs)
+
+            accs = e.loop(nb_, init, step)
+            v = accs[0]
+            for a in accs[1:n_vec]:
+                v = builder.fadd(v, a, flags=("fast",))
+            return builder.fsub(e.hsum(v), e.hsum(accs[n_vec]), flags=("fast",))
+
+        return types.float32(w, types.int64, xd, dx, xs, types.int64, types.int64), codegen
+
+    return row
+
+
+q4_k_dot_vnni = _row_digits_intrinsic(144, _q4_k_vnni_body, 4)
