@@ -49,7 +49,7 @@ from .activations import group_sums, quantize_digits, quantize_groups
 from .gemm import TILE, gemm_tile
 from .int8 import ISA
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
-from .simd_vnni import q4_k_dot_vnni
+from .simd_vnni import digits32, q4_k_dot_vnni
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
@@ -191,15 +191,26 @@ def _prepare(fmt, x, xq, aux):
 
         return impl16
 
-    def impl8(fmt, x, xq, aux):
+    if isinstance(x, types.Array) and x.layout == "C":
+
+        def impl8(fmt, x, xq, aux):
+            ng = x.size >> 5
+            if fmt == Q4_K:
+                for g in range(ng):  # vector code (simd_vnni.digits32), x read as C-contiguous
+                    digits32(x, xq, aux[:ng], aux[ng : 2 * ng], g)
+                return aux[:ng], aux[ng : 3 * ng]
+            return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+        return impl8
+
+    def impl8a(fmt, x, xq, aux):  # x of any layout
         ng = x.size >> 5
         if fmt == Q4_K:
-            quantize_digits(x, xq, aux[:ng])
-            group_sums(x, aux[ng : 2 * ng], 32)
+            quantize_digits(x, xq, aux[:ng], aux[ng : 2 * ng])
             return aux[:ng], aux[ng : 3 * ng]
         return prepare_i16(fmt, x, xq.view(np.int16), aux)
 
-    return impl8
+    return impl8a
 
 
 def dot(fmt, w, off, xq, dx, xs, n_in):

@@ -108,3 +108,61 @@ def _row_digits_intrinsic(block_bytes, body_fn, n_vec):
 
 
 q4_k_dot_vnni = _row_digits_intrinsic(144, _q4_k_vnni_body, 4)
+
+
+# ---- activation digits: one 32-element group per call, vectorized -------------------------------------
+
+
+def _vcall(e, name, v):
+    """A one-argument LLVM vector intrinsic (llvm.fabs / llvm.rint) on v."""
+    mod = e.b.module
+    full = f"{name}.v{v.type.count}f32"
+    fn = mod.globals.get(full)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(v.type, [v.type]), name=full)
+    return e.b.call(fn, [v])
+
+
+@intrinsic
+def digits32(typingctx, x, xd, dx, xs, g):
+    """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / XD_MAX, xs[g] = sum of x (f32), and q = rint(x /
+    dx[g]) (0 if the group is all zero) as two int8 digits q = 256 hi + lo at simd_vnni's bytes of xd (the layout
+    in the module docstring: sub-block j = g % 8 of super-block g // 8)."""
+    if not (
+        _c_array(x, types.float32) and _c_array(xd, types.int8) and _c_array(dx, types.float32)
+    ) or not _c_array(xs, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from .activations import XD_MAX
+
+        e = _Emit(context, builder)
+        bb = builder
+        x_, xd_, dx_, xs_, g_ = args
+        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+        c = lambda k: ir.Constant(I64, k)  # noqa: E731
+        v = e.load(xb, bb.mul(g_, c(128)), V(F32, 32), 4)
+        a = _vcall(e, "llvm.fabs", v)
+        n = 32
+        while n > 1:  # exact: max and a tree of adds (the adds round as any f32 sum)
+            n //= 2
+            lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
+            a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
+        amax = bb.extract_element(a, I32(0))
+        levels = ir.Constant(F32, float(XD_MAX))
+        gi = bb.mul(g_, c(4))
+        bb.store(bb.fdiv(amax, levels), e.ptr(dxb, gi, F32), align=4)
+        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
+        inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(levels, amax), ir.Constant(F32, 0.0))
+        q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
+        k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
+        lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
+        hi = bb.ashr(bb.sub(q, lo), k8)
+        j = bb.and_(g_, c(7))
+        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(512)), bb.mul(bb.lshr(j, c(2)), c(256)))
+        at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(128)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
+        bb.store(bb.trunc(hi, V(I8, 32)), e.ptr(xdb, at, V(I8, 32)), align=1)
+        bb.store(bb.trunc(lo, V(I8, 32)), e.ptr(xdb, e.off(at, 64), V(I8, 32)), align=1)
+        return context.get_dummy_value()
+
+    return types.none(x, xd, dx, xs, types.int64), codegen
