@@ -1,0 +1,175 @@
+"""The decode row dots over int8 activation digits (kernels/simd_vnni.py, vpdpbusd) and the int16 path they replace
+where the CPU has AVX512-VNNI, both called explicitly, against gguf-py's dequantizer in float64 with
+test_kernels' bound: the int16 path's activation grid is (256, XQ_MAX), the digits' (32, XD_MAX). Which one a
+model uses is chosen in Python (blocks.DIGITS, from int8.host_isa); STREAM_RUN_ISA=generic forces int16."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+from test_kernels import U, _tolerance, make_weight
+
+from streamer.formats import FORMATS
+from streamer.kernels import QMatrix, blocks, int8
+from streamer.kernels.activations import XD_MAX, XQ_MAX, quantize_digits
+from streamer.kernels.experts import experts_down, experts_matvec
+
+VNNI = "vnni" in int8.usable_isas()
+needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX512-VNNI: the int16 path only")
+DIGIT_TYPES = [t for t, f in FORMATS.items() if f.family == "block" and f.code in blocks.DIGIT_CODES]
+GRID = {"int16": (256, XQ_MAX), "digits": (32, XD_MAX)}
+
+
+def _buffer(kind, n_in, *lead):
+    xq = np.empty((*lead, n_in), np.int16)
+    return xq.view(np.int8) if kind == "digits" else xq
+
+
+def _x(rng, n_in):
+    """Activations with groups of very different magnitudes, an all-zero group and one huge value."""
+    x = rng.standard_normal(n_in).astype(np.float32)
+    x[: n_in // 2] *= np.float32(1e3)
+    x[32:64] = 0
+    x[-1] = np.float32(3e4)
+    return x
+
+
+def _matvec(kind, qtype, n_out, n_in, regime, seed):
+    rng = np.random.default_rng(seed)
+    data, raw = make_weight(qtype, n_out, n_in, rng, regime)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
+    w = QMatrix(data, qtype, n_in)._w
+    x = _x(rng, n_in)
+    out = np.full(n_out, np.nan, np.float32)
+    aux = np.empty(3 * (n_in // 32) + 1, np.float32)
+    blocks.block_matvec(FORMATS[qtype].code, w, x, out, _buffer(kind, n_in), aux)
+    ref = deq @ x.astype(np.float64)
+    tol = _tolerance(qtype, raw, deq, x[None], GRID[kind])[0]
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"{qtype.name} {kind} {n_out}x{n_in}: worst err/tol {np.max(err / tol):.3g}"
+    return out, ref
+
+
+KINDS = ["int16", pytest.param("digits", marks=needs_vnni)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
+def test_matvec_against_oracle(qtype, kind):
+    for n_out, n_in in [(1, 256), (7, 768), (33, 2048), (5, 4352)]:  # one super-block .. 17 (odd count)
+        _matvec(kind, qtype, n_out, n_in, "normal", n_out * 100 + n_in)
+
+
+@pytest.mark.parametrize("regime", ["extreme", "subnormal"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
+def test_matvec_extreme_scales(qtype, kind, regime):
+    _matvec(kind, qtype, 33, 768, regime, 9)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
+def test_digits_are_at_least_as_accurate_as_int16(qtype):
+    """Two int8 digits per 32 elements vs int16 per 256: the digits' error is smaller overall."""
+    errs = {}
+    for kind in GRID:
+        out, ref = _matvec(kind, qtype, 256, 2048, "normal", 3)
+        errs[kind] = np.sqrt(np.mean((out - ref) ** 2))
+    assert errs["digits"] < 0.7 * errs["int16"], errs
+
+
+def test_quantize_digits_step_and_layout():
+    """Each element's two digits, read back from simd_vnni's layout, give q with |x - q dx| <= dx/2 + 4u|x|, both
+    digits within int8's symmetric range, an all-zero group exactly zero; the vector quantizer (digits32, inside
+    the kernels) writes the same digits as the scalar one."""
+    from numba import njit
+
+    from streamer.kernels.simd_vnni import digit_offset, digits32
+
+    @njit
+    def vector(x, xd, dx, xs):
+        for g in range(x.size >> 5):
+            digits32(x, xd, dx, xs, g)
+
+    rng = np.random.default_rng(5)
+    n = 1024
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+    x[256:288] = 0
+    pos = np.array([512 * (e // 256) + digit_offset(e % 256) for e in range(n)])
+    for fn in (quantize_digits, vector):
+        xd, dx, xs = np.empty(2 * n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
+        fn(x, xd, dx, xs)
+        hi, lo = xd[pos].astype(np.int64), xd[pos + 64].astype(np.int64)
+        assert np.abs(hi).max() <= 127 and np.abs(lo).max() <= 128
+        q = 256 * hi + lo
+        assert np.abs(q).max() <= XD_MAX
+        d = np.repeat(dx.astype(np.float64), 32)
+        assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
+        assert np.all(q[256:288] == 0) and dx[8] == 0
+        sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
+        np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_kernels_with_either_buffer(kind):
+    """The multi-expert decode kernels, given either activation buffer, equal block_matvec with the same one bit
+    for bit (the same row dot) and the oracle within the bound."""
+    qtype = T.Q4_K
+    rng = np.random.default_rng(8)
+    n_exp, rows, E = 4, 33, 512
+    data, raw = make_weight(qtype, n_exp * rows, E, rng)
+    w = QMatrix(data, qtype, E)._w
+    row_bytes = w.shape[1]
+    base = w.reshape(-1)
+    chosen = np.array([3, 0, 2], np.int64)
+    offs = chosen * rows * row_bytes
+    x = _x(rng, E)
+    code = FORMATS[qtype].code
+    out = np.empty((len(chosen), rows), np.float32)
+    experts_matvec(code, base, offs, row_bytes, x, out, _buffer(kind, E), np.empty(3 * E // 32 + 1, np.float32))
+    deq = dequantize(raw, qtype).reshape(n_exp, rows, E).astype(np.float64)
+    a = np.stack([_x(rng, E) for _ in chosen])
+    wts = np.array([0.5, 0.3, 0.2], np.float32)
+    down = np.zeros(rows, np.float32)
+    aux = np.empty((len(chosen), 3 * E // 32 + 1), np.float32)
+    experts_down(code, base, offs, row_bytes, a, wts, down, _buffer(kind, E, len(chosen)), aux)
+    want = np.zeros(rows, np.float32)
+    for i, e in enumerate(chosen):
+        one = np.empty(rows, np.float32)
+        aux1 = np.empty(3 * E // 32 + 1, np.float32)
+        blocks.block_matvec(code, w[e * rows : (e + 1) * rows], x, one, _buffer(kind, E), aux1)
+        assert np.array_equal(out[i], one)
+        ref = deq[e] @ x.astype(np.float64)
+        tol = _tolerance(qtype, raw.reshape(n_exp, rows, -1)[e], deq[e], x[None], GRID[kind])[0]
+        assert np.all(np.abs(out[i] - ref) <= tol)
+        blocks.block_matvec(code, w[e * rows : (e + 1) * rows], a[i], one, _buffer(kind, E), aux1)
+        want += wts[i] * one
+    np.testing.assert_allclose(down, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def _qmatrix_script():
+    return (
+        "import numpy as np; from gguf import GGMLQuantizationType as T; from streamer.kernels import QMatrix, blocks\n"
+        "rng = np.random.default_rng(0); raw = rng.integers(0, 256, (40, 8 * 144), dtype=np.uint8)\n"
+        "raw.reshape(40, 8, 144)[:, :, 0:4] = np.array([0.01, 0.002], np.float16).view(np.uint8)\n"
+        "q = QMatrix(raw, T.Q4_K, 2048); x = rng.standard_normal(2048).astype(np.float32)\n"
+        "out = np.empty(40, np.float32); xq = np.empty(2048, np.int16)\n"
+        "xq = xq.view(np.int8) if blocks.DIGITS else xq\n"
+        "blocks.block_matvec(7, q._w, x, out, xq, np.empty(193, np.float32))\n"
+        "print(blocks.DIGITS, q._xq.dtype, bool(np.array_equal(q.matvec(x), out)))\n"
+    )
+
+
+@pytest.mark.parametrize("isa", ["generic", ""])
+def test_stream_run_isa_picks_the_decode_path(isa):
+    """STREAM_RUN_ISA=generic: QMatrix.matvec runs the int16 row dot (same bits as calling it explicitly); by
+    default the digits path where the CPU has VNNI."""
+    env = dict(os.environ, STREAM_RUN_ISA=isa)
+    p = subprocess.run([sys.executable, "-c", _qmatrix_script()], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    digits = VNNI and isa == ""
+    assert p.stdout.split() == [str(digits), "int8" if digits else "int16", "True"]
