@@ -1,9 +1,13 @@
 """Kernel micro-benchmark: matvec (decode) and m=32 matmul (prefill) per weight format.
 
     python bench/kernel_bench.py [--threads 2] [--formats Q8_0,Q4_K] [--shapes 1024x3072,151936x1024]
+    python bench/kernel_bench.py --decode-ab [--rounds 5] [--shapes 2048x768,151936x2048]
 
 Prints weight-bytes throughput in GB/s (what decode speed is bound by) and GFLOP/s for matmul,
 best and median of repeated calls. Weights are random valid blocks with sane f16 scales.
+--decode-ab: the decode row dot old vs new, for each format with a vpdpbusd version (blocks.DIGIT_CODES): the
+same block_matvec given the int16 activation buffer (the path without VNNI) and the int8-digit one, alternating
+in each round, single thread (ns per 256-element super-block) and 2 threads (GB/s); best of the rounds.
 """
 
 import argparse
@@ -48,7 +52,13 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=32, help="activation rows for matmul")
     ap.add_argument("--time", type=float, default=0.5, help="seconds per measurement")
     ap.add_argument("--no-matmul", action="store_true")
+    ap.add_argument("--decode-ab", action="store_true", help="int16 vs int8-digit decode row dots (see above)")
+    ap.add_argument("--rounds", type=int, default=5, help="--decode-ab: alternating rounds")
     args = ap.parse_args()
+    if args.decode_ab:
+        shapes = args.shapes if args.shapes != ",".join(SHAPES) else "2048x768,151936x2048"
+        decode_ab(shapes, args.rounds, args.time)
+        return
     set_threads(args.threads)
     rng = np.random.default_rng(0)
     print(
@@ -76,6 +86,46 @@ def main() -> None:
                 best, med = timeit(partial(q.matmul, X, OUT), args.time, min_reps=2)
                 line += f" {gb / best:16.2f} {flop / best / 1e9:8.1f} {flop / med / 1e9:6.1f}"
             print(line, flush=True)
+            del q
+
+
+def decode_ab(shapes: str, rounds: int, min_time: float) -> None:
+    from streamer.kernels import blocks, int8
+
+    if "vnni" not in int8.usable_isas():
+        print("error: this CPU has no AVX512-VNNI: there is only the int16 decode path", file=sys.stderr)
+        sys.exit(2)
+    rng = np.random.default_rng(0)
+    print(f"# decode row dot A/B {datetime.datetime.now():%Y-%m-%d %H:%M}, best of {rounds} alternating rounds")
+    print(
+        f"{'format':6} {'shape':>12} {'thr':>3} | {'int16 ns/sb':>11} {'GB/s':>6} | {'digits ns/sb':>12} {'GB/s':>6} |"
+        " old/new time"
+    )
+    for shape in shapes.split(","):
+        n_out, n_in = map(int, shape.split("x"))
+        x = rng.standard_normal(n_in, dtype=np.float32)
+        out = np.empty(n_out, np.float32)
+        aux = np.empty(3 * (n_in // 32) + 1, np.float32)
+        xq = blocks.act_buffer(n_in).view(np.int16)  # 64-byte aligned
+        bufs = {"int16": xq, "digits": xq.view(np.int8)}
+        for qtype, f in formats.FORMATS.items():
+            if f.family != "block" or f.code not in blocks.DIGIT_CODES:
+                continue
+            q = QMatrix(make_weight(qtype, n_out, n_in, rng)[0], qtype, n_in, name=qtype.name)
+            nsb = n_out * n_in / 256
+            for threads in (1, 2):
+                set_threads(threads)
+                best = {k: float("inf") for k in bufs}
+                for _ in range(rounds):
+                    for k, buf in bufs.items():
+                        t, _ = timeit(partial(blocks.block_matvec, f.code, q._w, x, out, buf, aux), min_time / rounds)
+                        best[k] = min(best[k], t)
+                a, b = best["int16"], best["digits"]
+                print(
+                    f"{qtype.name:6} {shape:>12} {threads:>3} | {a / nsb * 1e9:11.2f} {q.nbytes / a / 1e9:6.1f} | "
+                    f"{b / nsb * 1e9:12.2f} {q.nbytes / b / 1e9:6.1f} | {a / b:.2f}x",
+                    flush=True,
+                )
             del q
 
 

@@ -38,12 +38,14 @@ def _x(rng, n_in):
     return x
 
 
-def _matvec(kind, qtype, n_out, n_in, regime, seed):
+def _matvec(kind, qtype, n_out, n_in, regime, seed, strided=False):
     rng = np.random.default_rng(seed)
     data, raw = make_weight(qtype, n_out, n_in, rng, regime)
     deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
     w = QMatrix(data, qtype, n_in)._w
     x = _x(rng, n_in)
+    if strided:  # the same values in a non-contiguous view (the kernels' scalar quantizer)
+        x = np.repeat(x, 2)[::2]
     out = np.full(n_out, np.nan, np.float32)
     aux = np.empty(3 * (n_in // 32) + 1, np.float32)
     blocks.block_matvec(FORMATS[qtype].code, w, x, out, _buffer(kind, n_in), aux)
@@ -71,6 +73,12 @@ def test_matvec_extreme_scales(qtype, kind, regime):
     _matvec(kind, qtype, 33, 768, regime, 9)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_matvec_of_a_strided_x(kind):
+    for qtype in DIGIT_TYPES:
+        _matvec(kind, qtype, 7, 768, "normal", 4, strided=True)
+
+
 @needs_vnni
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_digits_are_at_least_as_accurate_as_int16(qtype):
@@ -84,8 +92,8 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
 
 def test_quantize_digits_step_and_layout():
     """Each element's two digits, read back from simd_vnni's layout, give q with |x - q dx| <= dx/2 + 4u|x|, both
-    digits within int8's symmetric range, an all-zero group exactly zero; the vector quantizer (digits32, inside
-    the kernels) writes the same digits as the scalar one."""
+    digits within int8's symmetric range, an all-zero group exactly zero, and f32 sums per group: for the vector
+    quantizer (digits32, the kernels' on C-contiguous x) and the scalar one (x of any layout) alike."""
     from numba import njit
 
     from streamer.kernels.simd_vnni import digit_offset, digits32
@@ -95,12 +103,16 @@ def test_quantize_digits_step_and_layout():
         for g in range(x.size >> 5):
             digits32(x, xd, dx, xs, g)
 
+    @njit
+    def scalar(x, xd, dx, xs):
+        quantize_digits(x, xd, dx, xs)
+
     rng = np.random.default_rng(5)
     n = 1024
     x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
     x[256:288] = 0
     pos = np.array([512 * (e // 256) + digit_offset(e % 256) for e in range(n)])
-    for fn in (quantize_digits, vector):
+    for fn in (scalar, vector):
         xd, dx, xs = np.empty(2 * n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
         fn(x, xd, dx, xs)
         hi, lo = xd[pos].astype(np.int64), xd[pos + 64].astype(np.int64)

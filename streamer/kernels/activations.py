@@ -7,6 +7,7 @@ x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
 """
 
 import numpy as np
+from numba.extending import register_jitable
 
 from ._bits import FASTMATH, kernel
 
@@ -41,12 +42,13 @@ def group_sums(x, xs, group):
 XD_MAX = 127 * 256 + 127
 
 
-@kernel(fastmath=FASTMATH)
+@register_jitable(fastmath=FASTMATH, error_model="numpy")
 def quantize_digits(x, xd, dx, xs):
     """x per 32 elements (sub-block j of super-block b) -> q = rint(x / dx[g]), dx[g] = max|x in g| / XD_MAX, as
     two int8 digits in simd_vnni.py's order: element 32j + l at byte 512b + 256(j >> 2) + 128(j & 1) +
     32((j >> 1) & 1) + l (hi digit; lo digit 64 bytes further); xs[g] = sum of x over g. xd holds 2 x.size
-    bytes. (simd_vnni.digits32 does the same per group in vector code; this one serves any array layout.)"""
+    bytes. (simd_vnni.digits32 does the same per group in vector code; this one serves any array layout. Callable
+    from kernels only.)"""
     group_sums(x, xs, 32)
     for g in range(x.size >> 5):
         k0 = g << 5

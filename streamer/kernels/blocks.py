@@ -20,7 +20,7 @@ dot.
 import numba
 import numpy as np
 from numba import prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 from ..formats import (
     IQ1_S,
@@ -88,7 +88,11 @@ from .simd_lowbit import (
 PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
 
 
-@kernel(fastmath=FASTMATH, inline="always")
+# Not numba dispatchers of their own: only prepare's and dot's implementations call these (register_jitable).
+_HELPER = {"fastmath": FASTMATH, "error_model": "numpy", "inline": "always"}
+
+
+@register_jitable(**_HELPER)
 def prepare_i16(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
     used for super-blocks) and, for super-blocks and the 32-element formats with mins (Q4_1, Q5_1), f32 sums
@@ -108,7 +112,7 @@ def prepare_i16(fmt, x, xq, aux):
     return aux[:ng], aux[ng : 3 * ng]
 
 
-@kernel(fastmath=FASTMATH, inline="always")
+@register_jitable(**_HELPER)
 def dot_i16(fmt, w, off, xq, dx, xs, n_in):
     """The row starting at byte `off` of w, dot the prepared x of n_in elements (the common formats first)."""
     if fmt == Q4_K:
