@@ -33,17 +33,18 @@ SUPPORTED: dict[T, Kernels] = {t: Kernels(*_FAMILIES[f.family], f.act_group, f.c
 INT8: frozenset[T] = frozenset(t for t, f in FORMATS.items() if f.family == "block" and f.code in int8.CODES)
 
 # Scratch shared by all matrices (only the main thread runs kernels), keyed by n_in.
-_act: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
+_act: dict[tuple[int, bool, bool], tuple[np.ndarray, np.ndarray]] = {}
 _tiles: dict[int, np.ndarray] = {}
 
 
 def _act_scratch(n_in: int, block: bool) -> tuple[np.ndarray, np.ndarray]:
     """The quantized x (blocks.act_buffer for the block formats, else int16, unused) and f32 aux (scales per
     32/256, then f32 sums per 32 or 16: blocks.prepare) for one matvec of n_in."""
-    buf = _act.get((n_in, block))
+    key = (n_in, block, blocks.DIGITS)
+    buf = _act.get(key)
     if buf is None:
         xq = blocks.act_buffer(n_in) if block else np.empty(n_in, np.int16)
-        buf = _act[n_in, block] = (xq, np.empty(3 * (n_in // 32) + 1, np.float32))
+        buf = _act[key] = (xq, np.empty(3 * (n_in // 32) + 1, np.float32))
     return buf
 
 
