@@ -115,6 +115,11 @@ def instrument(session) -> None:
         for name, fn in list(vars(mod).items()):
             if isinstance(fn, numba.core.registry.CPUDispatcher):
                 setattr(mod, name, timed_kernel(fn, name, is_parallel(fn)))
+    from streamer.kernels import decode
+
+    for name in ("attn_block", "ffn_block"):  # one-token blocks: 3 parallel regions each, counted as one launch
+        fn = getattr(decode, name)
+        setattr(decode, name, timed_kernel(fn, name, True))
     Model._head = timed_section(Model._head, "head")
     moe = session.moe
     cls = type(moe)

@@ -16,7 +16,7 @@ from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
-from streamer.kernels import QMatrix, ops
+from streamer.kernels import QMatrix, decode, ops
 from streamer.kv_cache import KVCache
 
 
@@ -59,6 +59,11 @@ class DenseFFN:
     def matrices(self) -> list[QMatrix]:
         return [m for ws in self.w for m in ws]
 
+    def block_args(self, layer: int) -> tuple | None:
+        """decode.ffn_block's weight arguments for this layer (None if a matrix is not block-quantized)."""
+        parts = [m.block for m in self.w[layer]]
+        return None if None in parts else tuple(a for p in parts for a in p)
+
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         gate, up, down = self.w[layer]
         g = linear(gate, h)
@@ -86,6 +91,18 @@ class Layer:
             if bias is not None:
                 out += bias
         return q, k, v
+
+    def block_args(self, eps: float, cos: np.ndarray, sin: np.ndarray) -> tuple | None:
+        """decode.attn_block's per-layer arguments up to the position (None if a matrix is not block-quantized)."""
+        mats = [m.block for m in (self.wq, self.wk, self.wv)]
+        if None in mats or self.wo.block is None:
+            return None
+        none = np.empty(0, np.float32)
+        none.flags.writeable = False  # the same array type as the file's views
+        opt = [none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm)]
+        (fq, wq), (fk, wk), (fv, wv) = mats
+        return (self.attn_norm, self.ffn_norm, eps, fq, wq, opt[0], fk, wk, opt[1], fv, wv, opt[2], opt[3], opt[4],
+                cos, sin)  # fmt: skip
 
     def norm_rope(self, x: np.ndarray, w, eps: float, cos, sin, pos0: int) -> None:
         if w is None:
@@ -115,6 +132,34 @@ class Model:
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.hooks: list = [self.ffn] if hasattr(self.ffn, "after_attention") else []  # after_attention(layer, x)
         self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
+        self._decode = self._decode_plan()
+
+    def _decode_plan(self):
+        """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
+        (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
+        cfg = self.cfg
+        attn = [L.block_args(cfg.rms_eps, self.cos, self.sin) for L in self.layers]
+        if None in attn:
+            return None
+        nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
+        qkv, att = np.empty((nq + 2 * nkv) * hd, np.float32), np.empty((1, nq, hd), np.float32)
+        q = qkv[: nq * hd].reshape(1, nq, hd)
+        k, v = qkv[nq * hd : (nq + nkv) * hd].reshape(1, nkv, hd), qkv[(nq + nkv) * hd :].reshape(1, nkv, hd)
+        xq, aux = np.empty((3, n), np.int16), np.empty((3, 3 * (n >> 5) + 1), np.float32)
+        na = nq * hd
+        tail = [(self.scale, *L.wo.block, qkv, q, k, v, att, xq, aux, np.empty(na, np.int16),
+                 np.empty(3 * (na >> 5) + 1, np.float32)) for L in self.layers]  # fmt: skip
+        ffn = None
+        if isinstance(self.ffn, DenseFFN):
+            ffn = [self.ffn.block_args(i) for i in range(cfg.n_layer)]
+            if None in ffn:
+                ffn = None
+            else:
+                n_ff = self.ffn.w[0][0].n_out
+                scratch = (np.empty((2, n_ff), np.float32), xq, aux, np.empty(n_ff, np.int16),
+                           np.empty(3 * (n_ff >> 5) + 1, np.float32))  # fmt: skip
+                ffn = [a + scratch for a in ffn]
+        return attn, tail, ffn
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg, self.n_ctx)
@@ -179,6 +224,10 @@ class Model:
         cfg, m, pos0 = self.cfg, len(ids), cache.n
         x = self.embd.rows(ids)
         h = np.empty_like(x)
+        if m == 1 and self._decode is not None:
+            self._decode_layers(x, h, cache, pos0)
+            cache.n = pos0 + 1
+            return x
         for i, L in enumerate(self.layers):
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
             q, k, v = L.qkv(h)
@@ -196,3 +245,16 @@ class Model:
             x += self.ffn(i, h)
         cache.n = pos0 + m
         return x
+
+    def _decode_layers(self, x: np.ndarray, h: np.ndarray, cache: KVCache, pos: int) -> None:
+        """One token through every layer: the attention as one kernel call (decode.attn_block), the FFN as one
+        (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' per-call path."""
+        attn, tail, ffn = self._decode
+        for i in range(len(self.layers)):
+            decode.attn_block(x, h, *attn[i], pos, cache.k[i], cache.v[i], *tail[i])
+            for hook in self.hooks:
+                hook.after_attention(i, x)
+            if ffn is not None:
+                decode.ffn_block(x, h, *ffn[i])
+            else:
+                x += self.ffn(i, h)

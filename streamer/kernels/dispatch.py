@@ -88,6 +88,12 @@ class QMatrix:
         self._xq, self._aux = _act_scratch(n_in, k.matvec is blocks.block_matvec)
         self._i8 = qtype in INT8 and int8.ISA is not None
 
+    @property
+    def block(self) -> tuple[int, np.ndarray] | None:
+        """(format code, uint8 rows) for kernels that take blocks.dot's arguments (kernels/decode.py), None if
+        the format is not block-quantized."""
+        return (self._fmt, self._w) if self._mv is blocks.block_matvec else None
+
     def first_rows(self, n: int) -> "QMatrix":
         """A QMatrix over the first n rows (same bytes, same array type: used to warm kernels up cheaply)."""
         return QMatrix(self._w[:n], self.qtype, self.n_in, self.name)

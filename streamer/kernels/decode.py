@@ -1,0 +1,139 @@
+"""One-token (decode) blocks of the forward pass, each one kernel call instead of five to ten.
+
+At decode every matrix is a matvec of a few hundred microseconds or less, and the Python between the calls
+(array allocation, dispatch, checks) and the thread wake-up of each parallel launch add up: at 30B-A3B's 48
+layers, tens of microseconds per layer were Python around the attention alone. Here:
+
+- attn_block: attn RMSNorm, q/k/v row dots in one prange over the rows of all three (x quantized once per
+  format), biases, per-head norm + RoPE, the K/V store (float16, round to nearest even, as numpy's astype),
+  attention, the output projection added into the residual, then ffn RMSNorm into h.
+- ffn_block: dense SwiGLU: gate and up in one prange, SwiGLU, down added into the residual.
+
+They compute exactly what model.py's per-call path computes (the same ops kernels, blocks.prepare and
+blocks.dot on the same quantized activations, results rounded to float32 where that path stores them), so
+the logits are bit-identical to it (tests/test_decode_blocks.py). Block formats only (model.py falls back to
+the per-call path for float weights).
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+from ._bits import FASTMATH, kernel
+from .blocks import dot, prepare
+from .ops import attention, head_norm_rope, head_rope, rmsnorm, swiglu
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, x):
+    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type != ir.FloatType():
+            v = builder.fptrunc(v, ir.FloatType())
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _prepare3(f0, f1, f2, x, xq, aux):
+    """Quantize x for up to three formats into xq/aux rows 0..2; returns the row each format reads."""
+    s1 = 0 if f1 == f0 else 1
+    s2 = 0 if f2 == f0 else (1 if f2 == f1 else 2)
+    fs = (f0, f1, f2)
+    for j in range(3):
+        if j == 0 or (j == 1 and s1 == 1) or (j == 2 and s2 == 2):
+            prepare(fs[j], x, xq[j], aux[j])
+    return (0, s1, s2)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def attn_block(
+    x, h, attn_norm, ffn_norm, eps,
+    fq, wq, bq, fk, wk, bk, fv, wv, bv, q_norm, k_norm,
+    cos, sin, pos, kc, vc, scale, fo, wo,
+    qkv_out, q, k, v, att, xq, aux, xqo, auxo,
+):  # fmt: skip
+    """One token at position pos, in place on the residual x (1, n_embd); leaves ffn_norm(x) in h.
+    qkv_out (n_head hd + 2 n_kv hd) f32 scratch, q (1, n_head, hd), k/v (1, n_kv, hd) views of it, att like q; biases and q/k norms of size 0 when absent;
+    kc/vc the layer's cache (n_kv, n_ctx, hd) uint16; xq/aux (3, n_embd)/(3, 3 n_embd/32 + 1) and
+    xqo/auxo (n_head hd)/(3 n_head hd/32 + 1) activation scratch."""
+    n = x.shape[1]
+    ng = n >> 5
+    rmsnorm(x, attn_norm, eps, h)
+    slots = _prepare3(fq, fk, fv, h[0], xq, aux)
+    fs = (fq, fk, fv)
+    nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
+    qkv = qkv_out.reshape(nq + nk + nv)  # q, k, v: views of it
+    for tt in prange(nq + nk + nv):
+        t = np.int64(tt)  # the prange index may be unsigned: t - nq would be float64
+        if t < nq:
+            j, w, r = 0, wq, t
+        elif t < nq + nk:
+            j, w, r = 1, wk, t - nq
+        else:
+            j, w, r = 2, wv, t - nq - nk
+        s = slots[j]
+        qkv[t] = dot(fs[j], w, r * w.shape[1], xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+    qf, kf, vf = qkv[:nq], qkv[nq : nq + nk], qkv[nq + nk :]
+    if bq.size:
+        for r in range(nq):
+            qf[r] += bq[r]
+    if bk.size:
+        for r in range(nk):
+            kf[r] += bk[r]
+    if bv.size:
+        for r in range(nv):
+            vf[r] += bv[r]
+    if q_norm.size:
+        head_norm_rope(q, q_norm, eps, cos, sin, pos)
+    else:
+        head_rope(q, cos, sin, pos)
+    if k_norm.size:
+        head_norm_rope(k, k_norm, eps, cos, sin, pos)
+    else:
+        head_rope(k, cos, sin, pos)
+    n_kv, hd = k.shape[1], k.shape[2]
+    for g in range(n_kv):
+        for d in range(hd):
+            kc[g, pos, d] = f32_to_f16_bits(k[0, g, d])
+            vc[g, pos, d] = f32_to_f16_bits(v[0, g, d])
+    attention(q, kc, vc, pos, scale, att)
+    a = att.reshape(att.size)
+    na = a.size
+    dx, xs = prepare(fo, a, xqo, auxo)
+    rb = wo.shape[1]
+    for r in prange(n):
+        x[0, r] = x[0, r] + dot(fo, wo, r * rb, xqo, dx, xs, na)
+    rmsnorm(x, ffn_norm, eps, h)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
+    """Dense SwiGLU of one token added into the residual: x += down(silu(gate h) * up h). gu (2, n_ff) scratch,
+    xq/aux (3, n_embd)/(3, 3 n_embd/32 + 1), xqa/auxa (n_ff)/(3 n_ff/32 + 1)."""
+    n = h.shape[1]
+    ng = n >> 5
+    slots = _prepare3(fg, fu, fu, h[0], xq, aux)
+    fs = (fg, fu)
+    nf = wg.shape[0]
+    for tt in prange(2 * nf):
+        t = np.int64(tt)
+        if t < nf:
+            j, w, r = 0, wg, t
+        else:
+            j, w, r = 1, wu, t - nf
+        s = slots[j]
+        gu[j, r] = dot(fs[j], w, r * w.shape[1], xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+    g = gu[0:1]
+    swiglu(g, gu[1:2], g)
+    a = gu[0]
+    dx, xs = prepare(fd, a, xqa, auxa)
+    rb = wd.shape[1]
+    for r in prange(n):
+        x[0, r] = x[0, r] + dot(fd, wd, r * rb, xqa, dx, xs, nf)
