@@ -256,5 +256,7 @@ class Model:
                 hook.after_attention(i, x)
             if ffn is not None:
                 decode.ffn_block(x, h, *ffn[i])
+            elif hasattr(self.ffn, "decode"):
+                self.ffn.decode(i, h, x)
             else:
                 x += self.ffn(i, h)

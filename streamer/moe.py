@@ -18,7 +18,7 @@ import numpy as np
 
 from streamer.budget import Plan
 from streamer.experts.source import serve
-from streamer.kernels import int8, ops
+from streamer.kernels import decode, int8, ops
 from streamer.kernels.blocks import act_buffer
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.kernels.gemm import TILE
@@ -125,6 +125,24 @@ def fused_plan(parts) -> FusedPlan | None:
     return FusedPlan(FORMATS[gate.qtype], gate.nbytes // gate.n_rows, FORMATS[down.qtype], down.nbytes // down.n_rows)
 
 
+class _DecodeScratch(NamedTuple):
+    """MoEFFN.decode's per-layer expert spans (starts, sizes: gate, up, down of expert 0 and bytes per expert)
+    and scratch."""
+
+    spans: list
+    logits: np.ndarray
+    xqr: np.ndarray
+    auxr: np.ndarray
+    ids: np.ndarray
+    wts: np.ndarray
+    offs: np.ndarray
+    sw: np.ndarray
+    gu: np.ndarray
+    out: np.ndarray
+    no_router: np.ndarray
+    no_counts: np.ndarray
+
+
 class MoEFFN:
     def __init__(
         self,
@@ -149,6 +167,7 @@ class MoEFFN:
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
+        self._dec: _DecodeScratch | None = None  # decode()'s one-call path, made on first use
         self._save = weakref.finalize(self, usage.save) if usage is not None else None  # once: close(), GC or exit
 
     @property
@@ -164,6 +183,52 @@ class MoEFFN:
             self.predicted[nxt] = self.router.predict(nxt, x)
 
     # ---- the FFN ----
+    def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """One token: x += this layer's FFN of h (= ffn_norm(x)). With every expert resident (no lookahead,
+        no expert top-p, no trace) the whole layer is one kernel call (kernels/decode.py moe_block: the same
+        kernels and additions as __call__'s decode path); otherwise __call__."""
+        plan = self.fused[layer]
+        src, r = self.source, self.router
+        if plan is None or not src.in_place or src.wants_lookahead or r.expert_top_p < 1.0 or r.trace is not None:
+            x += self(layer, h)
+            return
+        d = self._dec
+        if d is None:
+            d = self._dec = self._decode_scratch()
+        mat = r.mats[layer]
+        blk = mat.block
+        if blk is None:
+            mat.matvec(h[0], d.logits[0])
+            blk = (-1, d.no_router)
+        starts, sizes = d.spans[layer]
+        counts = self.usage.counts[layer] if self.usage is not None else d.no_counts
+        decode.moe_block(x, h, *blk, d.logits, d.xqr, d.auxr, d.ids, d.wts, src.gf.mm, starts, sizes,
+                         plan.gate_up_format, plan.gate_up_row_bytes, plan.down_format, plan.down_row_bytes,
+                         d.offs, d.sw, d.gu, d.out, self.scratch_x.xq[0], self.scratch_x.aux[0],
+                         self.scratch_a.xq, self.scratch_a.aux, counts)  # fmt: skip
+        self.prof.routed(layer, d.ids, self.predicted.pop(layer, None))
+        src.request_all(layer, d.ids[0])
+
+    def _decode_scratch(self) -> "_DecodeScratch":
+        cfg, k = self.cfg, self.cfg.n_expert_used
+        spans = [self.source.spans(i) for i in range(cfg.n_layer)]
+        no_router = np.zeros((1, 1), np.uint8)
+        no_router.flags.writeable = False  # the type of the file's views
+        return _DecodeScratch(
+            spans=spans,
+            logits=np.empty((1, cfg.n_expert), np.float32),
+            xqr=np.empty(cfg.n_embd, np.int16),
+            auxr=np.empty(3 * (cfg.n_embd >> 5) + 1, np.float32),
+            ids=np.empty((1, k), np.int64),
+            wts=np.empty((1, k), np.float32),
+            offs=np.empty(3 * k, np.int64),
+            sw=np.empty(k, np.float32),
+            gu=np.empty((2 * k, cfg.n_ff_exp), np.float32),
+            out=np.empty(cfg.n_embd, np.float32),
+            no_router=no_router,
+            no_counts=np.empty(0, np.float64),
+        )
+
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
         ids, w = self.router(layer, h)

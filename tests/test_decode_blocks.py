@@ -47,6 +47,27 @@ def test_decode_blocks_equal_per_call_path(synth_model, preset, qtype, kw):
     assert cos.min() >= 0.999
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
+    """MoEFFN.decode's one kernel per layer (experts resident) against the per-call path and a streamed run:
+    same logits bit for bit, same routing counts (profiler and learned usage)."""
+    path = synth_model("tiny-moe", qtype)
+    runs = {}
+    for name in ("one-call", "per-call"):
+        s = open_model(path, StreamOptions(stream=False))
+        s.moe.source.resident()
+        if name == "per-call":
+            s.model._decode = None
+        runs[name] = (steps(s.model)[0], s.moe.prof.report()["totals"], s.moe.usage.counts.copy())
+        assert (s.moe._dec is not None) == (name == "one-call")  # the path under test was taken
+    (a, ta, ua), (b, tb, ub) = runs["one-call"], runs["per-call"]
+    assert np.array_equal(a, b)
+    assert ta == tb and ua.sum() > 0 and np.array_equal(ua, ub)
+    streamed = open_model(path, StreamOptions(learn=False, expert_cache_bytes=6 * 2**20))
+    assert streamed.streaming
+    assert np.array_equal(steps(streamed.model)[0], a)
+
+
 def test_float_weights_keep_the_per_call_path(synth_model):
     s = open_model(synth_model("tiny", "F16"))
     assert s.model._decode is None

@@ -101,6 +101,11 @@ class ResidentSource:
         start, size = self._spans[layer]
         return self.gf.mm, (start + size * np.asarray(group, np.int64)).reshape(-1)
 
+    def spans(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets in the mapping of expert 0's gate, up and down, and each part's bytes per expert."""
+        start, size = self._spans[layer]
+        return start.reshape(-1), size.reshape(-1)
+
     def wait(self, layer: int, e: int):
         m = self.mats.get((layer, e))
         if m is None:

@@ -8,6 +8,10 @@ layers, tens of microseconds per layer were Python around the attention alone. H
   format), biases, per-head norm + RoPE, the K/V store (float16, round to nearest even, as numpy's astype),
   attention, the output projection added into the residual, then ffn RMSNorm into h.
 - ffn_block: dense SwiGLU: gate and up in one prange, SwiGLU, down added into the residual.
+- moe_block: a MoE layer whose experts are all in place in one array (resident): router matvec (block_matvec),
+  top-k (routing.topk_softmax), experts in ascending id order, gate+up (experts.experts_matvec), SwiGLU, down
+  (experts.experts_down) into zeroed scratch, then added into the residual: the kernels and the order of
+  additions of MoEFFN's decode path, so resident logits stay bit-identical to streamed ones.
 
 They compute exactly what model.py's per-call path computes (the same ops kernels, blocks.prepare and
 blocks.dot on the same quantized activations, results rounded to float32 where that path stores them), so
@@ -21,8 +25,10 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from ._bits import FASTMATH, kernel
-from .blocks import dot, prepare
+from .blocks import block_matvec, dot, prepare
+from .experts import experts_down, experts_matvec
 from .ops import attention, head_norm_rope, head_rope, rmsnorm, swiglu
+from .routing import topk_softmax
 
 
 @intrinsic
@@ -137,3 +143,43 @@ def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
     rb = wd.shape[1]
     for r in prange(n):
         x[0, r] = x[0, r] + dot(fd, wd, r * rb, xqa, dx, xs, nf)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def moe_block(
+    x, h, fr, wr, logits, xqr, auxr, ids, wts, base, starts, sizes, fgu, rb_gu, fd, rb_d,
+    offs, sw, gu, out, xq, aux, xqa, auxa, counts,
+):  # fmt: skip
+    """One token's MoE FFN added into the residual x (1, n_embd), from h = ffn_norm(x). Router: if fr >= 0
+    logits = wr h (format fr), else logits (1, n_expert) already hold them. ids/wts (1, k): the top-k by
+    weight (returned); experts in place at byte starts[p] + e sizes[p] of base for part p (gate, up, down);
+    offs (3k), sw (k) scratch for them in ascending id order; gu (2k, n_ff), out (n_embd) f32 scratch; xq/aux
+    (n_embd)/(3 n_embd/32 + 1), xqa/auxa (k, n_ff)/(k, 3 n_ff/32 + 1); counts: the layer's usage counts
+    (+1 per routed expert), or size 0."""
+    if fr >= 0:
+        block_matvec(fr, wr, h[0], logits[0], xqr, auxr)
+    k = ids.shape[1]
+    topk_softmax(logits, k, ids, wts)
+    for i in range(k):  # insertion sort by expert id (ids are distinct), as np.argsort
+        e, w = ids[0, i], wts[0, i]
+        j = i
+        while j > 0 and offs[j - 1] > e:
+            offs[j] = offs[j - 1]
+            sw[j] = sw[j - 1]
+            j -= 1
+        offs[j] = e
+        sw[j] = w
+    for i in range(k):
+        e = offs[i]
+        if counts.size:
+            counts[e] += 1.0
+        offs[2 * k + i] = starts[2] + e * sizes[2]
+        offs[k + i] = starts[1] + e * sizes[1]
+        offs[i] = starts[0] + e * sizes[0]
+    experts_matvec(fgu, base, offs[: 2 * k], rb_gu, h[0], gu, xq, aux)
+    a = gu[:k]
+    swiglu(a, gu[k:], a)
+    out[:] = 0.0
+    experts_down(fd, base, offs[2 * k :], rb_d, a, sw, out, xqa, auxa)
+    for r in range(out.size):
+        x[0, r] = x[0, r] + out[r]
