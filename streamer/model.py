@@ -67,7 +67,8 @@ class DenseFFN:
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         gate, up, down = self.w[layer]
         g = linear(gate, h)
-        return linear(down, ops.swiglu(g, linear(up, h), g))
+        act = ops.swiglu_rows if h.shape[0] > 1 else ops.swiglu  # exp is scalar here: ~1 ms at 128 x 3072
+        return linear(down, act(g, linear(up, h), g))
 
 
 class Layer:
@@ -134,6 +135,11 @@ class Model:
         self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
         self._decode = self._decode_plan()
 
+    @property
+    def decodes_in_blocks(self) -> bool:
+        """Whether one-token steps run kernels/decode.py's one-call blocks (block-quantized weights)."""
+        return self._decode is not None
+
     def _decode_plan(self):
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
@@ -189,6 +195,7 @@ class Model:
             L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
             ops.swiglu(x, x, x)
+            ops.swiglu_rows(x, x, x)
 
     def forward(
         self, ids, cache: KVCache, all_logits: bool = False, progress: Callable[[int, int], None] | None = None

@@ -236,8 +236,10 @@ def open_model(
     start_pagein(session, options.ram_budget)
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
-        if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
-            from streamer.warmup import warmup
+        from streamer.warmup import warmup
 
-            warmup(only=("experts", "expert-tiles") if moe.needs_tiles() else ("experts",))
+        if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
+            warmup(only=("experts", "decode", "decode-moe") + (("expert-tiles",) if moe.needs_tiles() else ()))
+        elif model.decodes_in_blocks:
+            warmup(only=("decode",))  # the one-call decode blocks
     return session

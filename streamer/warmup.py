@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import blocks, experts, grouped, int8, ops, routing
+from streamer.kernels import blocks, decode, experts, grouped, int8, ops, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 
@@ -76,6 +76,7 @@ def _run_ops() -> None:
         ops.head_rope(q, cos, sin, 0)  # Qwen2: RoPE without the per-head norm
         ops.attention(q, kc, kc, 0, np.float32(0.25), np.empty_like(q))
         ops.swiglu(x, x, x)
+        ops.swiglu_rows(x, x, x)
 
 
 def _run_experts() -> None:
@@ -128,6 +129,48 @@ def _run_experts() -> None:
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
 
+def _run_decode() -> None:
+    """kernels/decode.py's one-token blocks (attention, dense FFN, resident MoE layer) with the argument types
+    Model._decode_plan and MoEFFN.decode pass (the format is a runtime argument: one version serves all)."""
+    n, nh, nkv, hd, n_ctx, k, n_exp = N_IN, 2, 1, N_IN // 2, 4, 2, 4
+    fmt = experts.FORMATS[T.Q8_0]
+    rb = N_IN // 32 * 34
+    w = _readonly(np.zeros((n, rb), np.uint8))  # every matrix n x n here
+    norm, none = _readonly(np.ones(n, np.float32)), _readonly(np.empty(0, np.float32))
+    head_norm = _readonly(np.ones(hd, np.float32))
+    cos, sin = ops.rope_tables(n_ctx, hd, 1e6)
+    kc = np.zeros((1, nkv, n_ctx, hd), np.uint16)[0]  # one layer of the cache
+    qkv = np.zeros((nh + 2 * nkv) * hd, np.float32)
+    q, kv = qkv[: nh * hd].reshape(1, nh, hd), qkv[nh * hd : (nh + nkv) * hd].reshape(1, nkv, hd)
+    xq, aux = np.empty((3, n), np.int16), np.empty((3, 3 * (n >> 5) + 1), np.float32)
+    x1, aux1 = np.empty(n, np.int16), np.empty(3 * (n >> 5) + 1, np.float32)
+    x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
+    wq = _readonly(np.zeros((nh * hd, rb), np.uint8))
+    wkv = _readonly(np.zeros((nkv * hd, rb), np.uint8))
+    for bias, qn in ((none, head_norm), (norm[: nh * hd], none)):  # Qwen3, and Qwen2's biases without norms
+        decode.attn_block(x, h, norm, norm, 1e-6, fmt, wq, bias, fmt, wkv, bias[: nkv * hd], fmt, wkv,
+                          bias[: nkv * hd], qn, qn, cos, sin, 0, kc, kc, np.float32(0.1), fmt, w, qkv, q, kv, kv,
+                          np.empty((1, nh, hd), np.float32), xq, aux, x1, aux1)  # fmt: skip
+    decode.ffn_block(x, h, fmt, w, fmt, w, fmt, w, np.empty((2, n), np.float32), xq, aux, x1, aux1)
+
+
+def _run_decode_moe() -> None:
+    """decode.moe_block with MoEFFN.decode's argument types."""
+    n, k, n_exp = N_IN, 2, 4
+    fmt = experts.FORMATS[T.Q8_0]
+    rb = N_IN // 32 * 34
+    x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
+    x1, aux1 = np.empty(n, np.int16), np.empty(3 * (n >> 5) + 1, np.float32)
+    base = _readonly(np.zeros(3 * n_exp * n * rb, np.uint8))
+    starts, sizes = np.arange(3, dtype=np.int64) * (n_exp * n * rb), np.full(3, n * rb, np.int64)
+    for fr, counts in ((fmt, np.zeros(n_exp)), (-1, np.empty(0))):  # block router and usage; float router, none
+        decode.moe_block(x, h, fr, _readonly(np.zeros((n_exp, rb), np.uint8)), np.zeros((1, n_exp), np.float32),
+                         x1, aux1, np.empty((1, k), np.int64), np.empty((1, k), np.float32), base, starts, sizes,
+                         fmt, rb, fmt, rb, np.empty(3 * k, np.int64), np.empty(k, np.float32),
+                         np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1,
+                         np.empty((k, n), np.int16), np.empty((k, 3 * (n >> 5) + 1), np.float32), counts)  # fmt: skip
+
+
 def _run_expert_tiles() -> None:
     """grouped_matmul (the MoE prefill's f32 tiles) for every format: only models whose expert formats the integer
     kernel does not serve, or CPUs without it, call it (MoEFFN.needs_tiles)."""
@@ -157,7 +200,11 @@ def groups() -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
     MoE kernels."""
     return _matrix_groups() + [
-        Group("ops", (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu), _run_ops),
+        Group(
+            "ops",
+            (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows),
+            _run_ops,
+        ),
         Group(
             "experts",
             (
@@ -171,6 +218,8 @@ def groups() -> list[Group]:
             ),
             _run_experts,
         ),
+        Group("decode", (decode.attn_block, decode.ffn_block), _run_decode),
+        Group("decode-moe", (decode.moe_block,), _run_decode_moe),
         Group("expert-tiles", (grouped.grouped_matmul,), _run_expert_tiles),
         Group("int8", tuple(int8.KERNELS[i] for i in int8.usable_isas()), _run_int8),
     ]

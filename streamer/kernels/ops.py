@@ -118,3 +118,14 @@ def swiglu(gate, up, out):
             g = gate[i, j]
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
     return out
+
+
+@kernel(fastmath=True, parallel=True)
+def swiglu_rows(gate, up, out):
+    """swiglu for many rows (prefill), rows spread over the threads: the same arithmetic per element."""
+    m, n = gate.shape
+    for i in prange(m):
+        for j in range(n):
+            g = gate[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
+    return out
