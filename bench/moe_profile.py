@@ -76,7 +76,7 @@ def timed_kernel(fn, name: str, parallel: bool):
 def timed_section(fn, sec: str):
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        if not T.on:
+        if not T.on or T.stack[-1] == sec:  # off, or nested in itself (MoEFFN.decode's fallback to __call__)
             return fn(*a, **k)
         T.stack.append(sec)
         t0 = time.perf_counter()
@@ -117,13 +117,14 @@ def instrument(session) -> None:
                 setattr(mod, name, timed_kernel(fn, name, is_parallel(fn)))
     from streamer.kernels import decode
 
-    for name in ("attn_block", "ffn_block"):  # one-token blocks: 3 parallel regions each, counted as one launch
+    for name in ("attn_block", "ffn_block", "moe_block"):  # one-token blocks: 3 parallel regions each, counted as one
         fn = getattr(decode, name)
         setattr(decode, name, timed_kernel(fn, name, True))
     Model._head = timed_section(Model._head, "head")
     moe = session.moe
     cls = type(moe)
     cls.__call__ = timed_section(cls.__call__, "moe")
+    cls.decode = timed_section(cls.decode, "moe")  # one token (its fallback calls __call__: nested, same section)
     cls.after_attention = timed_section(cls.after_attention, "lookahead")
     rcls = type(moe.router)
     rcls.__call__ = timed_section(rcls.__call__, "router")
@@ -219,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="plain/instrumented rounds, alternating")
     ap.add_argument("--no-populate", action="store_true", help="do not read the used weights into RAM first")
     ap.add_argument("--json", default=None, help="write the splits as JSON here")
+    ap.add_argument("--per-call", action="store_true", help="decode without kernels/decode.py's one-call blocks")
     a = ap.parse_args(argv)
 
     from streamer.bench import prompt_tokens
@@ -253,6 +255,8 @@ def main(argv=None) -> int:
     from streamer.session import advise_pages
 
     advise_pages(s.gf)
+    if a.per_call:
+        m._decode = None
     ids = prompt_tokens(s.cfg.n_vocab, a.pp)
     m.forward(ids[:4], m.new_cache())  # compile / first touch
 
