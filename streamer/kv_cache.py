@@ -8,6 +8,7 @@ import numpy as np
 
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
+from streamer.kernels import ops
 
 
 def check_room(n: int, m: int, n_ctx: int) -> None:
@@ -40,9 +41,7 @@ class KVCache:
 
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
-        m = k.shape[0]
-        self.k[layer, :, pos0 : pos0 + m, :] = k.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
-        self.v[layer, :, pos0 : pos0 + m, :] = v.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+        ops.store_kv(k, v, self.k[layer], self.v[layer], pos0)
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (their slots are simply overwritten later)."""

@@ -194,6 +194,8 @@ class Model:
             q = np.zeros((m, cfg.n_head, cfg.head_dim), np.float32)
             L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
             ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
+            kv = np.zeros((m, cfg.n_head_kv, cfg.head_dim), np.float32)
+            cache.store(0, 0, kv, kv)
             ops.swiglu(x, x, x)
             ops.swiglu_rows(x, x, x)
 

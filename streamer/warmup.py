@@ -75,6 +75,8 @@ def _run_ops() -> None:
         ops.head_norm_rope(q, head_norm, 1e-6, cos, sin, 0)
         ops.head_rope(q, cos, sin, 0)  # Qwen2: RoPE without the per-head norm
         ops.attention(q, kc, kc, 0, np.float32(0.25), np.empty_like(q))
+        kv = np.zeros((m, n_kv, head_dim), np.float32)
+        ops.store_kv(kv, kv, kc, kc, 0)
         ops.swiglu(x, x, x)
         ops.swiglu_rows(x, x, x)
 
@@ -202,7 +204,7 @@ def groups() -> list[Group]:
     return _matrix_groups() + [
         Group(
             "ops",
-            (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows),
+            (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows, ops.store_kv),
             _run_ops,
         ),
         Group(

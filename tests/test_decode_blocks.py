@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from reference import Reference
 
-from streamer.kernels.decode import f32_to_f16_bits
+from streamer.kernels._bits import f32_to_f16_bits
 from streamer.options import StreamOptions
 from streamer.session import open_model
 

@@ -50,3 +50,18 @@ def bf16_to_f32(typingctx, h):
         return builder.bitcast(builder.shl(v, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
 
     return types.float32(h), codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, x):
+    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0]
+        if v.type != ir.FloatType():
+            v = builder.fptrunc(v, ir.FloatType())
+        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen

@@ -20,30 +20,13 @@ the per-call path for float weights).
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, f32_to_f16_bits, kernel
 from .blocks import block_matvec, dot, prepare
 from .experts import experts_down, experts_matvec
 from .ops import attention, head_norm_rope, head_rope, rmsnorm, swiglu
 from .routing import topk_softmax
-
-
-@intrinsic
-def f32_to_f16_bits(typingctx, x):
-    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
-    if not isinstance(x, types.Float):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type != ir.FloatType():
-            v = builder.fptrunc(v, ir.FloatType())
-        return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
 
 
 @kernel(fastmath=FASTMATH, inline="always")
@@ -66,7 +49,8 @@ def attn_block(
     qkv_out, q, k, v, att, xq, aux, xqo, auxo,
 ):  # fmt: skip
     """One token at position pos, in place on the residual x (1, n_embd); leaves ffn_norm(x) in h.
-    qkv_out (n_head hd + 2 n_kv hd) f32 scratch, q (1, n_head, hd), k/v (1, n_kv, hd) views of it, att like q; biases and q/k norms of size 0 when absent;
+    qkv_out (n_head hd + 2 n_kv hd) f32 scratch, q (1, n_head, hd), k/v (1, n_kv, hd) views of it, att like q;
+    biases and q/k norms of size 0 when absent;
     kc/vc the layer's cache (n_kv, n_ctx, hd) uint16; xq/aux (3, n_embd)/(3, 3 n_embd/32 + 1) and
     xqo/auxo (n_head hd)/(3 n_head hd/32 + 1) activation scratch."""
     n = x.shape[1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._bits import f16_to_f32, kernel
+from ._bits import f16_to_f32, f32_to_f16_bits, kernel
 
 
 @kernel(fastmath=True)
@@ -129,3 +129,15 @@ def swiglu_rows(gate, up, out):
             g = gate[i, j]
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
     return out
+
+
+@kernel
+def store_kv(k, v, kc, vc, pos0):
+    """k, v (m, n_kv, hd) f32 -> kc, vc (n_kv, n_ctx, hd) float16 bits at positions pos0..pos0+m-1, rounded to
+    nearest even as numpy's astype(float16) (which takes ~5 ns per element: ~1 ms per layer at 128 tokens)."""
+    m, n_kv, hd = k.shape
+    for g in range(n_kv):
+        for i in range(m):
+            for d in range(hd):
+                kc[g, pos0 + i, d] = f32_to_f16_bits(k[i, g, d])
+                vc[g, pos0 + i, d] = f32_to_f16_bits(v[i, g, d])
