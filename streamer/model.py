@@ -17,6 +17,7 @@ from streamer.errors import StreamerError
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
 from streamer.kernels import QMatrix, decode, ops
+from streamer.kernels.experts import ExpertScratch
 from streamer.kv_cache import KVCache
 
 
@@ -151,10 +152,9 @@ class Model:
         qkv, att = np.empty((nq + 2 * nkv) * hd, np.float32), np.empty((1, nq, hd), np.float32)
         q = qkv[: nq * hd].reshape(1, nq, hd)
         k, v = qkv[nq * hd : (nq + nkv) * hd].reshape(1, nkv, hd), qkv[(nq + nkv) * hd :].reshape(1, nkv, hd)
-        xq, aux = np.empty((3, n), np.int16), np.empty((3, 3 * (n >> 5) + 1), np.float32)
-        na = nq * hd
-        tail = [(self.scale, *L.wo.block, qkv, q, k, v, att, xq, aux, np.empty(na, np.int16),
-                 np.empty(3 * (na >> 5) + 1, np.float32)) for L in self.layers]  # fmt: skip
+        x3, xo = ExpertScratch(3, n), ExpertScratch(1, nq * hd)  # blocks.prepare's buffers, as the experts'
+        tail = [(self.scale, *L.wo.block, qkv, q, k, v, att, x3.xq, x3.aux, xo.xq[0], xo.aux[0])
+                for L in self.layers]  # fmt: skip
         ffn = None
         if isinstance(self.ffn, DenseFFN):
             ffn = [self.ffn.block_args(i) for i in range(cfg.n_layer)]
@@ -162,8 +162,8 @@ class Model:
                 ffn = None
             else:
                 n_ff = self.ffn.w[0][0].n_out
-                scratch = (np.empty((2, n_ff), np.float32), xq, aux, np.empty(n_ff, np.int16),
-                           np.empty(3 * (n_ff >> 5) + 1, np.float32))  # fmt: skip
+                xa = ExpertScratch(1, n_ff)
+                scratch = (np.empty((2, n_ff), np.float32), x3.xq, x3.aux, xa.xq[0], xa.aux[0])
                 ffn = [a + scratch for a in ffn]
         return attn, tail, ffn
 

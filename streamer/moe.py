@@ -186,7 +186,7 @@ class MoEFFN:
     def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         """One token: x += this layer's FFN of h (= ffn_norm(x)). With every expert resident (no lookahead,
         no expert top-p, no trace) the whole layer is one kernel call (kernels/decode.py moe_block: the same
-        kernels and additions as __call__'s decode path); otherwise __call__."""
+        kernels and additions as __call__'s decode path, bit for bit); otherwise __call__."""
         plan = self.fused[layer]
         src, r = self.source, self.router
         if plan is None or not src.in_place or src.wants_lookahead or r.expert_top_p < 1.0 or r.trace is not None:
@@ -214,11 +214,12 @@ class MoEFFN:
         spans = [self.source.spans(i) for i in range(cfg.n_layer)]
         no_router = np.zeros((1, 1), np.uint8)
         no_router.flags.writeable = False  # the type of the file's views
+        xr = ExpertScratch(1, cfg.n_embd)
         return _DecodeScratch(
             spans=spans,
             logits=np.empty((1, cfg.n_expert), np.float32),
-            xqr=np.empty(cfg.n_embd, np.int16),
-            auxr=np.empty(3 * (cfg.n_embd >> 5) + 1, np.float32),
+            xqr=xr.xq[0],
+            auxr=xr.aux[0],
             ids=np.empty((1, k), np.int64),
             wts=np.empty((1, k), np.float32),
             offs=np.empty(3 * k, np.int64),

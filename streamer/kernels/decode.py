@@ -11,11 +11,13 @@ layers, tens of microseconds per layer were Python around the attention alone. H
 - moe_block: a MoE layer whose experts are all in place in one array (resident): router matvec (block_matvec),
   top-k (routing.topk_softmax), experts in ascending id order, gate+up (experts.experts_matvec), SwiGLU, down
   (experts.experts_down) into zeroed scratch, then added into the residual: the kernels and the order of
-  additions of MoEFFN's decode path, so resident logits stay bit-identical to streamed ones.
+  additions of MoEFFN's streamed decode path, so resident logits stay bit-identical to streamed ones.
 
-They compute exactly what model.py's per-call path computes (the same ops kernels, blocks.prepare and
-blocks.dot on the same quantized activations, results rounded to float32 where that path stores them), so
-the logits are bit-identical to it (tests/test_decode_blocks.py). Block formats only (model.py falls back to
+They compute what model.py's per-call path computes (the same ops kernels, blocks.prepare and blocks.dot on
+the same activations, results rounded to float32 where that path stores them); blocks.prepare inlined here
+may round its scales in the last bit otherwise than inside block_matvec (fast-math contexts), so the logits
+agree with the per-call path to float32 rounding, not bit for bit (tests/test_decode_blocks.py). Streamed and
+resident runs both take these blocks: bit-identical to each other. Block formats only (model.py falls back to
 the per-call path for float weights).
 """
 
