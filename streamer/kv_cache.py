@@ -8,7 +8,6 @@ import numpy as np
 
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
-from streamer.kernels import ops
 
 
 def check_room(n: int, m: int, n_ctx: int) -> None:
@@ -41,6 +40,8 @@ class KVCache:
 
     def store(self, layer: int, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
+        from streamer.kernels import ops  # here: check_room serves the CLI's checks, which must not import numba
+
         ops.store_kv(k, v, self.k[layer], self.v[layer], pos0)
 
     def truncate(self, n: int) -> None:
