@@ -13,7 +13,10 @@ with mincore) and runs as a child process, timed by wall clock:
 - llama:  llama.cpp without repacking on the same prompt ids (bench/llama_run.py --pp N --tg 64
           --no-repack --no-warmup under /opt/llamavenv/bin/python), wall time.
 - ttft:   under a memory cgroup of --cap (root; cgroup v1) with --ram-budget equal to it, `stream-run run
-          --tokens IDS -n 1` for 1- and 16-token prompts (bench's fixed random prompt): whole-process wall.
+          --tokens IDS -n 1` for 1- and 16-token prompts (bench's fixed random prompt): whole-process wall,
+          and its breakdown (STREAM_RUN_TIMING=1, streamer/timing.py: seconds from the fork to each step of
+          the start-up path, when the early page-in of the non-expert weights ended, the expert bytes read
+          on demand and by the router lookahead's prefetch, the seconds the forward waited for them).
           Beside it: the bytes the prompt needs (non-expert weights without the embedding table, plus each
           layer's distinct routed experts, from a --trace of the same run) / the disk's sequential GB/s, and
           the target 1.2x that. Never OOM-killed is checked (the cgroup's oom_kill counter).
@@ -72,6 +75,33 @@ def disk_direct(path: str, nbytes: int, block: int = 16 << 20, depth: int = 4) -
         os.close(fd)
 
 
+def disk_random(path: str, seconds: float = 2.0, block: int = 1 << 20, depth: int = 4) -> float:
+    """GB/s of O_DIRECT reads of `block` bytes at random aligned offsets, `depth` threads: what expert reads
+    (about 0.9 MB each on the 30B-A3B Q4_K file, scattered) can get at most."""
+    import random
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    size = os.path.getsize(path)
+    done = [0] * depth
+    stop = time.perf_counter() + seconds
+
+    def worker(k: int) -> None:
+        buf, rnd = mmap.mmap(-1, block), random.Random(k)
+        while time.perf_counter() < stop:
+            done[k] += os.preadv(fd, [buf], rnd.randrange(0, size - block) // 4096 * 4096)
+
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
 def disk_buffered(path: str, nbytes: int, block: int = 64 << 20) -> float:
     """GB/s of plain sequential reads of [0, nbytes) through the page cache (evicted first; evicted after)."""
     cold(path)
@@ -102,12 +132,22 @@ print(json.dumps({"pagein_bytes": p.done, "pagein_s": p.seconds, "pagein_gb_s": 
 """
 
 
-def timed(label: str, cmd: list[str], path: str, cap: str | None = None, timeout: float = 900) -> dict:
-    """Evict `path`, run cmd (under a cgroup cap if given), return its wall time and counters."""
+def timed(
+    label: str, cmd: list[str], path: str, cap: str | None = None, timeout: float = 900, breakdown: bool = False
+) -> dict:
+    """Evict `path`, run cmd (under a cgroup cap if given), return its wall time and counters. breakdown: the
+    command is stream-run's; it also reports its start-up timeline (streamer/timing.py), seconds from the
+    moment before it was forked: the result's "timing"."""
     left = cold(path)
-    r = cgroup.run_capped(cmd, cap, timeout=timeout)
+    env = None
+    if breakdown:
+        env = dict(os.environ, STREAM_RUN_TIMING="1", STREAM_RUN_T0=repr(time.time()))
+    r = cgroup.run_capped(cmd, cap, timeout=timeout, env=env)
     out = r.summary()
     out.update(label=label, cached_after_evict=left, stdout_tail=r.stdout[-400:], stderr_tail=r.stderr[-600:])
+    timing = [line for line in r.stderr.splitlines() if line.startswith("timing: ")]
+    if timing:
+        out["timing"] = json.loads(timing[-1][len("timing: ") :])
     if r.returncode != 0:
         print(f"warning: {label} exited {r.returncode}: {r.stderr[-400:]}", file=sys.stderr)
     return out
@@ -180,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB read by the disk measurement")
+    ap.add_argument("--disk-gb-s", type=float, help="the disk's GB/s for the ttft target when 'disk' is not run")
     ap.add_argument("--python", default=sys.executable, help="the project venv's python")
     ap.add_argument(
         "--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run")
@@ -211,8 +252,12 @@ def main(argv=None) -> int:
         cold(model)
         direct = disk_direct(model, n)
         buffered = disk_buffered(model, n)
+        random_gb_s = disk_random(model)
         disk_gb_s = max(direct, buffered)
-        emit({"label": "disk", "bytes": n, "direct_gb_s": direct, "buffered_gb_s": buffered, "gb_s": disk_gb_s})
+        emit({"label": "disk", "bytes": n, "direct_gb_s": direct, "buffered_gb_s": buffered, "gb_s": disk_gb_s,
+              "random_1mib_gb_s": random_gb_s})  # fmt: skip
+    elif args.disk_gb_s:
+        disk_gb_s = args.disk_gb_s
     if "pagein" in parts:
         r = timed("pagein", [args.python, "-c", _PAGEIN, model], model)
         rec = json.loads(r["stdout_tail"].strip().splitlines()[-1]) if r["returncode"] == 0 else {}
@@ -235,7 +280,7 @@ def main(argv=None) -> int:
             ids = prompt_ids(model, n, args.python)
             need = needed_bytes(model, ids, args)
             for rnd in range(args.rounds):
-                r = timed(f"stream-run ttft {n}", ttft_cmd(args, model, ids), model, cap=args.cap)
+                r = timed(f"stream-run ttft {n}", ttft_cmd(args, model, ids), model, cap=args.cap, breakdown=True)
                 rec = {**r, **need, "prompt_tokens": n, "round": rnd}
                 if disk_gb_s:
                     rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
@@ -243,11 +288,45 @@ def main(argv=None) -> int:
                 emit(rec)
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:
-        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "pagein_gb_s", "wall_s", "target_s", "needed_bytes",
+        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s", "needed_bytes",
                 "oom_killed", "max_usage_bytes", "rusage_read_bytes")  # fmt: skip
         print(f"  {r['label']:32s} " + " ".join(f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}"
                                                for k in keys if k in r), file=sys.stderr)  # fmt: skip
+        if "timing" in r:
+            print("    " + breakdown_line(r["timing"], r.get("wall_s")), file=sys.stderr)
     return 0
+
+
+STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and what ends at each
+    ("cli", "interpreter + CLI imports"),
+    ("input_checked", "imports of the run command, input checks"),
+    ("header", "GGUF header parsed"),
+    ("pagein_start", "page-in of the non-expert weights started"),
+    ("kernels_imported", "numba + kernel modules imported"),
+    ("model_built", "budget plan, expert cache, model objects"),
+    ("kernels_loaded", "cached kernels loaded (warm-up)"),
+    ("first_token", "forward pass: expert reads + compute"),
+)
+
+
+def breakdown_line(t: dict, wall: float | None) -> str:
+    """The timeline as 'step +seconds' pieces, then the page-in's end and what the forward read."""
+    parts, prev = [], 0.0
+    for key, _ in STEPS:
+        if key in t:
+            parts.append(f"{key} +{t[key] - prev:.2f}")
+            prev = t[key]
+    if wall is not None:
+        parts.append(f"exit +{wall - prev:.2f}")
+    extra = []
+    if "pagein_end" in t:
+        extra.append(f"page-in {t.get('pagein_bytes', 0) / 1e9:.2f} GB done at {t['pagein_end']:.2f} s")
+    if "expert_demand_bytes" in t:
+        extra.append(
+            f"experts read {t['expert_demand_bytes'] / 1e9:.2f} GB on demand + {t['expert_prefetch_bytes'] / 1e9:.2f}"
+            f" GB prefetched, forward waited {t['expert_stall_s']:.2f} s for them"
+        )
+    return " | ".join(parts) + ("\n    " + "; ".join(extra) if extra else "")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ def run(
 ) -> None:
     """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
     Ctrl-C stops the run (exit code 130) after printing what was generated."""
+    from streamer import timing
+
+    timing.mark("cli")
     from streamer.errors import StreamerError
     from streamer.io import read_text
     from streamer.sampler import Sampler, SamplerParams
@@ -104,6 +107,7 @@ def run(
     tok = None if tokens is not None else Tokenizer.from_gguf(gf)
     ids = parse_tokens(tokens) if tok is None else tok.encode(read_text(file) if file is not None else prompt)
     check_prompt(ids, cfg, ctx_size)
+    timing.mark("input_checked")
     with open_session(gf, options, ctx_size, threads, tok, trace) as s:
         if logits_out is not None:
             _write_logits(s, ids, logits_out)
@@ -136,7 +140,9 @@ def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
         out.flush()
     dec = tok.stream_decoder()
     try:
-        for t in gen.generate(ids, n_predict):
+        for i, t in enumerate(gen.generate(ids, n_predict)):
+            if i == 0:
+                s.mark_first_token()
             piece = dec.push(t)
             if piece:
                 out.write(piece)

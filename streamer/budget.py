@@ -104,12 +104,17 @@ def plan_at(
     return Plan(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
 
 
-def make_plan(budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int) -> Plan:
+def make_plan(
+    budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0
+) -> Plan:
+    """paged_in() -> bytes of non-expert weights a page-in has mapped into this process so far: they are in
+    its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
+    RSS is, so what is mapped meanwhile errs on the safe side)."""
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    plan = plan_at(
-        b, psutil.Process().memory_info().rss, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes
-    )
+    mapped = paged_in()
+    baseline = max(psutil.Process().memory_info().rss - mapped, 0)
+    plan = plan_at(b, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget

@@ -58,11 +58,12 @@ def readahead_bytes(path) -> int:
 Progress = Callable[[int, int], None]
 
 
-def pieces(ranges, chunk: int = CHUNK, limit: int | None = None) -> list[tuple[int, int]]:
+def pieces(ranges, chunk: int = CHUNK, limit: int | None = None, edges: set | None = None) -> list[tuple[int, int]]:
     """Whole-page (start, length) pieces of at most `chunk` bytes covering `ranges` ((offset, length) pairs)
     in their order. A range that starts inside or right at the end of the previous one (after widening to
     pages) extends it (tensors side by side become one read). Tensors share pages only at their edges: an edge
-    page an earlier piece covers is not read again. limit: the size of the mapping."""
+    page an earlier piece covers is not read again. limit: the size of the mapping. edges: the edge pages of
+    pieces made before (updated), so ranges given later skip them too."""
     merged: list[list[int]] = []
     for start, n in ranges:
         if n <= 0:
@@ -75,7 +76,8 @@ def pieces(ranges, chunk: int = CHUNK, limit: int | None = None) -> list[tuple[i
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    out, edges = [], set()
+    out = []
+    edges = set() if edges is None else edges
     for a, b in merged:
         if a in edges:
             a += PAGE
@@ -91,20 +93,29 @@ def pieces(ranges, chunk: int = CHUNK, limit: int | None = None) -> list[tuple[i
 
 class PageIn:
     """Reads `ranges` of the mapping `mm` (a uint8 array from mapping.map_files) into the page cache and maps
-    them. `advise(mm, start, length, advice) -> errno` is mapping.madvise (tests pass a recorder)."""
+    them. `advise(mm, start, length, advice) -> errno` is mapping.madvise (tests pass a recorder). extend()
+    appends ranges while it runs (or after it ended: a started page-in then goes on in a new thread), so
+    the bytes every forward pass needs can be read before the rest of what the budget keeps is known."""
 
     def __init__(
         self, mm: np.ndarray, ranges, chunk: int = CHUNK, ahead: int = AHEAD, step: int = MIN_STEP, advise=madvise
     ):
         """step: bytes per MADV_WILLNEED call, at most what the kernel reads for one (readahead_bytes)."""
         self.mm = mm
-        self.pieces = pieces(ranges, chunk, limit=mm.size)
+        self.chunk = chunk
+        self._edges: set = set()
+        self.pieces = pieces(ranges, chunk, limit=mm.size, edges=self._edges)
         self.total = sum(n for _, n in self.pieces)
         self.ahead, self.step = ahead, max(PAGE, step // PAGE * PAGE)
         self.advise = advise
         self.done = 0
-        self.seconds = 0.0
+        self.seconds = 0.0  # time spent running (a page-in extended after it ended does not count the gap)
+        self.ended: float | None = None  # perf_counter() when the last piece was mapped
         self.error: BaseException | None = None
+        self._next = 0  # the piece to wait for next
+        self._queued = 0  # pieces whose reads are queued
+        self._queued_bytes = 0  # their bytes
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._finished = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,31 +129,51 @@ class PageIn:
     def gb_s(self) -> float:
         return self.done / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def extend(self, ranges) -> None:
+        """Read `ranges` too, after those given so far."""
+        with self._lock:
+            new = pieces(ranges, self.chunk, limit=self.mm.size, edges=self._edges)
+            if not new:
+                return
+            self.pieces.extend(new)
+            self.total += sum(n for _, n in new)
+            restart = self._finished.is_set() and self._thread is not None and not self._stop.is_set()
+            if restart:
+                self._finished.clear()
+        if restart:  # the thread saw no more pieces and ended: go on in a new one
+            self._thread.join()
+            self.start()
+
     def run(self, progress: Progress | None = None) -> int:
         """Read every piece now, in order; returns the bytes paged in (all of them, unless stopped)."""
         t0 = time.perf_counter()
+        base = self.seconds
         try:
-            queued = 0  # pieces whose reads are queued
-            queued_bytes = 0  # their bytes
-            for i, (start, n) in enumerate(self.pieces):
-                if self._stop.is_set():
-                    break
+            while True:
+                with self._lock:
+                    if self._next >= len(self.pieces) or self._stop.is_set():
+                        self._finished.set()  # under the lock: extend() sees either a piece taken or the end
+                        break
+                    start, n = self.pieces[self._next]
                 # queue this piece, and the next ones while they end at most `ahead` bytes past it
-                while queued < len(self.pieces) and (
-                    queued <= i or queued_bytes + self.pieces[queued][1] - (self.done + n) <= self.ahead
+                while self._queued < len(self.pieces) and (
+                    self._queued <= self._next
+                    or self._queued_bytes + self.pieces[self._queued][1] - (self.done + n) <= self.ahead
                 ):
-                    s, m = self.pieces[queued]
+                    s, m = self.pieces[self._queued]
                     for a in range(s, s + m, self.step):  # each call within what the kernel reads for one
                         self.advise(self.mm, a, min(self.step, s + m - a), mmap.MADV_WILLNEED)
-                    queued += 1
-                    queued_bytes += m
+                    self._queued += 1
+                    self._queued_bytes += m
                 self._map(start, n)
+                self._next += 1
                 self.done += n
-                self.seconds = time.perf_counter() - t0
+                self.seconds = base + time.perf_counter() - t0
                 if progress is not None:
                     progress(self.done, self.total)
         finally:
-            self.seconds = time.perf_counter() - t0
+            self.seconds = base + time.perf_counter() - t0
+            self.ended = time.perf_counter()
             self._finished.set()
         return self.done
 

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from streamer import timing
 from streamer.config import ModelConfig
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
@@ -80,6 +81,25 @@ class Session:
             self.moe.source.resident()  # every expert is in RAM: no read-ahead or lookahead needed
         return self.pagein
 
+    def mark_first_token(self) -> None:
+        """timing.mark the first token, with what was read for it: the page-in's bytes (and when it ended, if
+        it did), the expert bytes read on demand and by prefetch, the seconds the forward waited for them."""
+        if not timing.ENABLED:
+            return
+        figures = {}
+        if self.pagein is not None:
+            figures.update(pagein_bytes=self.pagein.done, pagein_total=self.pagein.total)
+            if self.pagein.finished and self.pagein.ended is not None:
+                timing.mark("pagein_end", self.pagein.ended)
+        if self.moe is not None:
+            layers = self.moe.prof.layers
+            figures.update(
+                expert_demand_bytes=sum(st.read_bytes for st in layers),
+                expert_prefetch_bytes=sum(st.prefetch_bytes for st in layers),
+                expert_stall_s=round(sum(st.stall_s for st in layers), 4),
+            )
+        timing.mark("first_token", **figures)
+
     @property
     def profiler(self) -> Profiler | None:
         """The expert traffic profiler (MoE only), else None."""
@@ -104,6 +124,7 @@ class Session:
             self.profiler.trace = None
             trace.save()
             logger.info(f"wrote routing trace {trace.path} ({trace.step + 1} steps)")
+        timing.mark("closed")
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -165,14 +186,69 @@ def advise_pages(gf: GGUFFile) -> None:
     )
 
 
-def start_pagein(session: Session, budget: int | None) -> None:
+def start_pagein(session: Session, budget: int | None, early: PageIn | None = None) -> None:
     """Read what the budget keeps resident in the background, in the order the forward pass needs it, so the
-    first token waits for its own bytes only and the rest arrives at the disk's sequential speed."""
+    first token waits for its own bytes only and the rest arrives at the disk's sequential speed. early: the
+    page-in open_model started before the kernels loaded (early_ranges); it goes on with the rest."""
     from streamer.pagein import PageIn
 
     ranges = pagein_ranges(session.gf, session.moe, budget)
-    if ranges and session.gf.mm is not None:
+    if early is not None:
+        have = {(p.offset, p.nbytes) for p in early_tensors(session.gf)}
+        early.extend([r for r in ranges if r not in have])
+        session.pagein = early
+    elif ranges and session.gf.mm is not None:
         session.pagein = PageIn(session.gf.mm, ranges, step=readahead_step(session.gf)).start()
+
+
+def early_tensors(gf: GGUFFile) -> list:
+    """The tensors every forward pass reads whole: all but the experts and an embedding table that is not
+    also the output head (a prompt needs a few of its rows)."""
+    untied = "output.weight" in gf.tensors
+    return [
+        t for t in gf.tensors.values() if "_exps." not in t.name and not (untied and t.name == "token_embd.weight")
+    ]
+
+
+def early_ranges(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> list[tuple[int, int]]:
+    """What open_model may start reading before any kernel loads: early_tensors, in forward order, when the
+    budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds the non-expert
+    weights and one layer's experts (checked with the process as it is now, smaller than later: a budget the
+    plan refuses later has read nothing), or a model whose weights all fit (dense, --no-stream). Nothing
+    otherwise: the plan's error, or the OS paging, comes first."""
+    from streamer.budget import default_budget
+
+    budget = default_budget() if options.ram_budget is None else options.ram_budget
+    tensors = early_tensors(gf)
+    if cfg.is_moe and options.stream:
+        if options.expert_cache_bytes is None:
+            import psutil
+
+            from streamer.budget import plan_at, scratch_bytes
+            from streamer.experts.store import ExpertLayout
+
+            layout = ExpertLayout(gf, cfg)
+            kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
+            nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
+            rss = psutil.Process().memory_info().rss
+            plan = plan_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
+            if plan.expert_cache < cfg.n_expert_used * layout.slot_bytes:
+                return []
+    elif sum(t.nbytes for t in gf.tensors.values()) > budget:
+        return []
+    return forward_order(gf, [(t.offset, t.nbytes) for t in tensors])
+
+
+def start_early_pagein(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> PageIn | None:
+    """Start reading early_ranges in the background (None: nothing to read)."""
+    ranges = early_ranges(gf, cfg, options, n_ctx)
+    if not ranges or gf.mm is None:
+        return None
+    from streamer.pagein import PageIn
+
+    p = PageIn(gf.mm, ranges, step=readahead_step(gf)).start()
+    timing.mark("pagein_start", early_pagein_bytes=p.total)
+    return p
 
 
 def readahead_step(gf: GGUFFile) -> int:
@@ -213,33 +289,50 @@ def open_model(
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
     the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
     routing trace to (streamer/trace.py), written when the session closes."""
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    timing.mark("header")
+    if trace is not None and not cfg.is_moe:
+        from streamer.errors import StreamerError
+
+        raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
+    early = start_early_pagein(gf, cfg, options, n_ctx)  # before the kernels load: the disk starts now
+    try:
+        return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early)
+    except BaseException:
+        if early is not None:  # the budget plan refused, Ctrl-C, ...: no reads left running
+            early.stop()
+        raise
+
+
+def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early) -> Session:
     from streamer import kernels
     from streamer.model import Model
 
     kernels.set_threads(threads or physical_cores())
-    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    cfg = ModelConfig.from_gguf(gf)
+    timing.mark("kernels_imported")
     moe = None
     if cfg.is_moe:
         from streamer.experts.build import build_moe_ffn
 
-        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace)
-    elif trace is not None:
-        from streamer.errors import StreamerError
-
-        raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
+        paged_in = (lambda: early.done) if early is not None else (lambda: 0)
+        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
     elif options.ram_budget is not None:
         warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
     model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch([s.path for s in gf.shards]))
     session = Session(gf, cfg, model, moe, tokenizer)
     advise_pages(gf)
-    start_pagein(session, options.ram_budget)
+    start_pagein(session, options.ram_budget, early)
+    timing.mark("model_built")
     with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
         model.warmup()
         from streamer.warmup import warmup
 
         if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
-            warmup(only=("experts", "decode", "decode-moe") + (("expert-tiles",) if moe.needs_tiles() else ()))
+            qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
+            tiles = ("expert-tiles",) if moe.needs_tiles() else ()
+            warmup(only=("experts", "decode", "decode-moe") + tiles, qtypes=qtypes)
         elif model.decodes_in_blocks:
             warmup(only=("decode",))  # the one-call decode blocks
+    timing.mark("kernels_loaded")
     return session

@@ -13,6 +13,7 @@ tests/test_first_run.py checks that a model run afterwards compiles nothing new.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -81,11 +82,17 @@ def _run_ops() -> None:
         ops.swiglu_rows(x, x, x)
 
 
-def _run_experts() -> None:
+def _formats(qtypes) -> list:
+    """(qtype, format code) of the multi-expert kernels' formats, or of those among qtypes."""
+    return [(q, f) for q, f in experts.FORMATS.items() if qtypes is None or q in qtypes]
+
+
+def _run_experts(qtypes=None) -> None:
     """Both multi-expert kernels for every format they handle (one compiled version serves all: the format
-    is a runtime argument), over a read-only flat byte array as MoEFFN passes them."""
+    is a runtime argument), over a read-only flat byte array as MoEFFN passes them; qtypes: only these formats
+    (a model's own: a run then loads the same kernels, and skips calls that cost a parallel launch each)."""
     k = 2
-    for qtype, fmt in experts.FORMATS.items():
+    for qtype, fmt in _formats(qtypes):
         block, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = N_IN // block * type_size
         w = _readonly(np.zeros(k * N_OUT * row_bytes, np.uint8))
@@ -174,11 +181,11 @@ def _run_decode_moe() -> None:
                          sk.xq, sk.aux, counts)  # fmt: skip
 
 
-def _run_expert_tiles() -> None:
+def _run_expert_tiles(qtypes=None) -> None:
     """grouped_matmul (the MoE prefill's f32 tiles) for every format: only models whose expert formats the integer
     kernel does not serve, or CPUs without it, call it (MoEFFN.needs_tiles)."""
     g = 2
-    for qtype, fmt in experts.FORMATS.items():
+    for qtype, fmt in _formats(qtypes):
         block, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = N_IN // block * type_size
         w = _readonly(np.zeros(g * N_OUT * row_bytes, np.uint8))
@@ -199,9 +206,9 @@ def _run_int8() -> None:
             int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
 
 
-def groups() -> list[Group]:
+def groups(qtypes=None) -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
-    MoE kernels."""
+    MoE kernels (qtypes: the MoE groups run those formats only)."""
     return _matrix_groups() + [
         Group(
             "ops",
@@ -219,11 +226,11 @@ def groups() -> list[Group]:
                 grouped.grouped_down,
                 grouped.scatter_add,
             ),
-            _run_experts,
+            functools.partial(_run_experts, qtypes),
         ),
         Group("decode", (decode.attn_block, decode.ffn_block), _run_decode),
         Group("decode-moe", (decode.moe_block,), _run_decode_moe),
-        Group("expert-tiles", (grouped.grouped_matmul,), _run_expert_tiles),
+        Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group("int8", tuple(int8.KERNELS[i] for i in int8.usable_isas()), _run_int8),
     ]
 
@@ -246,12 +253,15 @@ class Report(NamedTuple):
 
 
 def warmup(
-    before: Callable[[Group], None] | None = None, after: Callable[[Report], None] | None = None, only=None
+    before: Callable[[Group], None] | None = None,
+    after: Callable[[Report], None] | None = None,
+    only=None,
+    qtypes=None,
 ) -> list[Report]:
-    """Run every group (or those named in `only`); `before` is called with each group as it starts, `after`
-    with its report."""
+    """Run every group (or those named in `only`; the MoE groups for the formats in `qtypes` only, if given);
+    `before` is called with each group as it starts, `after` with its report."""
     reports = []
-    for g in groups():
+    for g in groups(qtypes):
         if only is not None and g.name not in only:
             continue
         if before is not None:

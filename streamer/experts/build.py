@@ -27,10 +27,13 @@ def cache_slots(
     return n_slots, max(min(int(pin_share * n_slots), n_slots - 2 * n_used), 0)
 
 
-def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None) -> MoEFFN:
+def build_moe_ffn(
+    gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None, paged_in=lambda: 0
+) -> MoEFFN:
     """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
     options.pin_share of the expert cache is pinned; the rest stays LRU. trace: a path to record the run's
-    routing trace to (written when the session closes)."""
+    routing trace to (written when the session closes). paged_in: make_plan's (non-expert bytes a page-in
+    started before the plan has mapped)."""
     stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
     prof = Profiler(cfg.n_layer)
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, options.learn)
@@ -38,7 +41,7 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, tra
     plan = None
     kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if expert_cache_bytes is None and stream:
-        plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv)
+        plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
         logger.info(plan.line())
         if plan.fits_resident:
             stream = False
