@@ -42,8 +42,9 @@ def main() -> None:
     try:
         app()
     except SystemExit as e:
+        if "numba" not in sys.modules:  # nothing heavy loaded (--help, a bad flag): the usual exit is quick
+            raise
         leave(e.code)
-    leave(0)
 
 
 def leave(code) -> None:
