@@ -304,7 +304,7 @@ STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and 
     ("pagein_start", "page-in of the non-expert weights started"),
     ("kernels_imported", "numba + kernel modules imported"),
     ("model_built", "budget plan, expert cache, model objects"),
-    ("kernels_loaded", "cached kernels loaded (warm-up)"),
+    ("warmed_up", "kernel warm-up (run: skipped when numba's cache holds them; they load at first call)"),
     ("first_token", "forward pass: expert reads + compute"),
 )
 

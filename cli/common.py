@@ -88,15 +88,20 @@ def check_trace(trace: Path | None, cfg) -> None:
         raise StreamerError("--trace: this is a dense model: it has no experts, so there is no routing to trace")
 
 
-def open_session(gf, options, ctx_size: int | None, threads: int | None, tokenizer=None, trace=None):
+def open_session(
+    gf, options, ctx_size: int | None, threads: int | None, tokenizer=None, trace=None, lazy_kernels: bool = False
+):
     """streamer.session.open_model (weights mapped, kernels compiled or loaded), once the input is checked;
-    with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error")."""
+    with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error").
+    lazy_kernels: open_model's (run and chat: cached kernels load at their first call)."""
     from streamer.filewatch import install_bus_error_exit
     from streamer.session import open_model
 
     n = len(gf.shards)
     install_bus_error_exit(str(gf.path) if n == 1 else f"{gf.path} (or one of its {n} shards)")
-    return open_model(gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer, trace=trace)
+    return open_model(
+        gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer, trace=trace, lazy_kernels=lazy_kernels
+    )
 
 
 def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:

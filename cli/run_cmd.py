@@ -108,7 +108,7 @@ def run(
     ids = parse_tokens(tokens) if tok is None else tok.encode(read_text(file) if file is not None else prompt)
     check_prompt(ids, cfg, ctx_size)
     timing.mark("input_checked")
-    with open_session(gf, options, ctx_size, threads, tok, trace) as s:
+    with open_session(gf, options, ctx_size, threads, tok, trace, lazy_kernels=True) as s:
         if logits_out is not None:
             _write_logits(s, ids, logits_out)
         else:
@@ -200,7 +200,7 @@ def chat(
     gf, cfg = probe(model)
     check_trace(trace, cfg)
     sampler = Sampler(sampler_params(thinks(gf.arch, not no_think), **overrides))  # Qwen2 never thinks
-    with open_session(gf, options, ctx_size, threads, trace=trace) as s:
+    with open_session(gf, options, ctx_size, threads, trace=trace, lazy_kernels=True) as s:
         gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
         conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict, arch=s.cfg.arch)
         _repl(s, gen, conv)

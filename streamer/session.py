@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from streamer import timing
@@ -56,6 +56,7 @@ class Session:
     moe: MoEFFN | None = None  # the model's FFN when it is a MoE (its expert source, traffic profiler, plan)
     _tokenizer: Tokenizer | None = None
     pagein: PageIn | None = None  # the background page-in open_model started (None: nothing fits the budget)
+    kernels: list = field(default_factory=list)  # the numba dispatchers a run of this model may call
 
     def report(self, stream) -> None:
         """Print the expert traffic summary (MoE only)."""
@@ -98,7 +99,9 @@ class Session:
                 expert_prefetch_bytes=sum(st.prefetch_bytes for st in layers),
                 expert_stall_s=round(sum(st.stall_s for st in layers), 4),
             )
-        timing.mark("first_token", **figures)
+        from streamer.warmup import loaded
+
+        timing.mark("first_token", kernels_loaded=loaded(self.kernels), **figures)
 
     @property
     def profiler(self) -> Profiler | None:
@@ -285,10 +288,14 @@ def open_model(
     threads: int | None = None,
     tokenizer: Tokenizer | None = None,
     trace=None,
+    lazy_kernels: bool = False,
 ) -> Session:
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
     the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
-    routing trace to (streamer/trace.py), written when the session closes."""
+    routing trace to (streamer/trace.py), written when the session closes. lazy_kernels: when numba's cache
+    holds every kernel the model may call, leave each to load at its first call (a one-off command's time to
+    first token: the kernels a short prompt does not use never load); else, or when anything must compile,
+    run them all once now (benchmarks and the server: no load or compile time inside what they time)."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     timing.mark("header")
@@ -298,14 +305,14 @@ def open_model(
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     early = start_early_pagein(gf, cfg, options, n_ctx)  # before the kernels load: the disk starts now
     try:
-        return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early)
+        return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels)
     except BaseException:
         if early is not None:  # the budget plan refused, Ctrl-C, ...: no reads left running
             early.stop()
         raise
 
 
-def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early) -> Session:
+def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
     from streamer import kernels
     from streamer.model import Model
 
@@ -324,15 +331,17 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early) -> Session:
     advise_pages(gf)
     start_pagein(session, options.ram_budget, early)
     timing.mark("model_built")
-    with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
-        model.warmup()
-        from streamer.warmup import warmup
+    from streamer.warmup import cached, model_kernels, warmup
 
-        if cfg.is_moe:  # the multi-expert decode kernels, or their compile time would land in the first token
-            qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
-            tiles = ("expert-tiles",) if moe.needs_tiles() else ()
-            warmup(only=("experts", "decode", "decode-moe") + tiles, qtypes=qtypes)
-        elif model.decodes_in_blocks:
-            warmup(only=("decode",))  # the one-call decode blocks
-    timing.mark("kernels_loaded")
+    session.kernels = model_kernels(model, cfg.is_moe and moe.needs_tiles())
+    if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
+        with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
+            model.warmup()
+            if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
+                qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
+                tiles = ("expert-tiles",) if moe.needs_tiles() else ()
+                warmup(only=("experts", "decode", "decode-moe") + tiles, qtypes=qtypes)
+            elif model.decodes_in_blocks:
+                warmup(only=("decode",))  # the one-call decode blocks
+    timing.mark("warmed_up")
     return session

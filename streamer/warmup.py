@@ -240,6 +240,42 @@ def entry_points() -> list:
     return [d for g in groups() for d in g.kernels]
 
 
+def model_kernels(model, needs_tiles: bool = False) -> list:
+    """The numba dispatchers a run of `model` may call directly: its formats' matrix kernels, the integer
+    prefill kernel where it serves them, the ops, and for a MoE the expert kernels (grouped_matmul if
+    needs_tiles)."""
+    from streamer.moe import MoEFFN
+
+    qtypes = {m.qtype for m in model.matrices()}
+    out = [d for q in qtypes for d in (SUPPORTED[q].matvec, SUPPORTED[q].matmul, SUPPORTED[q].rows)]
+    if int8.ISA is not None and qtypes & INT8:
+        out.append(int8.KERNELS[int8.ISA])
+    moe = isinstance(model.ffn, MoEFFN)
+    if moe:
+        names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
+    else:
+        names = ("ops", "decode") if model.decodes_in_blocks else ("ops",)
+    out += [d for g in groups() if g.name in names for d in g.kernels]
+    return list(dict.fromkeys(out))
+
+
+def cached(dispatchers) -> bool:
+    """Whether numba's on-disk cache holds machine code of each dispatcher, for its current source (numba's
+    index of the function, which it checks against the source file's stamp). A run can then skip the warm-up:
+    each kernel loads from the cache at its first call, so a one-token prompt never loads the prefill
+    kernels, and the expert kernels load while the first layer's expert reads are on their way. numba
+    internals: anything unexpected answers False (warm up, as before)."""
+    try:
+        return all(d._cache._cache_file._load_index() for d in dispatchers)
+    except Exception:
+        return False
+
+
+def loaded(dispatchers) -> list[str]:
+    """Names of those dispatchers that have machine code in this process now (compiled or loaded)."""
+    return sorted({d.py_func.__name__ for d in dispatchers if d.signatures})
+
+
 def cache_dir() -> str:
     """Where numba keeps the compiled kernels (NUMBA_CACHE_DIR if set, else next to the kernel sources)."""
     return ops.rmsnorm.stats.cache_path
@@ -278,4 +314,4 @@ def warmup(
     return reports
 
 
-__all__ = ["Group", "Report", "cache_dir", "entry_points", "groups", "warmup"]
+__all__ = ["Group", "Report", "cache_dir", "cached", "entry_points", "groups", "loaded", "model_kernels", "warmup"]

@@ -201,3 +201,59 @@ def test_warmup_progress_lines(capsys):
     quiet(MiB, 2 * MiB)
     quiet(2 * MiB, 2 * MiB)
     assert capsys.readouterr().err == ""
+
+
+def test_extend_reads_the_new_ranges_after_the_first_ones_even_once_ended():
+    calls = []
+
+    def advise(mm, start, n, advice):
+        if advice == MADV_POPULATE_READ:
+            calls.append((start, n))
+        return 0
+
+    mm = np.zeros(64 * PAGE, np.uint8)
+    p = PageIn(mm, [(0, 3 * PAGE + 10)], chunk=2 * PAGE, advise=advise).start()
+    p.wait()
+    assert p.finished and calls == [(0, 2 * PAGE), (2 * PAGE, 2 * PAGE)]
+    # a range sharing the last page's edge (two tensors side by side) and a far one: the shared page is not
+    # read again; the page-in goes on in a new thread
+    p.extend([(3 * PAGE + 10, PAGE), (40 * PAGE, PAGE)])
+    p.wait()
+    assert calls[2:] == [(4 * PAGE, PAGE), (40 * PAGE, PAGE)]
+    assert p.done == p.total == 6 * PAGE and p.finished
+    p.extend([])  # nothing new: nothing read, still finished
+    assert p.finished and len(calls) == 4
+
+
+def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never_on_a_refused_budget(synth_model):
+    from streamer.config import ModelConfig
+    from streamer.errors import StreamerError
+    from streamer.experts.store import ExpertLayout
+    from streamer.session import early_ranges
+
+    path = synth_model("tiny-moe", "Q8_0")
+    ts = _tensors(path)
+    nonexpert_pages = _covered([(s, n) for s, n, e, rows in ts if not e and not rows])
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    got = early_ranges(gf, cfg, StreamOptions(learn=False, ram_budget=4 * 2**30), None)
+    assert _covered(got) == nonexpert_pages  # neither an expert nor the embedding table's rows
+    # a budget the plan refuses: nothing is read up front, and opening fails with the plan's error
+    slot = ExpertLayout(gf, cfg).slot_bytes
+    tiny = StreamOptions(learn=False, ram_budget=64 * 2**20)
+    assert early_ranges(gf, cfg, tiny, None) == []
+    with pytest.raises(StreamerError, match="too small"):
+        open_model(path, tiny)
+    # --no-stream under a budget smaller than the weights: nothing (the OS pages them), as pagein_ranges
+    total = sum(n for _, n, _, _ in ts)
+    assert early_ranges(gf, cfg, StreamOptions(learn=False, stream=False, ram_budget=total // 2), None) == []
+    # the session's page-in is the early one, gone on with the rest: streaming, nothing more
+    with open_model(path, StreamOptions(learn=False, expert_cache_bytes=4 * slot)) as s:
+        p = s.populate()
+        assert _covered(p.pieces) == nonexpert_pages and p.done == p.total
+    # everything fits: the early page-in goes on with the experts and the embedding table, each page once
+    with open_model(path, StreamOptions(learn=False, ram_budget=4 * 2**30)) as s:
+        p = s.populate()
+        want = pagein_ranges(s.gf, s.moe, 4 * 2**30)
+        assert p.total == len(_covered(want)) * PAGE == p.done
+        assert _covered(p.pieces) == _covered(want)
