@@ -113,7 +113,8 @@ def make_plan(
     b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     mapped = paged_in()
-    baseline = max(psutil.Process().memory_info().rss - mapped, 0)
+    mem = psutil.Process().memory_info()
+    baseline = mem.rss - min(mapped, getattr(mem, "shared", 0))  # mapped model pages are file-backed (RssFile)
     plan = plan_at(b, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
