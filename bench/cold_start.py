@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB read by the disk measurement")
+    ap.add_argument("--prompt-tokens", default="1,16", help="prompt sizes of the ttft runs")
     ap.add_argument("--disk-gb-s", type=float, help="the disk's GB/s for the ttft target when 'disk' is not run")
     ap.add_argument("--python", default=sys.executable, help="the project venv's python")
     ap.add_argument(
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
                 f.write(line + "\n")
 
     size = os.path.getsize(model)
-    disk_gb_s = None
+    disk_gb_s = random_gb_s = None
     if "disk" in parts:
         n = int(args.disk_gib * 2**30)
         cold(model)
@@ -276,7 +277,7 @@ def main(argv=None) -> int:
             ]  # fmt: skip
             emit({**timed("llama.cpp no-repack cold run", cmd, model), "round": rnd})
     if "ttft" in parts:
-        for n in (1, 16):
+        for n in map(int, args.prompt_tokens.split(",")):
             ids = prompt_ids(model, n, args.python)
             need = needed_bytes(model, ids, args)
             for rnd in range(args.rounds):
@@ -285,11 +286,15 @@ def main(argv=None) -> int:
                 if disk_gb_s:
                     rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
                     rec["target_s"] = 1.2 * rec["floor_s"]
+                if disk_gb_s and random_gb_s:  # the experts are scattered reads: at the random-read speed
+                    rec["floor_random_s"] = (
+                        need["nonexpert_bytes"] / disk_gb_s + need["expert_bytes"] / random_gb_s
+                    ) / 1e9
                 emit(rec)
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:
-        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s", "needed_bytes",
-                "oom_killed", "max_usage_bytes", "rusage_read_bytes")  # fmt: skip
+        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s",
+                "floor_random_s", "needed_bytes", "oom_killed", "max_usage_bytes", "rusage_read_bytes")  # fmt: skip
         print(f"  {r['label']:32s} " + " ".join(f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}"
                                                for k in keys if k in r), file=sys.stderr)  # fmt: skip
         if "timing" in r:
@@ -306,6 +311,7 @@ STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and 
     ("model_built", "budget plan, expert cache, model objects"),
     ("warmed_up", "kernel warm-up (run: skipped when numba's cache holds them; they load at first call)"),
     ("first_token", "forward pass: expert reads + compute"),
+    ("closed", "session closed (reader threads joined, learned usage saved)"),
 )
 
 
@@ -321,6 +327,8 @@ def breakdown_line(t: dict, wall: float | None) -> str:
     extra = []
     if "pagein_end" in t:
         extra.append(f"page-in {t.get('pagein_bytes', 0) / 1e9:.2f} GB done at {t['pagein_end']:.2f} s")
+    if "kernels_loaded" in t:
+        extra.append(f"{len(t['kernels_loaded'])} kernels loaded")
     if "expert_demand_bytes" in t:
         extra.append(
             f"experts read {t['expert_demand_bytes'] / 1e9:.2f} GB on demand + {t['expert_prefetch_bytes'] / 1e9:.2f}"
