@@ -193,3 +193,27 @@ def test_a_budget_beyond_available_memory_is_warned_about(streaming_moe, monkeyp
     monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**20)  # as if in a 100 MiB-free machine
     open_model(streaming_moe, StreamOptions(learn=False, ram_budget=rss + 300 * 2**20), n_ctx=64).close()
     assert re.search(r"warning: --ram-budget .* is more than this process can have", capsys.readouterr().err)
+
+
+def test_pages_a_pagein_mapped_are_not_counted_twice(streaming_moe, monkeypatch):
+    """The non-expert weights a page-in mapped before the plan are in the process's RSS (as file pages) and
+    in the plan's non-expert share: the process's share leaves them out, never more than its file pages."""
+    from streamer.budget import make_plan
+    from streamer.config import ModelConfig
+    from streamer.experts.store import ExpertLayout
+    from streamer.gguf_file import GGUFFile
+
+    MiB = 2**20
+
+    class Mem:
+        def memory_info(self):
+            return type("m", (), {"rss": 500 * MiB, "shared": 300 * MiB})()
+
+    monkeypatch.setattr(psutil, "Process", Mem)
+    gf = GGUFFile(streaming_moe)
+    cfg = ModelConfig.from_gguf(gf)
+    layout = ExpertLayout(gf, cfg)
+    args = ("8G", cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
+    none, some, more = (make_plan(*args, paged_in=lambda n=n: n * MiB) for n in (0, 200, 400))
+    assert (none.baseline, some.baseline, more.baseline) == (500 * MiB, 300 * MiB, 200 * MiB)
+    assert some.expert_cache - none.expert_cache == 200 * MiB and some.nonexpert == none.nonexpert
