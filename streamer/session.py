@@ -333,7 +333,7 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
     timing.mark("model_built")
     from streamer.warmup import cached, model_kernels, warmup
 
-    session.kernels = model_kernels(model, cfg.is_moe and moe.needs_tiles())
+    session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
     if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
         with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
             model.warmup()

@@ -240,17 +240,14 @@ def entry_points() -> list:
     return [d for g in groups() for d in g.kernels]
 
 
-def model_kernels(model, needs_tiles: bool = False) -> list:
+def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     """The numba dispatchers a run of `model` may call directly: its formats' matrix kernels, the integer
     prefill kernel where it serves them, the ops, and for a MoE the expert kernels (grouped_matmul if
     needs_tiles)."""
-    from streamer.moe import MoEFFN
-
     qtypes = {m.qtype for m in model.matrices()}
     out = [d for q in qtypes for d in (SUPPORTED[q].matvec, SUPPORTED[q].matmul, SUPPORTED[q].rows)]
     if int8.ISA is not None and qtypes & INT8:
         out.append(int8.KERNELS[int8.ISA])
-    moe = isinstance(model.ffn, MoEFFN)
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
     else:

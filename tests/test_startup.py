@@ -65,7 +65,7 @@ def test_timing_line_and_the_kernels_a_prompt_loads(synth_model):
 
     path = synth_model("tiny-moe", "Q8_0")
     with open_model(path, StreamOptions(learn=False, stream=False)) as s:  # warms every kernel up: all cached
-        assert cached(model_kernels(s.model))
+        assert cached(model_kernels(s.model, moe=True))
     t0 = time.time()
     one = _run(path, [5])
     wall = time.time() - t0
