@@ -93,3 +93,11 @@ def test_timing_line_and_the_kernels_a_prompt_loads(synth_model):
     plain = _run(path, [5, 6, 7, 8, 9], timing=False)
     assert plain.returncode == 0 and "timing:" not in plain.stderr
     assert plain.stdout == five.stdout and plain.stdout.strip()
+
+
+def test_an_empty_kernel_cache_is_not_cached(tmp_path):
+    """With nothing in numba's cache, run and chat warm up (compile, with the notice) as other commands do."""
+    code = "from streamer.warmup import cached, entry_points; print(cached(entry_points()))"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-empty"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
