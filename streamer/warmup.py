@@ -245,8 +245,10 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     prefill kernel where it serves them, the ops, and for a MoE the expert kernels (grouped_matmul if
     needs_tiles)."""
     qtypes = {m.qtype for m in model.matrices()}
-    out = [d for q in qtypes for d in (SUPPORTED[q].matvec, SUPPORTED[q].matmul, SUPPORTED[q].rows)]
-    if int8.ISA is not None and qtypes & INT8:
+    int8_serves = set() if int8.ISA is None else qtypes & INT8  # their matmul is the integer kernel
+    out = [SUPPORTED[q].matvec for q in qtypes] + [SUPPORTED[q].matmul for q in qtypes - int8_serves]
+    out.append(SUPPORTED[model.embd.qtype].rows)  # rows: the embedding gather only
+    if int8_serves:
         out.append(int8.KERNELS[int8.ISA])
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
