@@ -145,15 +145,18 @@ WARMUP_SCRIPT = textwrap.dedent("""
         assert not e.code, e.code
 
     import streamer.kernels as K
-    disp = {}
+    disp, jitable = {}, {}
     for m in pkgutil.iter_modules(K.__path__):
         mod = importlib.import_module("streamer.kernels." + m.name)
         for n, v in vars(mod).items():
             if isinstance(v, CPUDispatcher) and v.__module__ == mod.__name__:
                 disp[mod.__name__ + "." + n] = v
+            elif inspect.isfunction(v) and v.__module__ == mod.__name__:
+                jitable[mod.__name__ + "." + n] = v  # incl. register_jitable helpers and @overload bodies
     sigs = lambda: {k: sorted(map(str, d.signatures)) for k, d in disp.items()}
     before = sigs()
     sources = {k: inspect.getsource(d.py_func) for k, d in disp.items()}
+    sources.update({k: inspect.getsource(f) for k, f in jitable.items()})
     helpers = [k for k in disp if any(re.search(r"\\b" + k.rsplit(".", 1)[1] + r"\\(", src)
                                       for j, src in sources.items() if j != k)]
 
