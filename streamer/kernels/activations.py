@@ -7,7 +7,6 @@ x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
 """
 
 import numpy as np
-from numba.extending import register_jitable
 
 from ._bits import FASTMATH, kernel
 
@@ -40,27 +39,3 @@ def group_sums(x, xs, group):
 
 # Two int8 digits per activation (q = 256 hi + lo, both within int8): the decode row dots of simd_vnni.py.
 XD_MAX = 127 * 256 + 127
-
-
-@register_jitable(fastmath=FASTMATH, error_model="numpy")
-def quantize_digits(x, xd, dx, xs):
-    """x per 32 elements (sub-block j of super-block b) -> q = rint(x / dx[g]), dx[g] = max|x in g| / XD_MAX, as
-    two int8 digits in simd_vnni.py's order: element 32j + l at byte 512b + 256(j >> 2) + 128(j & 1) +
-    32((j >> 1) & 1) + l (hi digit; lo digit 64 bytes further); xs[g] = sum of x over g. xd holds 2 x.size
-    bytes. (simd_vnni.digits32 does the same per group in vector code; this one serves any array layout. Callable
-    from kernels only.)"""
-    group_sums(x, xs, 32)
-    for g in range(x.size >> 5):
-        k0 = g << 5
-        amax = np.float32(0)
-        for k in range(k0, k0 + 32):
-            amax = max(amax, abs(x[k]))
-        dx[g] = amax / np.float32(XD_MAX)
-        inv = np.float32(XD_MAX) / amax if amax > 0 else np.float32(0)
-        j = g & 7
-        at = 512 * (g >> 3) + 256 * (j >> 2) + 128 * (j & 1) + 32 * ((j >> 1) & 1)
-        for l in range(32):
-            q = np.int32(np.rint(x[k0 + l] * inv))
-            lo = ((q + 128) & 255) - 128
-            xd[at + l] = (q - lo) >> 8
-            xd[at + 64 + l] = lo

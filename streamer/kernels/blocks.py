@@ -45,7 +45,7 @@ from ..formats import (
     SUPER_BLOCKS,
 )
 from ._bits import FASTMATH, kernel
-from .activations import group_sums, quantize_digits, quantize_groups
+from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
 from .int8 import ISA
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
@@ -184,8 +184,8 @@ _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot (kernels only). xq is the activation buffer: int16 [n] (prepare_i16,
     simd.py's dots) or, where the CPU has AVX512-VNNI (DIGITS), the same bytes as int8 [2n]: then the formats in
-    DIGIT_CODES get two int8 digits per element (activations.quantize_digits: scales per 32 in aux[:n/32], f32
-    sums per 32 after them) for simd_vnni.py's dots, the others the int16 path in those bytes. Which one is
+    DIGIT_CODES get two int8 digits per element (simd_vnni.digits32: scales per 32 in aux[:n/32], f32 sums per
+    32 after them) for simd_vnni.py's dots, the others the int16 path in those bytes. Which one is
     chosen when the kernel is compiled, by xq's dtype, never at run time. Returns (dx, xs) views of aux."""
     raise NotImplementedError("blocks.prepare runs inside numba kernels only")
 
@@ -211,10 +211,12 @@ def _prepare(fmt, x, xq, aux):
 
         return impl8
 
-    def impl8a(fmt, x, xq, aux):  # x of any layout
+    def impl8a(fmt, x, xq, aux):  # x of any layout: a contiguous copy, so the digits are the same bits as impl8's
         ng = x.size >> 5
         if fmt == Q4_K:
-            quantize_digits(x, xq, aux[:ng], aux[ng : 2 * ng])
+            xc = np.ascontiguousarray(x)
+            for g in range(ng):
+                digits32(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
             return aux[:ng], aux[ng : 3 * ng]
         return prepare_i16(fmt, x, xq.view(np.int16), aux)
 

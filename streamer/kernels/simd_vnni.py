@@ -6,7 +6,7 @@ Here the nibbles stay bytes: one 64-byte load of qs gives, as its low nibbles, s
 0 or 2) and, as its high nibbles, 2c + 1 and 2c + 3; `vpdpbusd` (u8 x s8, 4 products summed into each int32
 lane) dots each nibble vector with x directly. Each int32 lane then holds 4 products of ONE sub-block, so the
 sub-block scale is applied per lane in f32: acc += float(isum) * (d * sc_j * dx_j), one cvt and one fma per
-64 weights. prepare_digits (activations.py) lays x out in exactly that order, per super-block b (512 bytes):
+64 weights. digits32 (below) lays x out in exactly that order, per super-block b (512 bytes):
 [h = 0, 1][nibble n = lo, hi][digit hi, lo][64 bytes: elements 128h + 64(k // 32) + 32n + k % 32, k < 64].
 
 Accuracy: as simd_i8.py's prefill kernel, x is int16-fine, held as two int8 digits q = 256 hi + lo,
