@@ -49,7 +49,6 @@ from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
 from .int8 import ISA
 from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
-from .simd_vnni import digits32, q4_k_dot_vnni
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
@@ -84,6 +83,7 @@ from .simd_lowbit import (
     q5_1_deq,
     q5_1_dot,
 )
+from .simd_vnni import digits32, q4_k_dot_vnni
 
 PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
 
