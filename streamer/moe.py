@@ -292,6 +292,9 @@ class MoEFFN:
         prepare_rows(plan.gate_up_format, h, xq, aux)
         small = (pend - pstart) <= self.grouped_max
         big_out = np.zeros_like(out) if not small.all() else None
+        hq = None  # h quantized once for the integer kernel, for all of the layer's larger experts
+        if big_out is not None and _int8_serves(plan.gate_up_format):
+            hq = int8.quantize(plan.gate_up_format, h)
 
         def compute(start, group, mats):
             for kind in (True, False):
@@ -303,7 +306,7 @@ class MoEFFN:
                 if kind:
                     self._grouped(layer, sub, starts, pt[idx], pw[idx], xq, aux, out)
                 else:
-                    self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, big_out)
+                    self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, hq, big_out)
 
         if self.source.in_place:
             serve(self.source, layer, experts, compute, len(experts), None, len(experts))
@@ -329,36 +332,42 @@ class MoEFFN:
         aaux = np.empty((P, 3 * (n_ff >> 5) + 1), np.float32)
         grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
 
-    def _grouped_mm(self, layer, group, starts, toks, weights, h, out) -> None:
-        """As _grouped, by matmul over each expert's tokens (QMatrix.matmul's math: the integer kernel where it
-        serves the format, else dequantized f32 tiles for the whole group in one call) and scatter_add."""
+    def _grouped_mm(self, layer, group, starts, toks, weights, h, hq, out) -> None:
+        """As _grouped, by matmul over each expert's tokens: for the whole group, one kernel call for gate and
+        up, one for down (the integer kernel where it serves the format, as QMatrix.matmul decides, else
+        dequantized f32 tiles), then scatter_add. Expert i's pairs get the activation rows rstarts[i].. of the
+        group's matrices, padded to a multiple of int8.N_TOK (zero rows, for the integer kernel's token
+        blocks); hq: h quantized for the gate/up format (int8.quantize, once per layer), None for f32 tiles."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        x = h[toks]
-        gu = np.empty((2, len(toks), n_ff), np.float32)
         gu_offs, down_offs = offs[: 2 * g].reshape(2, g), offs[2 * g :].reshape(1, g)
-        self._matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, starts, gu)
-        a = ops.swiglu(gu[0], gu[1], gu[0])
-        y = np.empty((1, len(toks), h.shape[1]), np.float32)
-        self._matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, starts, y)
+        n = np.diff(starts)
+        rstarts = np.concatenate(([0], np.cumsum(-(-n // int8.N_TOK) * int8.N_TOK)))
+        rows = np.arange(len(toks)) + np.repeat(rstarts[:-1] - starts[:-1], n)  # pair p -> its activation row
+        R = int(rstarts[-1])
+        gu = np.empty((2, R, n_ff), np.float32)
+        if hq is not None:
+            tok = np.full(R, -1, np.int64)
+            tok[rows] = toks
+            int8.grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, int8.gather(hq, tok),
+                                rstarts, gu)
+        else:
+            x = np.zeros((R, h.shape[1]), np.float32)
+            x[rows] = h[toks]
+            grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, rstarts, gu,
+                           self._tiles(x.shape[1]))
+        a = ops.swiglu(gu[0], gu[1], gu[0])  # zero on the padding rows
+        y = np.empty((1, R, h.shape[1]), np.float32)
+        if _int8_serves(plan.down_format):
+            aq = int8.quantize(plan.down_format, a)
+            int8.grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, aq, rstarts, y)
+        else:
+            grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, rstarts, y, self._tiles(n_ff))
         perm = np.argsort(toks, kind="stable")
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
-        scatter_add(out, y[0], weights, tstarts, perm)
-
-    def _matmul(self, fmt, base, offs, row_bytes, X, starts, out) -> None:
-        """out[j, starts[i]:starts[i+1]] = X[those rows] @ W_ji^T, W_ji the rows at byte offs[j, i] of base.
-        int8.py's kernel (one call per matrix; 1.5x the f32 tiles at 8 tokens, bench/int8_bench.py) where the
-        CPU and format allow, as QMatrix.matmul decides; else grouped_matmul's f32 tiles."""
-        if not _int8_serves(fmt):
-            grouped_matmul(fmt, base, offs, row_bytes, X, starts, out, self._tiles(X.shape[1]))
-            return
-        n = out.shape[2]
-        for j in range(offs.shape[0]):
-            for i in range(offs.shape[1]):
-                a, b = starts[i], starts[i + 1]
-                if b > a:
-                    w = base[offs[j, i] : offs[j, i] + n * row_bytes].reshape(n, row_bytes)
-                    int8.matmul(fmt, w, X[a:b], out[j, a:b])
+        wrow = np.zeros(R, np.float32)
+        wrow[rows] = weights
+        scatter_add(out, y[0], wrow, tstarts, rows[perm])
 
     def needs_tiles(self) -> bool:
         """Whether a prefill may call grouped_matmul: some layer's expert format is one the integer kernel
