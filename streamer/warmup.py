@@ -202,8 +202,17 @@ def _run_int8() -> None:
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         out = np.empty((2, N_OUT), np.float32)
+        fmt = SUPPORTED[qtype].fmt
+        act = int8.gather(int8.quantize(fmt, np.zeros((2, N_IN), np.float32)), np.array([0, 1, -1, -1], np.int64))
         for isa in int8.usable_isas():
-            int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
+            int8.matmul(fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
+            # the MoE prefill's grouped form (two parts, one expert of N_TOK rows), on the file's read-only
+            # mapping (resident experts) and on a writable array (the streaming cache)
+            for flat in (w.reshape(-1), np.zeros(w.size, np.uint8)):
+                gu = np.empty((2, int8.N_TOK, N_OUT), np.float32)
+                int8.grouped_matmul(
+                    fmt, flat, np.zeros((2, 1), np.int64), w.shape[1], act, np.array([0, int8.N_TOK]), gu, isa
+                )
 
 
 def groups(qtypes=None) -> list[Group]:
@@ -231,7 +240,11 @@ def groups(qtypes=None) -> list[Group]:
         Group("decode", (decode.attn_block, decode.ffn_block), _run_decode),
         Group("decode-moe", (decode.moe_block,), _run_decode_moe),
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
-        Group("int8", tuple(int8.KERNELS[i] for i in int8.usable_isas()), _run_int8),
+        Group(
+            "int8",
+            tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas()) + (int8.gather_act,),
+            _run_int8,
+        ),
     ]
 
 
