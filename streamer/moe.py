@@ -90,8 +90,9 @@ class Router:
 
 
 # A prefill expert with at most this many tokens goes through the grouped int16 row dots (one row read, a dot
-# per token: the decode kernels' math), one with more through grouped_matmul (dequantized f32 tiles, reused
-# across its tokens): the crossover model.linear measured between matvec and matmul.
+# per token: the decode kernels' math), one with more through int8.grouped_matmul (integer tiles, reused across
+# its tokens; grouped_matmul's f32 tiles without the integer kernel): the crossover model.linear measured
+# between matvec and matmul. (5 instead of 3 was no faster on the 30B-A3B prefill, 128 tokens, busy machine.)
 GROUPED_MAX = MATVEC_ROWS
 
 
@@ -274,8 +275,9 @@ class MoEFFN:
 
     def _prefill(self, layer, h, ids, w, experts, out) -> None:
         """The chunk's tokens grouped by expert: each routed expert is read once, several experts per kernel
-        call (kernels/grouped.py): experts with at most grouped_max tokens by int16 row dots, the others by
-        matmul (the integer kernel or dequantized f32 tiles, as QMatrix.matmul). Reads run `window` experts
+        call (kernels/grouped.py, int8.grouped_matmul): experts with at most grouped_max tokens by int16 row
+        dots, the others by matmul (the integer kernel on h quantized once per layer, or dequantized f32 tiles,
+        as QMatrix.matmul). Reads run `window` experts
         ahead of the group being computed (streaming); resident experts are computed in one group. Each token's outputs of the int16 experts
         are added into out in ascending expert order, those of the f32 experts into big_out likewise, and
         big_out into out at the end: the same additions whatever the grouping, so streamed == resident bit
@@ -349,13 +351,15 @@ class MoEFFN:
         if hq is not None:
             tok = np.full(R, -1, np.int64)
             tok[rows] = toks
-            int8.grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, int8.gather(hq, tok),
-                                rstarts, gu)
+            int8.grouped_matmul(
+                plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, int8.gather(hq, tok), rstarts, gu
+            )
         else:
             x = np.zeros((R, h.shape[1]), np.float32)
             x[rows] = h[toks]
-            grouped_matmul(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, rstarts, gu,
-                           self._tiles(x.shape[1]))
+            grouped_matmul(
+                plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, rstarts, gu, self._tiles(x.shape[1])
+            )
         a = ops.swiglu(gu[0], gu[1], gu[0])  # zero on the padding rows
         y = np.empty((1, R, h.shape[1]), np.float32)
         if _int8_serves(plan.down_format):
