@@ -8,7 +8,7 @@ an estimate of the parallel kernels' thread wake-ups. For decode (one-token step
     python bench/moe_profile.py MODEL.gguf --ram-budget 8G                           # streamed experts
 
 How: the step is run plain first (tok/s with nothing attached), then again with timers wrapped around every
-kernel the forward calls (QMatrix.matvec/matmul, the small ops, the MoE kernels in streamer.moe's namespace)
+kernel the forward calls (QMatrix.matvec/matmul, the small ops, the MoE kernels in streamer.moe's namespace, int8's)
 and around the sections (the model's head, the hooks, the MoE layer, its router, the expert source's wait).
 A kernel's time goes to the section it was called from; a section's Python is its time minus its kernels and
 the sections inside it. The timers add a few microseconds per call: the instrumented step is printed beside
@@ -46,6 +46,7 @@ class Timers:
         self.incl = defaultdict(float)  # section -> s, inclusive of nested sections
         self.child = defaultdict(float)  # section -> s spent in sections nested in it
         self.on = False
+        self.depth = 0  # timed kernels running (nested calls are not timed again)
 
     def reset(self):
         self.__init__()
@@ -58,10 +59,14 @@ T = Timers()
 def timed_kernel(fn, name: str, parallel: bool):
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        if not T.on:
+        if not T.on or T.depth:  # a kernel called by a timed one (QMatrix.matmul -> int8.matmul) is its time
             return fn(*a, **k)
+        T.depth += 1
         t0 = time.perf_counter()
-        r = fn(*a, **k)
+        try:
+            r = fn(*a, **k)
+        finally:
+            T.depth -= 1
         dt = time.perf_counter() - t0
         sec = T.stack[-1]
         T.kernel[(sec, name)] += dt
@@ -107,6 +112,10 @@ def instrument(session) -> None:
     Q.matvec = timed_kernel(Q.matvec, "matvec", True)
     Q.matmul = timed_kernel(Q.matmul, "matmul", True)
     Q.rows = timed_kernel(Q.rows, "rows", False)
+    from streamer.kernels import int8
+
+    for name in ("matmul", "grouped_matmul", "quantize", "gather"):  # called as int8.X: module attributes
+        setattr(int8, name, timed_kernel(getattr(int8, name), f"int8.{name}", True))
     for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu"):
         fn = getattr(ops, name)
         setattr(ops, name, timed_kernel(fn, name, is_parallel(fn)))
