@@ -263,6 +263,8 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out.append(SUPPORTED[model.embd.qtype].rows)  # rows: the embedding gather only
     if int8_serves:
         out.append(int8.KERNELS[int8.ISA])
+        if moe:  # the MoE prefill's grouped form: activations quantized once per layer, gathered per expert
+            out += [int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act]
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
     else:
