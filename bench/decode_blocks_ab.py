@@ -86,8 +86,10 @@ def main(argv=None) -> int:
         print(f"  {k:<9} step ms: median {1e3 * med:.2f} ({1e6 * med / n_layer:.0f} us per layer), "
               f"best {1e3 * best:.2f} ({1e6 * best / n_layer:.0f} us per layer)")  # fmt: skip
     pairs = [b / o for b, o in zip(res["per-call"], res["one-call"])]
-    print(f"  one-call speed-up: median of step pairs {statistics.median(pairs):.3f}x, of best steps "
-          f"{min(res['per-call']) / min(res['one-call']):.3f}x; same last token: {len(set(res['last'].values())) == 1}")
+    print(
+        f"  one-call speed-up: median of step pairs {statistics.median(pairs):.3f}x, of best steps "
+        f"{min(res['per-call']) / min(res['one-call']):.3f}x; same last token: {len(set(res['last'].values())) == 1}"
+    )
     s.close()
     return 0
 

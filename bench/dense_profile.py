@@ -27,7 +27,6 @@ def main(argv=None) -> int:
 
     from streamer.bench import prompt_tokens
     from streamer.kernels import dispatch, int8, ops
-    from streamer.model import Model
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
@@ -85,11 +84,11 @@ def main(argv=None) -> int:
           f"({a.pp / min(t_plain):.0f} tok/s), instrumented best {wall * 1e3:.1f} ms")  # fmt: skip
     for k in sorted(tacc, key=lambda k: -tacc[k]):
         print(f"  {k:<40} {tcalls[k]:4d} calls {1e3 * tacc[k]:8.2f} ms {100 * tacc[k] / wall:5.1f}%")
-    rest = wall - sum(v for k, v in tacc.items() if k != "head (incl. its matvec)") 
+    rest = wall - sum(v for k, v in tacc.items() if k != "head (incl. its matvec)")
     print(f"  {'python and the rest':<40}            {1e3 * rest:8.2f} ms {100 * rest / wall:5.1f}%")
     # the activation quantization inside every integer matmul, alone
     cfg = s.cfg
-    for K, n_calls in ((cfg.n_embd, 0), (cfg.n_head * cfg.head_dim, 0), (m.ffn.w[0][2].n_in, 0)):
+    for K, _ in ((cfg.n_embd, 0), (cfg.n_head * cfg.head_dim, 0), (m.ffn.w[0][2].n_in, 0)):
         X = np.random.default_rng(0).standard_normal((a.pp, K)).astype(np.float32)
         g = 32
         xq = np.empty((a.pp, 2 * K), np.int8)

@@ -210,7 +210,7 @@ class MoEFFN:
         self.prof.routed(layer, d.ids, self.predicted.pop(layer, None))
         src.request_all(layer, d.ids[0])
 
-    def _decode_scratch(self) -> "_DecodeScratch":
+    def _decode_scratch(self) -> _DecodeScratch:
         cfg, k = self.cfg, self.cfg.n_expert_used
         spans = [self.source.spans(i) for i in range(cfg.n_layer)]
         no_router = np.zeros((1, 1), np.uint8)

@@ -208,9 +208,7 @@ def early_tensors(gf: GGUFFile) -> list:
     """The tensors every forward pass reads whole: all but the experts and an embedding table that is not
     also the output head (a prompt needs a few of its rows)."""
     untied = "output.weight" in gf.tensors
-    return [
-        t for t in gf.tensors.values() if "_exps." not in t.name and not (untied and t.name == "token_embd.weight")
-    ]
+    return [t for t in gf.tensors.values() if "_exps." not in t.name and not (untied and t.name == "token_embd.weight")]
 
 
 def early_ranges(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> list[tuple[int, int]]:

@@ -141,7 +141,7 @@ def _run_experts(qtypes=None) -> None:
 def _run_decode() -> None:
     """kernels/decode.py's one-token blocks (attention, dense FFN, resident MoE layer) with the argument types
     Model._decode_plan and MoEFFN.decode pass (the format is a runtime argument: one version serves all)."""
-    n, nh, nkv, hd, n_ctx, k, n_exp = N_IN, 2, 1, N_IN // 2, 4, 2, 4
+    n, nh, nkv, hd, n_ctx = N_IN, 2, 1, N_IN // 2, 4
     fmt = experts.FORMATS[T.Q8_0]
     rb = N_IN // 32 * 34
     w = _readonly(np.zeros((n, rb), np.uint8))  # every matrix n x n here

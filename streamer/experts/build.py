@@ -27,9 +27,7 @@ def cache_slots(
     return n_slots, max(min(int(pin_share * n_slots), n_slots - 2 * n_used), 0)
 
 
-def build_moe_ffn(
-    gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None, paged_in=lambda: 0
-) -> MoEFFN:
+def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None, paged_in=lambda: 0) -> MoEFFN:
     """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
     options.pin_share of the expert cache is pinned; the rest stays LRU. trace: a path to record the run's
     routing trace to (written when the session closes). paged_in: make_plan's (non-expert bytes a page-in

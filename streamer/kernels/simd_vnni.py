@@ -128,9 +128,9 @@ def digits32(typingctx, x, xd, dx, xs, g):
     """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / XD_MAX, xs[g] = sum of x (f32), and q = rint(x /
     dx[g]) (0 if the group is all zero) as two int8 digits q = 256 hi + lo at simd_vnni's bytes of xd (the layout
     in the module docstring: sub-block j = g % 8 of super-block g // 8)."""
-    if not (
-        _c_array(x, types.float32) and _c_array(xd, types.int8) and _c_array(dx, types.float32)
-    ) or not _c_array(xs, types.float32):
+    if not (_c_array(x, types.float32) and _c_array(xd, types.int8) and _c_array(dx, types.float32)) or not _c_array(
+        xs, types.float32
+    ):
         return None
 
     def codegen(context, builder, sig, args):
