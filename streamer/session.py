@@ -338,7 +338,7 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
             if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
                 qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
                 tiles = ("expert-tiles",) if moe.needs_tiles() else ()
-                warmup(only=("experts", "decode", "decode-moe") + tiles, qtypes=qtypes)
+                warmup(only=("experts", "decode", "decode-moe", "expert-int8") + tiles, qtypes=qtypes)
             elif model.decodes_in_blocks:
                 warmup(only=("decode",))  # the one-call decode blocks
     timing.mark("warmed_up")

@@ -197,17 +197,26 @@ def _run_expert_tiles(qtypes=None) -> None:
 
 def _run_int8() -> None:
     """The int8 prefill matmul of every format it serves, for each instruction set this CPU runs (the selected
-    one already ran in its format group; the other serves STREAM_RUN_ISA=generic)."""
+    one already ran in its format group; the other serves STREAM_RUN_ISA=generic), and its grouped form."""
     for qtype in INT8:
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         out = np.empty((2, N_OUT), np.float32)
+        for isa in int8.usable_isas():
+            int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
+    _run_int8_grouped(None, int8.usable_isas())
+
+
+def _run_int8_grouped(qtypes=None, isas=()) -> None:
+    """The MoE prefill's grouped integer matmul (two parts, one expert of N_TOK rows) of the formats it serves
+    (of qtypes, if given), on the file's read-only mapping (resident experts) and on a writable array (the
+    streaming cache), with the activations quantized once and gathered per expert."""
+    for qtype in INT8 if qtypes is None else INT8 & set(qtypes):
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         fmt = SUPPORTED[qtype].fmt
         act = int8.gather(int8.quantize(fmt, np.zeros((2, N_IN), np.float32)), np.array([0, 1, -1, -1], np.int64))
-        for isa in int8.usable_isas():
-            int8.matmul(fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
-            # the MoE prefill's grouped form (two parts, one expert of N_TOK rows), on the file's read-only
-            # mapping (resident experts) and on a writable array (the streaming cache)
+        for isa in isas:
             for flat in (w.reshape(-1), np.zeros(w.size, np.uint8)):
                 gu = np.empty((2, int8.N_TOK, N_OUT), np.float32)
                 int8.grouped_matmul(
@@ -240,6 +249,11 @@ def groups(qtypes=None) -> list[Group]:
         Group("decode", (decode.attn_block, decode.ffn_block), _run_decode),
         Group("decode-moe", (decode.moe_block,), _run_decode_moe),
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
+        Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
+            "expert-int8",
+            (int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) if int8.ISA else (),
+            functools.partial(_run_int8_grouped, qtypes, (int8.ISA,) if int8.ISA else ()),
+        ),
         Group(
             "int8",
             tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas()) + (int8.gather_act,),
@@ -263,10 +277,9 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out.append(SUPPORTED[model.embd.qtype].rows)  # rows: the embedding gather only
     if int8_serves:
         out.append(int8.KERNELS[int8.ISA])
-        if moe:  # the MoE prefill's grouped form: activations quantized once per layer, gathered per expert
-            out += [int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act]
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
+        names += ("expert-int8",) if int8_serves else ()
     else:
         names = ("ops", "decode") if model.decodes_in_blocks else ("ops",)
     out += [d for g in groups() if g.name in names for d in g.kernels]
