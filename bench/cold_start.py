@@ -52,6 +52,20 @@ def cold(path: str) -> int:
     return cgroup.evict_all([path])[str(path)]
 
 
+def _readers_gb_s(fd: int, depth: int, worker, done: list) -> float:
+    """Run worker(k) for k < depth in threads; GB/s of the bytes they add to done[k]. Closes fd."""
+    try:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(done) / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
 def disk_direct(path: str, nbytes: int, block: int = 16 << 20, depth: int = 4) -> float:
     """GB/s of O_DIRECT reads of [0, nbytes): `depth` threads each reading every depth-th block."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -63,16 +77,7 @@ def disk_direct(path: str, nbytes: int, block: int = 16 << 20, depth: int = 4) -
         for off in range(k * block, nbytes, depth * block):
             done[k] += os.preadv(fd, [buf], off)
 
-    try:
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(done) / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
+    return _readers_gb_s(fd, depth, worker, done)
 
 
 def disk_random(path: str, seconds: float = 2.0, block: int = 1 << 20, depth: int = 4) -> float:
@@ -90,16 +95,7 @@ def disk_random(path: str, seconds: float = 2.0, block: int = 1 << 20, depth: in
         while time.perf_counter() < stop:
             done[k] += os.preadv(fd, [buf], rnd.randrange(0, size - block) // 4096 * 4096)
 
-    try:
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(depth)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(done) / (time.perf_counter() - t0) / 1e9
-    finally:
-        os.close(fd)
+    return _readers_gb_s(fd, depth, worker, done)
 
 
 def disk_buffered(path: str, nbytes: int, block: int = 64 << 20) -> float:
