@@ -8,6 +8,8 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,9 @@ from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
 from streamer.options import StreamOptions
 from streamer.pagein import PageIn, pieces, readahead_bytes
 from streamer.session import open_model, pagein_ranges
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import cgroup  # noqa: E402  (bench/cgroup.py: evict, cached_bytes)
 
 MiB = 2**20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -33,16 +38,10 @@ def resident_pages(arr: np.ndarray) -> np.ndarray:
 
 
 def evicted(path) -> bool:
-    """Drop the file from the page cache; False where the filesystem keeps it (tmpfs)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    mm, _ = map_files([fd := os.open(path, os.O_RDONLY)], [os.path.getsize(path)])
-    os.close(fd)
-    return not resident_pages(mm).any()
+    """Drop the file from the page cache (bench/cgroup.py's evict and mincore count); False where the
+    filesystem keeps it (tmpfs)."""
+    cgroup.evict(path)
+    return cgroup.cached_bytes(path) == 0
 
 
 def test_pieces_widen_merge_split_in_order():
