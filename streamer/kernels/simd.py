@@ -130,18 +130,19 @@ class _Emit:
         return phis
 
 
-def _row_intrinsic(block_bytes, body_fn, n_acc):
+def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1):
     """Wrap a per-block body into an intrinsic `(w, off, xq, dx, xs, nb, pf) -> f32`.
 
-    body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are float vectors summed at the end
-    (the last one, if n_acc == 2, is subtracted: the K-quant mins).
+    body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
+    if n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
+    (simd_vnni.py).
     """
 
     @intrinsic
     def row(typingctx, w, off, xq, dx, xs, nb, pf):
         if not (
             _c_array(w, types.uint8)
-            and _c_array(xq, types.int16)
+            and _c_array(xq, x_dtype)
             and _c_array(dx, types.float32)
             and _c_array(xs, types.float32)
         ):
@@ -152,7 +153,7 @@ def _row_intrinsic(block_bytes, body_fn, n_acc):
             w_, off_, xq_, dx_, xs_, nb_, pf_ = args
             wb = e.base(sig.args[0], w_)
             xqb, dxb, xsb = e.base(sig.args[2], xq_), e.base(sig.args[3], dx_), e.base(sig.args[4], xs_)
-            init = [ir.Constant(V(F32, 16), [0.0] * 16), ir.Constant(V(F32, 8), [0.0] * 8)][:n_acc]
+            init = [ir.Constant(V(F32, 16), [0.0] * 16)] * n_vec + [ir.Constant(V(F32, 8), [0.0] * 8)] * (n_acc - 1)
 
             def step(b, accs):
                 blk = builder.add(off_, builder.mul(b, ir.Constant(I64, block_bytes)))
@@ -161,9 +162,12 @@ def _row_intrinsic(block_bytes, body_fn, n_acc):
                 return body_fn(e, wb, xqb, dxb, xsb, b, blk, accs)
 
             accs = e.loop(nb_, init, step)
-            total = e.hsum(accs[0])
+            v = accs[0]
+            for a in accs[1:n_vec]:
+                v = builder.fadd(v, a, flags=("fast",))
+            total = e.hsum(v)
             if n_acc == 2:
-                total = builder.fsub(total, e.hsum(accs[1]), flags=("fast",))
+                total = builder.fsub(total, e.hsum(accs[n_vec]), flags=("fast",))
             return total
 
         return types.float32(w, types.int64, xq, dx, xs, types.int64, types.int64), codegen

@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
+from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
 from .simd_i8 import _dp_vnni
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
@@ -68,46 +68,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
     return new
 
 
-def _row_digits_intrinsic(block_bytes, body_fn, n_vec):
-    """Wrap a per-super-block body into an intrinsic `(w, off, xd, dx, xs, nb, pf) -> f32` over int8 digits xd:
-    body_fn(e, wb, xdb, dxb, xsb, b, blk, accs) -> accs, n_vec <16 x f32> accumulators summed, then one <8 x f32>
-    (the K-quant mins) subtracted."""
-
-    @intrinsic
-    def row(typingctx, w, off, xd, dx, xs, nb, pf):
-        if not (
-            _c_array(w, types.uint8)
-            and _c_array(xd, types.int8)
-            and _c_array(dx, types.float32)
-            and _c_array(xs, types.float32)
-        ):
-            return None
-
-        def codegen(context, builder, sig, args):
-            e = _Emit(context, builder)
-            w_, off_, xd_, dx_, xs_, nb_, pf_ = args
-            wb = e.base(sig.args[0], w_)
-            xdb, dxb, xsb = e.base(sig.args[2], xd_), e.base(sig.args[3], dx_), e.base(sig.args[4], xs_)
-            init = [ir.Constant(V(F32, 16), [0.0] * 16)] * n_vec + [ir.Constant(V(F32, 8), [0.0] * 8)]
-
-            def step(b, accs):
-                blk = builder.add(off_, builder.mul(b, ir.Constant(I64, block_bytes)))
-                for k in range(0, block_bytes, 64):
-                    e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, k))))
-                return body_fn(e, wb, xdb, dxb, xsb, b, blk, accs)
-
-            accs = e.loop(nb_, init, step)
-            v = accs[0]
-            for a in accs[1:n_vec]:
-                v = builder.fadd(v, a, flags=("fast",))
-            return builder.fsub(e.hsum(v), e.hsum(accs[n_vec]), flags=("fast",))
-
-        return types.float32(w, types.int64, xd, dx, xs, types.int64, types.int64), codegen
-
-    return row
-
-
-q4_k_dot_vnni = _row_digits_intrinsic(144, _q4_k_vnni_body, 4)
+q4_k_dot_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4)  # 4 scale-lane accumulators + mins
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
