@@ -275,13 +275,13 @@ class MoEFFN:
 
     def _prefill(self, layer, h, ids, w, experts, out) -> None:
         """The chunk's tokens grouped by expert: each routed expert is read once, several experts per kernel
-        call (kernels/grouped.py, int8.grouped_matmul): experts with at most grouped_max tokens by int16 row
-        dots, the others by matmul (the integer kernel on h quantized once per layer, or dequantized f32 tiles,
-        as QMatrix.matmul). Reads run `window` experts
-        ahead of the group being computed (streaming); resident experts are computed in one group. Each token's outputs of the int16 experts
-        are added into out in ascending expert order, those of the f32 experts into big_out likewise, and
-        big_out into out at the end: the same additions whatever the grouping, so streamed == resident bit
-        for bit (and a token with only int16 experts gets exactly the per-token path's result)."""
+        call (kernels/grouped.py, int8.grouped_matmul): experts with at most grouped_max tokens by the decode
+        row dots, the others by matmul (the integer kernel on h quantized once per layer, or dequantized f32
+        tiles, as QMatrix.matmul). Reads run `window` experts ahead of the group being computed (streaming);
+        resident experts are computed in one group. Each token's outputs of the row-dot experts are added into
+        out in ascending expert order, those of the matmul experts into big_out likewise, and big_out into out
+        at the end: the same additions whatever the grouping, so streamed == resident bit for bit (and a token
+        with only row-dot experts gets exactly the per-token path's result)."""
         plan, m, k = self.fused[layer], h.shape[0], ids.shape[1]
         e_flat, t_flat = ids.reshape(-1), np.repeat(np.arange(m, dtype=np.int64), k)
         sel = np.flatnonzero(e_flat >= 0)
