@@ -47,9 +47,20 @@ PROMPT = "def fibonacci(n):"
 ALL_PARTS = ("disk", "pagein", "run", "llama", "ttft")
 
 
+def model_files(path: str) -> list[str]:
+    """The model's files: path, or every shard of a split model given its first (NAME-0000k-of-0000N.gguf)."""
+    import re
+
+    m = re.fullmatch(r"(.*)-00001-of-(\d{5})\.gguf", str(path))
+    if not m:
+        return [str(path)]
+    count = int(m.group(2))
+    return [f"{m.group(1)}-{k:05d}-of-{count:05d}.gguf" for k in range(1, count + 1)]
+
+
 def cold(path: str) -> int:
-    """Evict the file; the bytes still cached (0 = fully cold)."""
-    return cgroup.evict_all([path])[str(path)]
+    """Evict the model's files (every shard of a split model); the bytes still cached (0 = fully cold)."""
+    return sum(cgroup.evict_all(model_files(path)).values())
 
 
 def _readers_gb_s(fd: int, depth: int, worker, done: list) -> float:
@@ -194,15 +205,26 @@ def needed_bytes(model: str, ids: list[int], args) -> dict:
     return json.loads(out.stdout)
 
 
+def ttft_record(r: dict, need: dict, n: int, rnd: int, disk_gb_s, random_gb_s) -> dict:
+    """A ttft run's record with the bytes the prompt needs, the floor (needed bytes / disk GB/s) and target."""
+    rec = {**r, **need, "prompt_tokens": n, "round": rnd}
+    if disk_gb_s:
+        rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
+        rec["target_s"] = 1.2 * rec["floor_s"]
+    if disk_gb_s and random_gb_s:  # the experts are scattered reads: at the random-read speed
+        rec["floor_random_s"] = (need["nonexpert_bytes"] / disk_gb_s + need["expert_bytes"] / random_gb_s) / 1e9
+    return rec
+
+
 def run_env() -> dict:
     env = dict(os.environ)
     env.setdefault("STREAM_RUN_CACHE", tempfile.mkdtemp(prefix="cold-start-cache-"))  # no learned pins
     return env
 
 
-def ttft_cmd(args, model: str, ids: list[int]) -> list[str]:
+def ttft_cmd(args, model: str, ids: list[int], exe: str | None = None) -> list[str]:
     return [
-        args.stream_run, "run", model, "--tokens", ",".join(map(str, ids)), "-n", "1", "--no-display-prompt",
+        exe or args.stream_run, "run", model, "--tokens", ",".join(map(str, ids)), "-n", "1", "--no-display-prompt",
         "-t", str(args.threads), "-c", "64", "--ram-budget", args.cap,
     ]  # fmt: skip
 
@@ -222,6 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run")
     )
+    ap.add_argument("--ab", help="ttft: a second stream-run executable, run alternately with --stream-run ('(B)')")
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--json", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -276,17 +299,12 @@ def main(argv=None) -> int:
         for n in map(int, args.prompt_tokens.split(",")):
             ids = prompt_ids(model, n, args.python)
             need = needed_bytes(model, ids, args)
+            runs = [("", args.stream_run)] + ([(" (B)", args.ab)] if args.ab else [])
             for rnd in range(args.rounds):
-                r = timed(f"stream-run ttft {n}", ttft_cmd(args, model, ids), model, cap=args.cap, breakdown=True)
-                rec = {**r, **need, "prompt_tokens": n, "round": rnd}
-                if disk_gb_s:
-                    rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
-                    rec["target_s"] = 1.2 * rec["floor_s"]
-                if disk_gb_s and random_gb_s:  # the experts are scattered reads: at the random-read speed
-                    rec["floor_random_s"] = (
-                        need["nonexpert_bytes"] / disk_gb_s + need["expert_bytes"] / random_gb_s
-                    ) / 1e9
-                emit(rec)
+                for tag, exe in runs if rnd % 2 == 0 else runs[::-1]:  # alternate which goes first
+                    cmd = ttft_cmd(args, model, ids, exe)
+                    r = timed(f"stream-run ttft {n}{tag}", cmd, model, cap=args.cap, breakdown=True)
+                    emit(ttft_record(r, need, n, rnd, disk_gb_s, random_gb_s))
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:
         keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s",
@@ -299,10 +317,10 @@ def main(argv=None) -> int:
 
 
 STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and what ends at each
-    ("cli", "interpreter + CLI imports"),
-    ("input_checked", "imports of the run command, input checks"),
-    ("header", "GGUF header parsed"),
+    ("header", "interpreter, numpy, GGUF header parsed (the entry point's early start, streamer/early.py)"),
     ("pagein_start", "page-in of the non-expert weights started"),
+    ("cli", "CLI imports"),
+    ("input_checked", "imports of the run command, input checks"),
     ("kernels_imported", "numba + kernel modules imported"),
     ("model_built", "budget plan, expert cache, model objects"),
     ("warmed_up", "kernel warm-up (run: skipped when numba's cache holds them; they load at first call)"),

@@ -72,9 +72,13 @@ def check_output_path(path: Path | None, flag: str) -> None:
 
 def probe(model: Path):
     """The model file's header and config: cheap (no weights read, no kernels), to check input against."""
+    from streamer import early
     from streamer.config import ModelConfig
     from streamer.gguf_file import GGUFFile
 
+    held = early.take_file(model)  # parsed by the entry point already, to start reading (streamer/early.py)
+    if held is not None:
+        return held
     gf = GGUFFile(model)
     return gf, ModelConfig.from_gguf(gf)
 

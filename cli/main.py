@@ -1,44 +1,61 @@
-"""Entry point: registers the commands on the app. Heavy imports live inside the commands, so --help is instant."""
+"""Entry point: registers the commands on the app. Heavy imports live inside the commands, so --help is instant.
+main() first lets streamer/early.py start reading a `run` or `chat` model (stdlib, numpy and the header
+parser only), before typer and the commands are imported: the disk works while the CLI loads."""
 
 from __future__ import annotations
 
 import sys
 
-from streamer.cli.app import app
-from streamer.cli.bench_cmd import bench, profile
-from streamer.cli.demo_cmd import demo
-from streamer.cli.info_cmd import inspect
-from streamer.cli.perplexity_cmd import perplexity
-from streamer.cli.plan_cmd import plan
-from streamer.cli.presets_cmd import presets
-from streamer.cli.replay_cmd import replay
-from streamer.cli.run_cmd import chat, run
-from streamer.cli.serve_cmd import serve
-from streamer.cli.synth_cmd import synth
-from streamer.cli.tokenize_cmd import tokenize
-from streamer.cli.warmup_cmd import warmup
 
-for command in (
-    run,
-    chat,
-    perplexity,
-    serve,
-    bench,
-    profile,
-    replay,
-    plan,
-    inspect,
-    tokenize,
-    synth,
-    demo,
-    warmup,
-    presets,
-):
-    app.command()(command)
-app.command("profiles", hidden=True)(presets)  # the command's name before presets were called presets
+def _build_app():
+    from streamer.cli.app import app
+    from streamer.cli.bench_cmd import bench, profile
+    from streamer.cli.demo_cmd import demo
+    from streamer.cli.info_cmd import inspect
+    from streamer.cli.perplexity_cmd import perplexity
+    from streamer.cli.plan_cmd import plan
+    from streamer.cli.presets_cmd import presets
+    from streamer.cli.replay_cmd import replay
+    from streamer.cli.run_cmd import chat, run
+    from streamer.cli.serve_cmd import serve
+    from streamer.cli.synth_cmd import synth
+    from streamer.cli.tokenize_cmd import tokenize
+    from streamer.cli.warmup_cmd import warmup
+
+    for command in (
+        run,
+        chat,
+        perplexity,
+        serve,
+        bench,
+        profile,
+        replay,
+        plan,
+        inspect,
+        tokenize,
+        synth,
+        demo,
+        warmup,
+        presets,
+    ):
+        app.command()(command)
+    app.command("profiles", hidden=True)(presets)  # the command's name before presets were called presets
+    return app
+
+
+def __getattr__(name: str):
+    """`app`, the typer app with every command registered, built at first use (tests import it)."""
+    if name == "app":
+        globals()["app"] = _build_app()
+        return globals()["app"]
+    raise AttributeError(name)
 
 
 def main() -> None:
+    from streamer import early
+
+    early.start(sys.argv)
+    app = __getattr__("app")
     try:
         app()
     except SystemExit as e:

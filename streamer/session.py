@@ -211,12 +211,14 @@ def early_tensors(gf: GGUFFile) -> list:
     return [t for t in gf.tensors.values() if "_exps." not in t.name and not (untied and t.name == "token_embd.weight")]
 
 
-def early_ranges(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> list[tuple[int, int]]:
+def early_ranges(
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0
+) -> list[tuple[int, int]]:
     """What open_model may start reading before any kernel loads: early_tensors, in forward order, when the
     budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds the non-expert
-    weights and one layer's experts (checked with the process as it is now, smaller than later: a budget the
-    plan refuses later has read nothing), or a model whose weights all fit (dense, --no-stream). Nothing
-    otherwise: the plan's error, or the OS paging, comes first."""
+    weights and one layer's experts (checked with the process as it is now plus rss_margin, smaller than
+    later: a budget the plan refuses later has read nothing), or a model whose weights all fit (dense,
+    --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first."""
     from streamer.budget import default_budget
 
     budget = default_budget() if options.ram_budget is None else options.ram_budget
@@ -231,7 +233,7 @@ def early_ranges(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: 
             layout = ExpertLayout(gf, cfg)
             kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
             nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-            rss = psutil.Process().memory_info().rss
+            rss = psutil.Process().memory_info().rss + rss_margin
             plan = plan_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
             if plan.expert_cache < cfg.n_expert_used * layout.slot_bytes:
                 return []
@@ -241,10 +243,21 @@ def early_ranges(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: 
 
 
 def start_early_pagein(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> PageIn | None:
-    """Start reading early_ranges in the background (None: nothing to read)."""
+    """Start reading early_ranges in the background (None: nothing to read), or go on with the page-in the
+    entry point started before the command line was parsed (streamer/early.py) if it reads exactly these."""
+    from streamer import early
+
     ranges = early_ranges(gf, cfg, options, n_ctx)
+    held = early.take_pagein(gf, ranges)  # stopped unless it is this very one
+    if held is not None:
+        return held
     if not ranges or gf.mm is None:
         return None
+    return start_pagein_of(gf, ranges)
+
+
+def start_pagein_of(gf: GGUFFile, ranges) -> PageIn:
+    """A background page-in of `ranges` (in that order), started."""
     from streamer.pagein import PageIn
 
     p = PageIn(gf.mm, ranges, step=readahead_step(gf)).start()

@@ -1,0 +1,129 @@
+"""Start reading a model before the command line is parsed: the time to first token of a one-off `run` or
+`chat` on a cold file is mostly disk time, and the CLI's imports (typer, the commands) take a few tenths of a
+second the disk would otherwise sit idle through.
+
+start(argv) runs first in the entry point (cli/main.py), before typer is imported. For `run MODEL ...` and
+`chat MODEL ...` it reads the few flags that decide what may be read early (--ram-budget, --no-stream,
+--preset/--profile, -c/--ctx-size), parses MODEL's header and starts session.start_early_pagein's
+background page-in of the non-expert weights, under the same budget check open_model makes (with
+RSS_MARGIN more resident memory than the process has now, for the imports still to come). It is a hint only:
+- any doubt (another command, --help, a flag it cannot read, a file that does not parse) starts nothing,
+  silently; the CLI then validates and reports exactly as without it;
+- the CLI's checks run as before, and a bad argument is one line and exit 2 at once: the reads are a daemon
+  thread's, at most pagein.AHEAD bytes queued, that the user does not wait for;
+- open_model makes the real budget check with the options typer parsed and the process as it is then
+  (session.start_early_pagein): it adopts the page-in only if that check asks for exactly the same ranges,
+  else stops it; so a budget the plan refuses has read at most what ran in the meantime.
+cli/common.probe takes the parsed header (take_file) instead of parsing it again.
+"""
+
+from __future__ import annotations
+
+import os
+
+from streamer import timing
+
+COMMANDS = ("run", "chat")
+RSS_MARGIN = 512 * 2**20  # resident memory the process may still grow by before open_model's own check
+_VALUE = {
+    "--ram-budget": "ram_budget",
+    "--preset": "preset",
+    "--profile": "preset",
+    "-c": "n_ctx",
+    "--ctx-size": "n_ctx",
+}
+_FLAG = {"--no-stream": ("stream", False)}
+_NEVER = ("-h", "--help")
+
+_held: dict = {}  # "path", "gf", "cfg", "ranges", "pagein": what start() opened and started
+
+
+def flags(argv: list[str]) -> tuple[str, dict] | None:
+    """(model path, {ram_budget, preset, n_ctx, stream}) of `run MODEL ...` / `chat MODEL ...`, None when
+    the command is another or any of these flags is unclear (given twice, or without a value)."""
+    if len(argv) < 3 or argv[1] not in COMMANDS or argv[2].startswith("-"):
+        return None
+    found: dict = {}
+    args = argv[3:]
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, value = a.partition("=")
+        if a in _NEVER:
+            return None
+        if name in _VALUE:
+            if not eq:
+                if i + 1 >= len(args):
+                    return None
+                value = args[i + 1]
+                i += 1
+            key = _VALUE[name]
+            if key in found:
+                return None
+            found[key] = value
+        elif a in _FLAG:
+            key, v = _FLAG[a]
+            if key in found:
+                return None
+            found[key] = v
+        i += 1
+    return argv[2], found
+
+
+def start(argv: list[str]) -> None:
+    """Start the early page-in for this command line, if it is one that may (see the module's docstring)."""
+    _held.clear()
+    parsed = flags(argv)
+    if parsed is None:
+        return
+    path, found = parsed
+    try:
+        if not os.path.isfile(path):
+            return
+        from streamer.config import ModelConfig
+        from streamer.gguf_file import GGUFFile
+        from streamer.options import StreamOptions
+        from streamer.session import early_ranges, start_pagein_of
+
+        n_ctx = int(found["n_ctx"]) if "n_ctx" in found else None
+        options = StreamOptions.build(
+            found.get("preset"), ram_budget=found.get("ram_budget"), stream=found.get("stream", True)
+        )
+        gf = GGUFFile(path)
+        cfg = ModelConfig.from_gguf(gf)
+        timing.mark("header")
+        _held.update(path=path, gf=gf, cfg=cfg)
+        ranges = early_ranges(gf, cfg, options, n_ctx, rss_margin=RSS_MARGIN)
+        if ranges and gf.mm is not None:
+            _held.update(ranges=ranges, pagein=start_pagein_of(gf, ranges))
+    except Exception:  # a hint only: the CLI reports whatever is wrong, in its own words
+        stop()
+        _held.clear()
+
+
+def take_file(path) -> tuple | None:
+    """(GGUFFile, ModelConfig) start() parsed for this model path, once; None if it parsed none (or another)."""
+    if "gf" not in _held or str(path) != _held["path"]:
+        return None
+    return _held["gf"], _held["cfg"]
+
+
+def take_pagein(gf, ranges):
+    """The page-in start() began on this GGUFFile, if it reads exactly `ranges` (what open_model's budget
+    check now allows); else it is stopped and None. Either way it is handed out once."""
+    if _held.get("gf") is not gf or "pagein" not in _held:
+        stop()
+        return None
+    p, same = _held.pop("pagein"), _held.pop("ranges") == ranges
+    if same:
+        return p
+    p.stop()
+    return None
+
+
+def stop() -> None:
+    """Stop a page-in start() began and nobody took (joins its thread: at most one piece's read)."""
+    p = _held.pop("pagein", None)
+    _held.pop("ranges", None)
+    if p is not None:
+        p.stop()

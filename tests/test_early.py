@@ -1,0 +1,106 @@
+"""streamer/early.py: the entry point starts reading a `run`/`chat` model before the CLI is loaded. It is a
+hint that must never change what a command does: bad input is still one line and exit 2, a budget the plan
+refuses reads nothing up front (or the early reads are stopped), open_model goes on with the early page-in
+only when its own budget check asks for the very same ranges, and results are those of the resident model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamer import early
+from streamer.options import StreamOptions
+from streamer.session import early_ranges, open_model
+
+STREAM_RUN = Path(sys.executable).parent / "stream-run"
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    early.stop()
+    early._held.clear()
+    yield
+    early.stop()
+    early._held.clear()
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["sr", "run", "m.gguf", "-p", "hi"], ("m.gguf", {})),
+        (["sr", "chat", "m.gguf", "--ram-budget", "8G", "-c", "64"], ("m.gguf", {"ram_budget": "8G", "n_ctx": "64"})),
+        (["sr", "run", "m.gguf", "--ram-budget=2G", "--no-stream"], ("m.gguf", {"ram_budget": "2G", "stream": False})),
+        (["sr", "run", "m.gguf", "--profile", "low-ram"], ("m.gguf", {"preset": "low-ram"})),
+        (["sr", "bench", "m.gguf"], None),  # another command
+        (["sr", "run", "--help"], None),
+        (["sr", "run", "m.gguf", "--help"], None),
+        (["sr", "run", "m.gguf", "--ram-budget", "1G", "--ram-budget", "2G"], None),  # given twice: unclear
+        (["sr", "run", "m.gguf", "--preset", "x", "--profile", "y"], None),
+        (["sr", "run", "m.gguf", "--ram-budget"], None),  # no value
+        (["sr", "run"], None),
+    ],
+)
+def test_flags(argv, want):
+    assert early.flags(argv) == want
+
+
+def test_started_early_then_adopted_and_logits_unchanged(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    early.start(["stream-run", "run", str(path), "--tokens", "1,2", "--ram-budget", "4G", "--no-learn"])
+    assert "pagein" in early._held  # started before any CLI parsing
+    p = early._held["pagein"]
+    gf, cfg = early.take_file(path)
+    assert early.take_file(Path(str(path) + "x")) is None  # another path: not this one
+    options = StreamOptions(learn=False, ram_budget=4 * 2**30)
+    assert early._held["ranges"] == early_ranges(gf, cfg, options, None)
+    ids = np.array([3, 17, 5, 9])
+    with open_model(gf, options) as s:
+        assert s.pagein is p  # the same page-in, gone on with the rest of what the budget keeps
+        got = s.model.forward(ids, s.model.new_cache(), all_logits=True)
+    with open_model(path, StreamOptions(learn=False, stream=False)) as s:
+        want = s.model.forward(ids, s.model.new_cache(), all_logits=True)
+    assert np.array_equal(got, want)
+
+
+def test_refused_budget_reads_nothing_early_and_other_ranges_stop_the_hint(synth_model):
+    from streamer.errors import StreamerError
+
+    path = synth_model("tiny-moe", "Q8_0")
+    early.start(["stream-run", "run", str(path), "--ram-budget", "64M"])  # the plan refuses it
+    assert "gf" in early._held and "pagein" not in early._held
+    # the margin for the imports still to come: a budget that passes only without it starts nothing
+    gf, cfg = early.take_file(path)
+    assert early_ranges(gf, cfg, StreamOptions(ram_budget=4 * 2**30), None, rss_margin=2**40) == []
+    # the entry point guessed a budget open_model's own check disagrees with: the early reads stop
+    early.start(["stream-run", "run", str(path), "--ram-budget", "4G"])
+    p = early._held["pagein"]
+    gf, _ = early.take_file(path)
+    with pytest.raises(StreamerError, match="too small"):
+        open_model(gf, StreamOptions(learn=False, ram_budget=64 * 2**20))
+    assert p._stop.is_set() and p.finished and "pagein" not in early._held
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tokens", "abc"], "error: --tokens must be comma-separated integers"),
+        (["--tokens", "1", "--ram-budget", "0"], "error: --ram-budget must be positive"),
+        (["--tokens", "1", "--bogus"], "error: No such option: --bogus"),
+        (["--tokens", "99999999"], "error: "),
+    ],
+)
+def test_bad_input_is_still_one_line_and_exit_2(synth_model, tmp_path, extra, message):
+    if not STREAM_RUN.exists():
+        pytest.skip(f"no console script at {STREAM_RUN}")
+    path = synth_model("tiny-moe", "Q8_0")
+    env = dict(os.environ, STREAM_RUN_CACHE=str(tmp_path))
+    p = subprocess.run(
+        [str(STREAM_RUN), "run", str(path), *extra], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
+    assert len(p.stderr.splitlines()) == 1 and not p.stdout
