@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from streamer.errors import StreamerError
+from streamer.options import READERS
 
 PROBE_FORMAT = "stream-run-disk-probe/1"
 
@@ -40,7 +41,7 @@ class PlanOptions:
     prompt_tokens: int = 16
     probe_seconds: float = 3.0
     reprobe: bool = False
-    n_readers: int = 4
+    n_readers: int = READERS  # the runtime's (StreamOptions.readers)
     threads: int | None = None
 
 

@@ -54,7 +54,7 @@ def test_new_presets_exist_with_descriptions():
 def test_precedence_flag_over_preset_over_default(ten_gib):
     build = StreamOptions.build
     assert build(None, ram_budget=None, expert_top_p=None, prefetch=None) == StreamOptions()  # the defaults
-    assert StreamOptions() == StreamOptions(None, True, 1.0, True, True, "auto", 4, 0.5, None)
+    assert StreamOptions() == StreamOptions(None, True, 1.0, True, True, "auto", 8, 0.5, None)
     assert build("8g", ram_budget=None).ram_budget == 7 * GiB  # preset over default
     assert build("8g", ram_budget="3G").ram_budget == 3 * GiB  # flag over preset
     assert build("max-speed", expert_top_p=None).expert_top_p == 0.9
