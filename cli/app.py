@@ -90,9 +90,13 @@ class App(typer.Typer):
         return deco
 
 
-app = App(
-    help="Run Qwen3 and Qwen3-MoE GGUF models, streaming MoE experts from disk under a RAM budget.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+def new_app() -> App:
+    return App(
+        help="Run Qwen3 and Qwen3-MoE GGUF models, streaming MoE experts from disk under a RAM budget.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+
+
+app = new_app()

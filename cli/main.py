@@ -1,46 +1,57 @@
 """Entry point: registers the commands on the app. Heavy imports live inside the commands, so --help is instant.
 main() first lets streamer/early.py start reading a `run` or `chat` model (stdlib, numpy and the header
-parser only), before typer and the commands are imported: the disk works while the CLI loads."""
+parser only), before typer and the commands are imported: the disk works while the CLI loads. It then builds
+only the command it was asked for (typer turns every registered command's signature into click parameters
+before it parses anything: 0.16 s for all of them, most of a one-off run's CLI time)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
+# command name -> (module in streamer.cli, function), in the order `stream-run --help` lists them
+COMMANDS = {
+    "run": ("run_cmd", "run"),
+    "chat": ("run_cmd", "chat"),
+    "perplexity": ("perplexity_cmd", "perplexity"),
+    "serve": ("serve_cmd", "serve"),
+    "bench": ("bench_cmd", "bench"),
+    "profile": ("bench_cmd", "profile"),
+    "replay": ("replay_cmd", "replay"),
+    "plan": ("plan_cmd", "plan"),
+    "inspect": ("info_cmd", "inspect"),
+    "tokenize": ("tokenize_cmd", "tokenize"),
+    "synth": ("synth_cmd", "synth"),
+    "demo": ("demo_cmd", "demo"),
+    "warmup": ("warmup_cmd", "warmup"),
+    "presets": ("presets_cmd", "presets"),
+    "profiles": ("presets_cmd", "presets"),  # the command's name before presets were called presets (hidden)
+}
+HIDDEN = {"profiles"}
 
-def _build_app():
-    from streamer.cli.app import app
-    from streamer.cli.bench_cmd import bench, profile
-    from streamer.cli.demo_cmd import demo
-    from streamer.cli.info_cmd import inspect
-    from streamer.cli.perplexity_cmd import perplexity
-    from streamer.cli.plan_cmd import plan
-    from streamer.cli.presets_cmd import presets
-    from streamer.cli.replay_cmd import replay
-    from streamer.cli.run_cmd import chat, run
-    from streamer.cli.serve_cmd import serve
-    from streamer.cli.synth_cmd import synth
-    from streamer.cli.tokenize_cmd import tokenize
-    from streamer.cli.warmup_cmd import warmup
 
-    for command in (
-        run,
-        chat,
-        perplexity,
-        serve,
-        bench,
-        profile,
-        replay,
-        plan,
-        inspect,
-        tokenize,
-        synth,
-        demo,
-        warmup,
-        presets,
-    ):
-        app.command()(command)
-    app.command("profiles", hidden=True)(presets)  # the command's name before presets were called presets
+def _function(name: str):
+    module, attr = COMMANDS[name]
+    return getattr(importlib.import_module(f"streamer.cli.{module}"), attr)
+
+
+def _build_app(only: str | None = None):
+    """The typer app with every command registered; only: just that one (and a no-op callback, so typer
+    keeps it a subcommand: `stream-run run ...` parses, helps and fails exactly as with all of them)."""
+    from streamer.cli.app import app, new_app
+
+    if only in COMMANDS:
+        one = new_app()
+        one.callback()(_no_options)
+        one.command(only, hidden=only in HIDDEN)(_function(only))
+        return one
+    for name in COMMANDS:
+        app.command(name, hidden=name in HIDDEN)(_function(name))
     return app
+
+
+def _no_options() -> None:
+    """(The group's callback of a one-command app: no options, nothing to do.)"""
 
 
 def __getattr__(name: str):
@@ -55,7 +66,7 @@ def main() -> None:
     from streamer import early
 
     early.start(sys.argv)
-    app = __getattr__("app")
+    app = _build_app(sys.argv[1] if len(sys.argv) > 1 else None)
     try:
         app()
     except SystemExit as e:

@@ -104,3 +104,19 @@ def test_bad_input_is_still_one_line_and_exit_2(synth_model, tmp_path, extra, me
     )
     assert p.returncode == 2 and p.stderr.startswith(message), p.stderr
     assert len(p.stderr.splitlines()) == 1 and not p.stdout
+
+
+@pytest.mark.parametrize("name", sorted(__import__("streamer.cli.main", fromlist=["COMMANDS"]).COMMANDS))
+@pytest.mark.parametrize("args", [["--help"], ["--no-such-flag"]])
+def test_a_one_command_app_helps_and_fails_as_the_whole_app(name, args, capsys):
+    """main() builds only the command it is asked for: its help and its usage errors are the same."""
+    from streamer.cli.main import _build_app, app
+
+    out = []
+    for a in (app, _build_app(name)):
+        with pytest.raises(SystemExit) as e:
+            a([name, *args])
+        cap = capsys.readouterr()
+        out.append((e.value.code, cap.out, cap.err))
+    assert out[0] == out[1] and out[0][0] == (0 if args == ["--help"] else 2)
+    assert (name in out[0][1]) if args == ["--help"] else out[0][2].startswith("error: No such option")
