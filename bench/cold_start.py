@@ -20,7 +20,9 @@ with mincore) and runs as a child process, timed by wall clock:
           Beside it: the bytes the prompt needs (non-expert weights without the embedding table, plus each
           layer's distinct routed experts, from a --trace of the same run) / the disk's sequential GB/s, and
           the target 1.2x that. Never OOM-killed is checked (the cgroup's oom_kill counter).
-Use --rounds 2 or 3 for alternating rounds. Results: one JSON line per measurement on stdout (and --json),
+A model split into shards is given by its first shard (every shard is evicted). --ab OTHER_STREAM_RUN runs
+the ttft part alternately with a second build (labelled "(B)"; e.g. a non-editable install of main in another
+venv) and prints the ratio of the medians. Use --rounds 2 or 3 for alternating rounds. Results: one JSON line per measurement on stdout (and --json),
 then a summary table. Run it on a quiet machine as root, with the project venv's python.
 """
 
@@ -37,6 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -208,6 +211,8 @@ def needed_bytes(model: str, ids: list[int], args) -> dict:
 def ttft_record(r: dict, need: dict, n: int, rnd: int, disk_gb_s, random_gb_s) -> dict:
     """A ttft run's record with the bytes the prompt needs, the floor (needed bytes / disk GB/s) and target."""
     rec = {**r, **need, "prompt_tokens": n, "round": rnd}
+    if r.get("rusage_read_bytes") and need.get("needed_bytes"):  # disk reads over what the prompt needs
+        rec["read_over_needed"] = r["rusage_read_bytes"] / need["needed_bytes"]
     if disk_gb_s:
         rec["floor_s"] = need["needed_bytes"] / disk_gb_s / 1e9
         rec["target_s"] = 1.2 * rec["floor_s"]
@@ -308,11 +313,18 @@ def main(argv=None) -> int:
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:
         keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s",
-                "floor_random_s", "needed_bytes", "oom_killed", "max_usage_bytes", "rusage_read_bytes")  # fmt: skip
+                "floor_random_s", "needed_bytes", "rusage_read_bytes", "read_over_needed", "oom_killed",
+                "max_usage_bytes")  # fmt: skip
         print(f"  {r['label']:32s} " + " ".join(f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}"
                                                for k in keys if k in r), file=sys.stderr)  # fmt: skip
         if "timing" in r:
             print("    " + breakdown_line(r["timing"], r.get("wall_s")), file=sys.stderr)
+    if args.ab:
+        for n in map(int, args.prompt_tokens.split(",")):
+            a, b = ([r["wall_s"] for r in results if r["label"] == f"stream-run ttft {n}{tag}"] for tag in ("", " (B)"))
+            if a and b:
+                print(f"  ttft {n}: median wall {median(a):.3g} s vs (B) {median(b):.3g} s: {median(a) / median(b):.3f}x"
+                      f" (A {' '.join(f'{x:.3g}' for x in a)}; B {' '.join(f'{x:.3g}' for x in b)})", file=sys.stderr)  # fmt: skip
     return 0
 
 
