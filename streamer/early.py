@@ -115,20 +115,20 @@ def _read_header_ahead(path: str) -> None:
 
 
 def take_file(path) -> tuple | None:
-    """(GGUFFile, ModelConfig) start() parsed for this model path, once; None if it parsed none (or another)."""
+    """(GGUFFile, ModelConfig) start() parsed, if for this model path (until open_model takes the page-in)."""
     if "gf" not in _held or str(path) != _held["path"]:
         return None
     return _held["gf"], _held["cfg"]
 
 
 def take_pagein(gf, ranges):
-    """The page-in start() began on this GGUFFile, if it reads exactly `ranges` (what open_model's budget
-    check now allows); else it is stopped and None. Either way it is handed out once."""
-    if _held.get("gf") is not gf or "pagein" not in _held:
-        stop()
+    """The page-in start() began, if on this GGUFFile and reading exactly `ranges` (what open_model's budget
+    check now allows); else it is stopped and None. Either way nothing is held afterwards."""
+    held, p, want = _held.get("gf"), _held.pop("pagein", None), _held.pop("ranges", None)
+    _held.clear()
+    if p is None:
         return None
-    p, same = _held.pop("pagein"), _held.pop("ranges") == ranges
-    if same:
+    if held is gf and want == ranges:
         return p
     p.stop()
     return None
