@@ -65,8 +65,12 @@ def __getattr__(name: str):
 def main() -> None:
     from streamer import early
 
-    early.start(sys.argv)
-    app = _build_app(sys.argv[1] if len(sys.argv) > 1 else None)
+    try:
+        early.start(sys.argv)
+        app = _build_app(sys.argv[1] if len(sys.argv) > 1 else None)
+    except KeyboardInterrupt:  # Ctrl-C before the app runs: as the app's own (no traceback, the shell's code)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     try:
         app()
     except SystemExit as e:

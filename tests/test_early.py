@@ -120,3 +120,16 @@ def test_a_one_command_app_helps_and_fails_as_the_whole_app(name, args, capsys):
         out.append((e.value.code, cap.out, cap.err))
     assert out[0] == out[1] and out[0][0] == (0 if args == ["--help"] else 2)
     assert (name in out[0][1]) if args == ["--help"] else out[0][2].startswith("error: No such option")
+
+
+def test_ctrl_c_while_starting_is_exit_130_without_a_traceback(monkeypatch, capsys):
+    from streamer.cli import main as entry
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(early, "start", interrupted)
+    monkeypatch.setattr(sys, "argv", ["stream-run", "run", "model.gguf"])
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
