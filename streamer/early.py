@@ -121,6 +121,12 @@ def take_file(path) -> tuple | None:
     return _held["gf"], _held["cfg"]
 
 
+def paged_in() -> int:
+    """Bytes the early page-in has mapped so far (0: none running)."""
+    p = _held.get("pagein")
+    return p.done if p is not None else 0
+
+
 def take_pagein(gf, ranges):
     """The page-in start() began, if on this GGUFFile and reading exactly `ranges` (what open_model's budget
     check now allows); else it is stopped and None. Either way nothing is held afterwards."""

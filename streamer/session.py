@@ -212,13 +212,15 @@ def early_tensors(gf: GGUFFile) -> list:
 
 
 def early_ranges(
-    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0, mapped: int = 0
 ) -> list[tuple[int, int]]:
     """What open_model may start reading before any kernel loads: early_tensors, in forward order, when the
     budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds the non-expert
     weights and one layer's experts (checked with the process as it is now plus rss_margin, smaller than
     later: a budget the plan refuses later has read nothing), or a model whose weights all fit (dense,
-    --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first."""
+    --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. mapped: bytes of those
+    weights an early page-in has mapped already (in the RSS as file pages: not the process's own share, as
+    make_plan counts them)."""
     from streamer.budget import default_budget
 
     budget = default_budget() if options.ram_budget is None else options.ram_budget
@@ -233,7 +235,8 @@ def early_ranges(
             layout = ExpertLayout(gf, cfg)
             kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
             nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-            rss = psutil.Process().memory_info().rss + rss_margin
+            mem = psutil.Process().memory_info()
+            rss = mem.rss - min(mapped, getattr(mem, "shared", 0)) + rss_margin
             plan = plan_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
             if plan.expert_cache < cfg.n_expert_used * layout.slot_bytes:
                 return []
@@ -247,7 +250,7 @@ def start_early_pagein(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n
     entry point started before the command line was parsed (streamer/early.py) if it reads exactly these."""
     from streamer import early
 
-    ranges = early_ranges(gf, cfg, options, n_ctx)
+    ranges = early_ranges(gf, cfg, options, n_ctx, mapped=early.paged_in())
     held = early.take_pagein(gf, ranges)  # stopped unless it is this very one
     if held is not None:
         return held

@@ -133,3 +133,33 @@ def test_ctrl_c_while_starting_is_exit_130_without_a_traceback(monkeypatch, caps
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
+def test_pages_the_early_page_in_mapped_are_not_the_process_s_own(synth_model, monkeypatch):
+    """open_model's check runs with the early page-in's pages mapped (RSS as file pages): as make_plan, it
+    leaves them out of the process's own share, else a budget that fits would look too small."""
+    from collections import namedtuple
+
+    import psutil
+
+    from streamer.budget import MARGIN_DIV, MARGIN_FIXED, margin_bytes, scratch_bytes
+    from streamer.config import ModelConfig
+    from streamer.experts.store import ExpertLayout
+    from streamer.gguf_file import GGUFFile
+    from streamer.mapping import PAGE
+
+    path = synth_model("tiny-moe", "Q8_0")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    layout = ExpertLayout(gf, cfg)
+    nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
+    need = nonexpert + cfg.kv_bytes_per_token * cfg.context(None) + scratch_bytes(cfg)
+    need += cfg.n_expert_used * layout.slot_bytes
+    own, mapped = 100 * 2**20, 2**30  # (a page-in of a bigger model's weights: 1 GiB mapped)
+    budget = -(-(own + need + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1)) + PAGE  # fits own, not own + mapped
+    assert budget - margin_bytes(budget) >= own + need
+    mem = namedtuple("mem", "rss shared")(own + mapped, mapped)
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda self: mem)
+    options = StreamOptions(learn=False, ram_budget=budget)
+    assert early_ranges(gf, cfg, options, None) == []  # the mapped pages counted as the process's own
+    assert early_ranges(gf, cfg, options, None, mapped=mapped) != []
