@@ -329,7 +329,7 @@ def main(argv=None) -> int:
 
 
 STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and what ends at each
-    ("header", "interpreter, numpy, GGUF header parsed (the entry point's early start, streamer/early.py)"),
+    ("header", "interpreter, numpy, GGUF header parsed (the entry point's early start, cli/early.py)"),
     ("pagein_start", "page-in of the non-expert weights started"),
     ("cli", "CLI imports"),
     ("input_checked", "imports of the run command, input checks"),

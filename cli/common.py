@@ -72,11 +72,11 @@ def check_output_path(path: Path | None, flag: str) -> None:
 
 def probe(model: Path):
     """The model file's header and config: cheap (no weights read, no kernels), to check input against."""
-    from streamer import early
+    from streamer.cli import early
     from streamer.config import ModelConfig
     from streamer.gguf_file import GGUFFile
 
-    held = early.take_file(model)  # parsed by the entry point already, to start reading (streamer/early.py)
+    held = early.take_file(model)  # parsed by the entry point already, to start reading (cli/early.py)
     if held is not None:
         return held
     gf = GGUFFile(model)
@@ -98,13 +98,21 @@ def open_session(
     """streamer.session.open_model (weights mapped, kernels compiled or loaded), once the input is checked;
     with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error").
     lazy_kernels: open_model's (run and chat: cached kernels load at their first call)."""
+    from streamer.cli import early
     from streamer.filewatch import install_bus_error_exit
     from streamer.session import open_model
 
     n = len(gf.shards)
     install_bus_error_exit(str(gf.path) if n == 1 else f"{gf.path} (or one of its {n} shards)")
     return open_model(
-        gf, options, n_ctx=ctx_size, threads=threads, tokenizer=tokenizer, trace=trace, lazy_kernels=lazy_kernels
+        gf,
+        options,
+        n_ctx=ctx_size,
+        threads=threads,
+        tokenizer=tokenizer,
+        trace=trace,
+        lazy_kernels=lazy_kernels,
+        started_pagein=early.take_pagein(gf),  # the entry point's, if it started one on this file
     )
 
 

@@ -1,5 +1,5 @@
 """Entry point: registers the commands on the app. Heavy imports live inside the commands, so --help is instant.
-main() first lets streamer/early.py start reading a `run` or `chat` model (stdlib, numpy and the header
+main() first lets cli/early.py start reading a `run` or `chat` model (stdlib, numpy and the header
 parser only), before typer and the commands are imported: the disk works while the CLI loads. It then builds
 only the command it was asked for (typer turns every registered command's signature into click parameters
 before it parses anything: 0.16 s for all of them, most of a one-off run's CLI time)."""
@@ -63,7 +63,7 @@ def __getattr__(name: str):
 
 
 def main() -> None:
-    from streamer import early
+    from streamer.cli import early
 
     try:
         early.start(sys.argv)

@@ -245,15 +245,18 @@ def early_ranges(
     return forward_order(gf, [(t.offset, t.nbytes) for t in tensors])
 
 
-def start_early_pagein(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> PageIn | None:
-    """Start reading early_ranges in the background (None: nothing to read), or go on with the page-in the
-    entry point started before the command line was parsed (streamer/early.py) if it reads exactly these."""
-    from streamer import early
-
-    ranges = early_ranges(gf, cfg, options, n_ctx, mapped=early.paged_in())
-    held = early.take_pagein(gf, ranges)  # stopped unless it is this very one
+def start_early_pagein(
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, started=None
+) -> PageIn | None:
+    """Start reading early_ranges in the background (None: nothing to read). started: (ranges, PageIn) a
+    caller began before it had the options (the CLI's entry point, cli/early.py): it goes on if it reads
+    exactly these ranges, else it is stopped."""
+    held = started[1] if started is not None else None
+    ranges = early_ranges(gf, cfg, options, n_ctx, mapped=held.done if held is not None else 0)
     if held is not None:
-        return held
+        if started[0] == ranges:
+            return held
+        held.stop()
     if not ranges or gf.mm is None:
         return None
     return start_pagein_of(gf, ranges)
@@ -303,13 +306,16 @@ def open_model(
     tokenizer: Tokenizer | None = None,
     trace=None,
     lazy_kernels: bool = False,
+    started_pagein=None,
 ) -> Session:
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
     the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
     routing trace to (streamer/trace.py), written when the session closes. lazy_kernels: when numba's cache
     holds every kernel the model may call, leave each to load at its first call (a one-off command's time to
     first token: the kernels a short prompt does not use never load); else, or when anything must compile,
-    run them all once now (benchmarks and the server: no load or compile time inside what they time)."""
+    run them all once now (benchmarks and the server: no load or compile time inside what they time).
+    started_pagein: (ranges, PageIn) of a page-in the caller started before it had the options (the CLI's
+    entry point): continued if the budget check here asks for the same ranges, else stopped."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     timing.mark("header")
@@ -317,7 +323,7 @@ def open_model(
         from streamer.errors import StreamerError
 
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
-    early = start_early_pagein(gf, cfg, options, n_ctx)  # before the kernels load: the disk starts now
+    early = start_early_pagein(gf, cfg, options, n_ctx, started_pagein)  # before the kernels load
     try:
         return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels)
     except BaseException:

@@ -1,4 +1,4 @@
-"""streamer/early.py: the entry point starts reading a `run`/`chat` model before the CLI is loaded. It is a
+"""cli/early.py: the entry point starts reading a `run`/`chat` model before the CLI is loaded. It is a
 hint that must never change what a command does: bad input is still one line and exit 2, a budget the plan
 refuses reads nothing up front (or the early reads are stopped), open_model goes on with the early page-in
 only when its own budget check asks for the very same ranges, and results are those of the resident model."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamer import early
+from streamer.cli import early
 from streamer.options import StreamOptions
 from streamer.session import early_ranges, open_model
 
@@ -59,7 +59,7 @@ def test_started_early_then_adopted_and_logits_unchanged(synth_model):
     options = StreamOptions(learn=False, ram_budget=4 * 2**30)
     assert early._held["ranges"] == early_ranges(gf, cfg, options, None)
     ids = np.array([3, 17, 5, 9])
-    with open_model(gf, options) as s:
+    with open_model(gf, options, started_pagein=early.take_pagein(gf)) as s:
         assert s.pagein is p  # the same page-in, gone on with the rest of what the budget keeps
         got = s.model.forward(ids, s.model.new_cache(), all_logits=True)
     with open_model(path, StreamOptions(learn=False, stream=False)) as s:
@@ -81,7 +81,7 @@ def test_refused_budget_reads_nothing_early_and_other_ranges_stop_the_hint(synth
     p = early._held["pagein"]
     gf, _ = early.take_file(path)
     with pytest.raises(StreamerError, match="too small"):
-        open_model(gf, StreamOptions(learn=False, ram_budget=64 * 2**20))
+        open_model(gf, StreamOptions(learn=False, ram_budget=64 * 2**20), started_pagein=early.take_pagein(gf))
     assert p._stop.is_set() and p.finished and "pagein" not in early._held
 
 

@@ -73,7 +73,7 @@ def test_timing_line_and_the_kernels_a_prompt_loads(synth_model):
     lines = [ln for ln in one.stderr.splitlines() if ln.startswith("timing: ")]
     assert len(lines) == 1, one.stderr
     t = json.loads(lines[0][len("timing: ") :])
-    # the entry point parses the header and starts reading before the CLI is loaded (streamer/early.py)
+    # the entry point parses the header and starts reading before the CLI is loaded (cli/early.py)
     steps = ["header", "pagein_start", "cli", "input_checked", "kernels_imported", "model_built", "warmed_up"]
     assert [t[k] for k in steps] == sorted(t[k] for k in steps)  # the start-up path, in its order
     assert 0 < t["header"] <= t["first_token"] <= t["closed"] <= wall + 0.05

@@ -11,9 +11,10 @@ RSS_MARGIN more resident memory than the process has now, for the imports still 
   silently; the CLI then validates and reports exactly as without it;
 - the CLI's checks run as before, and a bad argument is one line and exit 2 at once: the reads are a daemon
   thread's, at most pagein.AHEAD bytes queued, that the user does not wait for;
-- open_model makes the real budget check with the options typer parsed and the process as it is then
-  (session.start_early_pagein): it adopts the page-in only if that check asks for exactly the same ranges,
-  else stops it; so a budget the plan refuses has read at most what ran in the meantime.
+- open_model, handed the page-in (take_pagein, in cli/common.open_session), makes the real budget check
+  with the options typer parsed and the process as it is then (session.start_early_pagein): it goes on
+  with the page-in only if that check asks for exactly the same ranges, else stops it; so a budget the plan
+  refuses has read at most what ran in the meantime.
 cli/common.probe takes the parsed header (take_file) instead of parsing it again.
 """
 
@@ -115,29 +116,23 @@ def _read_header_ahead(path: str) -> None:
 
 
 def take_file(path) -> tuple | None:
-    """(GGUFFile, ModelConfig) start() parsed, if for this model path (until open_model takes the page-in)."""
+    """(GGUFFile, ModelConfig) start() parsed, if for this model path (until take_pagein is called)."""
     if "gf" not in _held or str(path) != _held["path"]:
         return None
     return _held["gf"], _held["cfg"]
 
 
-def paged_in() -> int:
-    """Bytes the early page-in has mapped so far (0: none running)."""
-    p = _held.get("pagein")
-    return p.done if p is not None else 0
-
-
-def take_pagein(gf, ranges):
-    """The page-in start() began, if on this GGUFFile and reading exactly `ranges` (what open_model's budget
-    check now allows); else it is stopped and None. Either way nothing is held afterwards."""
-    held, p, want = _held.get("gf"), _held.pop("pagein", None), _held.pop("ranges", None)
+def take_pagein(gf):
+    """(ranges, PageIn) start() began on this GGUFFile, for open_model to go on with or stop; None if none.
+    Handed out once: nothing is held afterwards (a page-in on another file is stopped)."""
+    held, p, ranges = _held.get("gf"), _held.pop("pagein", None), _held.pop("ranges", None)
     _held.clear()
     if p is None:
         return None
-    if held is gf and want == ranges:
-        return p
-    p.stop()
-    return None
+    if held is not gf:
+        p.stop()
+        return None
+    return ranges, p
 
 
 def stop() -> None:
