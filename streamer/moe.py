@@ -18,6 +18,7 @@ import numpy as np
 
 from streamer.budget import Plan
 from streamer.experts.source import serve
+from streamer.formats import Q4_K
 from streamer.kernels import decode, int8, lanes, ops
 from streamer.kernels.blocks import act_buffer
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
@@ -113,10 +114,7 @@ LANES_MAX = lanes.MAX_TOKENS
 
 def _lanes_serve(plan) -> bool:
     """lanes.grouped serves this layer's experts here: Q4_K gate, up and down, an integer ISA, two digits."""
-    q4k = lanes.Q4_K
-    return (
-        int8.ISA is not None and int8.DIGITS == 2 and plan.gate_up_format == q4k and plan.down_format == q4k
-    )
+    return int8.ISA is not None and int8.DIGITS == 2 and plan.gate_up_format == Q4_K and plan.down_format == Q4_K
 
 
 def _int8_serves(fmt: int) -> bool:
@@ -398,30 +396,21 @@ class MoEFFN:
         scatter_add(out, y[0], wrow, tstarts, rows[perm])
 
     def _grouped_lanes(self, layer, group, starts, toks, weights, hq, out) -> None:
-        """As _grouped_mm, with the gate and up rows by lanes.grouped (Q4_K, every expert of the group at most
-        lanes.MAX_TOKENS tokens) on hq (h quantized once per layer): one call for the whole group. The down rows
-        stay with the integer tiles (int8.grouped_matmul), which were faster there (K = n_ff is short: 3
-        super-blocks a row; bench/lanes_bench.py)."""
+        """As _grouped, by lanes.grouped (Q4_K, every expert of the group at most lanes.MAX_TOKENS tokens): one
+        call for the group's gate and up rows on hq (h quantized once per layer), one for its down rows on the
+        pairs' SwiGLU outputs (quantized), then scatter_add (per token in ascending expert order)."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        P = len(toks)
+        P, isa = len(toks), int8.ISA
         gu = np.empty((2, P, n_ff), np.float32)
-        lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, int8.ISA)
+        lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
         a = ops.swiglu(gu[0], gu[1], gu[0])
-        n = np.diff(starts)
-        rstarts = np.concatenate(([0], np.cumsum(-(-n // int8.N_TOK) * int8.N_TOK)))
-        rows = np.arange(P) + np.repeat(rstarts[:-1] - starts[:-1], n)  # pair p -> its padded activation row
-        R = int(rstarts[-1])
-        src = np.full(R, -1, np.int64)
-        src[rows] = np.arange(P)
-        aq = int8.gather(int8.quantize(plan.down_format, a), src)
-        y = np.empty((1, R, out.shape[1]), np.float32)
-        int8.grouped_matmul(plan.down_format, base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, rstarts, y)
+        y = np.empty((1, P, out.shape[1]), np.float32)
+        aq = int8.quantize(plan.down_format, a)
+        lanes.grouped(base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, np.arange(P), starts, y, isa)
         perm = np.argsort(toks, kind="stable")
         tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
-        wrow = np.zeros(R, np.float32)
-        wrow[rows] = weights
-        scatter_add(out, y[0], wrow, tstarts, rows[perm])
+        scatter_add(out, y[0], weights, tstarts, perm)
 
     def needs_tiles(self) -> bool:
         """Whether a prefill may call grouped_matmul: some layer's expert format is one the integer kernel
