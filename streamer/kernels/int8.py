@@ -25,8 +25,8 @@ from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from ._bits import FASTMATH, kernel
 from .simd_i8 import (
     N_TOK,
-    digits_i8,
     ROWS,
+    digits_i8,
     gemm_generic_1_16_0,
     gemm_generic_1_32_0,
     gemm_generic_1_32_1,
