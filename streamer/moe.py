@@ -309,7 +309,8 @@ class MoEFFN:
         cnt = pend - pstart
         small = cnt <= self.grouped_max
         # 0: row dots (into out), 1: lanes (into lanes_out), 2: matmul (into big_out)
-        kind = np.where(small, 0, np.where((cnt <= self.lanes_max) & _lanes_serve(plan), 1, 2))
+        lanes_max = min(self.lanes_max, lanes.MAX_TOKENS)  # one lanes pass holds at most 16 tokens
+        kind = np.where(small, 0, np.where((cnt <= lanes_max) & _lanes_serve(plan), 1, 2))
         lanes_out = np.zeros_like(out) if (kind == 1).any() else None
         big_out = np.zeros_like(out) if (kind == 2).any() else None
         hq = None  # h quantized once for the integer kernels, for all of the layer's larger experts
