@@ -118,8 +118,8 @@ def test_qmatrix_matmul_uses_int8_for_its_formats():
 @pytest.mark.parametrize("qtype", [q for q in FORMATS if int8.group_of(_code(q)) == 32], ids=lambda q: q.name)
 def test_quantize_two_digits_against_numpy(qtype):
     """int8.quantize's vectorized two-digit path (simd_i8.digits_i8) against the definition in numpy float32:
-    q = rint(x * (XA_MAX / amax)), dx = amax / XA_MAX per 32 (to 1 ulp), per 4 elements 4 hi then 4 lo bytes, xc = -off *
-    sum(q); xs (a tree sum) to f32 rounding; an all-zero group gives zeros."""
+    q = rint(x * (XA_MAX / amax)), dx = amax / XA_MAX per 32 (to 1 ulp), per 4 elements 4 hi then 4 lo bytes,
+    xc = -off * sum(q); xs (a tree sum) to f32 rounding; an all-zero group gives zeros."""
     rng = np.random.default_rng(9)
     X = (rng.standard_normal((5, 256)) * 3.0 ** rng.integers(-8, 8, (5, 1))).astype(np.float32)
     X[1, 32:64] = 0.0
