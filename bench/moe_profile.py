@@ -116,6 +116,9 @@ def instrument(session) -> None:
 
     for name in ("matmul", "grouped_matmul", "quantize", "gather"):  # called as int8.X: module attributes
         setattr(int8, name, timed_kernel(getattr(int8, name), f"int8.{name}", True))
+    from streamer.kernels import lanes
+
+    lanes.grouped = timed_kernel(lanes.grouped, "lanes.grouped", True)  # the few-token Q4_K experts (with packing)
     for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu"):
         fn = getattr(ops, name)
         setattr(ops, name, timed_kernel(fn, name, is_parallel(fn)))

@@ -18,7 +18,8 @@ import numpy as np
 
 from streamer.budget import Plan
 from streamer.experts.source import serve
-from streamer.kernels import decode, int8, ops
+from streamer.formats import Q4_K
+from streamer.kernels import decode, int8, lanes, ops
 from streamer.kernels.blocks import act_buffer
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.kernels.gemm import TILE
@@ -104,6 +105,18 @@ def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(([0], cs)), np.arange(cs[-1]) - np.repeat(cs - cnt, cnt) + np.repeat(a, cnt)
 
 
+# A prefill expert with more than grouped_max and at most this many tokens goes through lanes.grouped (each Q4_K
+# weight row read once and dotted with all of its tokens in vector lanes, no unpacked tiles) where the integer
+# kernel runs with two digits: at 128 tokens (about 8 per expert) the tiles' unpacking from RAM cost more than
+# their products (bench/lanes_bench.py).
+LANES_MAX = lanes.MAX_TOKENS
+
+
+def _lanes_serve(plan) -> bool:
+    """lanes.grouped serves this layer's experts here: Q4_K gate, up and down, an integer ISA, two digits."""
+    return int8.ISA is not None and int8.DIGITS == 2 and plan.gate_up_format == Q4_K and plan.down_format == Q4_K
+
+
 def _int8_serves(fmt: int) -> bool:
     """The integer prefill kernel runs on this CPU (or is forced) and serves this format."""
     return int8.ISA is not None and fmt in int8.CODES
@@ -164,6 +177,7 @@ class MoEFFN:
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
         self.group = cfg.n_expert_used  # streamed prefill: experts computed together (reads run window ahead)
         self.grouped_max = GROUPED_MAX
+        self.lanes_max = LANES_MAX
         self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
@@ -292,21 +306,28 @@ class MoEFFN:
         xq = act_buffer(h.shape[1], m)
         aux = np.empty((m, 3 * (h.shape[1] >> 5) + 1), np.float32)
         prepare_rows(plan.gate_up_format, h, xq, aux)
-        small = (pend - pstart) <= self.grouped_max
-        big_out = np.zeros_like(out) if not small.all() else None
-        hq = None  # h quantized once for the integer kernel, for all of the layer's larger experts
-        if big_out is not None and _int8_serves(plan.gate_up_format):
+        cnt = pend - pstart
+        small = cnt <= self.grouped_max
+        # 0: row dots (into out), 1: lanes (into lanes_out), 2: matmul (into big_out)
+        lanes_max = min(self.lanes_max, lanes.MAX_TOKENS)  # one lanes pass holds at most 16 tokens
+        kind = np.where(small, 0, np.where((cnt <= lanes_max) & _lanes_serve(plan), 1, 2))
+        lanes_out = np.zeros_like(out) if (kind == 1).any() else None
+        big_out = np.zeros_like(out) if (kind == 2).any() else None
+        hq = None  # h quantized once for the integer kernels, for all of the layer's larger experts
+        if not small.all() and _int8_serves(plan.gate_up_format):
             hq = int8.quantize(plan.gate_up_format, h)
 
         def compute(start, group, mats):
-            for kind in (True, False):
-                pick = np.flatnonzero(small[start : start + len(group)] == kind)
+            for k in range(3):
+                pick = np.flatnonzero(kind[start : start + len(group)] == k)
                 if len(pick) == 0:
                     continue
                 sub = np.asarray(group)[pick]
                 starts, idx = _pairs(pstart[start + pick], pend[start + pick])
-                if kind:
+                if k == 0:
                     self._grouped(layer, sub, starts, pt[idx], pw[idx], xq, aux, out)
+                elif k == 1:
+                    self._grouped_lanes(layer, sub, starts, pt[idx], pw[idx], hq, lanes_out)
                 else:
                     self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, hq, big_out)
 
@@ -314,6 +335,8 @@ class MoEFFN:
             serve(self.source, layer, experts, compute, len(experts), None, len(experts))
         else:
             serve(self.source, layer, experts, compute, self.group + self.window, None, self.group)
+        if lanes_out is not None:
+            out += lanes_out
         if big_out is not None:
             out += big_out
 
@@ -372,6 +395,23 @@ class MoEFFN:
         wrow = np.zeros(R, np.float32)
         wrow[rows] = weights
         scatter_add(out, y[0], wrow, tstarts, rows[perm])
+
+    def _grouped_lanes(self, layer, group, starts, toks, weights, hq, out) -> None:
+        """As _grouped, by lanes.grouped (Q4_K, every expert of the group at most lanes.MAX_TOKENS tokens): one
+        call for the group's gate and up rows on hq (h quantized once per layer), one for its down rows on the
+        pairs' SwiGLU outputs (quantized), then scatter_add (per token in ascending expert order)."""
+        plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
+        base, offs = self.source.offsets(layer, group)
+        P, isa = len(toks), int8.ISA
+        gu = np.empty((2, P, n_ff), np.float32)
+        lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
+        a = ops.swiglu(gu[0], gu[1], gu[0])
+        y = np.empty((1, P, out.shape[1]), np.float32)
+        aq = int8.quantize(plan.down_format, a)
+        lanes.grouped(base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, np.arange(P), starts, y, isa)
+        perm = np.argsort(toks, kind="stable")
+        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        scatter_add(out, y[0], weights, tstarts, perm)
 
     def needs_tiles(self) -> bool:
         """Whether a prefill may call grouped_matmul: some layer's expert format is one the integer kernel

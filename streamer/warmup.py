@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from streamer.kernels import blocks, decode, experts, grouped, int8, ops, routing
+from streamer.kernels import blocks, decode, experts, grouped, int8, lanes, ops, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 
@@ -222,6 +222,19 @@ def _run_int8_grouped(qtypes=None, isas=()) -> None:
                 int8.grouped_matmul(
                     fmt, flat, np.zeros((2, 1), np.int64), w.shape[1], act, np.array([0, int8.N_TOK]), gu, isa
                 )
+                if _lanes(qtype):  # the few-token experts' kernel (MoEFFN._grouped_lanes)
+                    rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
+                    out = np.empty((2, 2, N_OUT), np.float32)
+                    lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, isa)
+
+
+def _lanes(qtype) -> bool:
+    """lanes.grouped serves this format (two activation digits)."""
+    return qtype == T.Q4_K and int8.DIGITS == 2
+
+
+def _lanes_kernels(isas) -> tuple:
+    return tuple(lanes.GROUPED[i] for i in isas) + (lanes.pack,) if int8.DIGITS == 2 and isas else ()
 
 
 def groups(qtypes=None) -> list[Group]:
@@ -251,12 +264,16 @@ def groups(qtypes=None) -> list[Group]:
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
             "expert-int8",
-            (int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) if int8.ISA else (),
+            ((int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) + _lanes_kernels([int8.ISA]))
+            if int8.ISA
+            else (),
             functools.partial(_run_int8_grouped, qtypes, (int8.ISA,) if int8.ISA else ()),
         ),
         Group(
             "int8",
-            tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas()) + (int8.gather_act,),
+            tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas())
+            + (int8.gather_act,)
+            + _lanes_kernels(int8.usable_isas()),
             _run_int8,
         ),
     ]

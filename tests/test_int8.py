@@ -113,3 +113,30 @@ def test_qmatrix_matmul_uses_int8_for_its_formats():
         out = np.empty((6, 40), np.float32)
         int8.matmul(_code(qtype), q._w, X, out)
         np.testing.assert_array_equal(q.matmul(X), out)
+
+
+@pytest.mark.parametrize("qtype", [q for q in FORMATS if int8.group_of(_code(q)) == 32], ids=lambda q: q.name)
+def test_quantize_two_digits_against_numpy(qtype):
+    """int8.quantize's vectorized two-digit path (simd_i8.digits_i8) against the definition in numpy float32:
+    q = rint(x * (XA_MAX / amax)), dx = amax / XA_MAX per 32 (to 1 ulp), per 4 elements 4 hi then 4 lo bytes,
+    xc = -off * sum(q); xs (a tree sum) to f32 rounding; an all-zero group gives zeros."""
+    rng = np.random.default_rng(9)
+    X = (rng.standard_normal((5, 256)) * 3.0 ** rng.integers(-8, 8, (5, 1))).astype(np.float32)
+    X[1, 32:64] = 0.0
+    fmt = _code(qtype)
+    act = int8.quantize(fmt, X, 2)
+    L = np.float32(int8.LEVELS[2])
+    G = X.reshape(5, 8, 32)
+    amax = np.abs(G).max(axis=2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, L / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(G * inv[:, :, None]).astype(np.int32)
+    lo = ((q + 128) & 255) - 128
+    hi = (q - lo) >> 8
+    want = np.stack([hi.reshape(5, 64, 4), lo.reshape(5, 64, 4)], axis=2).reshape(5, 512).astype(np.int8)
+    assert np.array_equal(act.xq[:5], want)
+    # the kernels' fast-math may divide by a reciprocal multiply: dx to 1 ulp
+    np.testing.assert_allclose(act.dx[:5], (amax / L).astype(np.float32), rtol=2.0**-23, atol=0)
+    assert np.array_equal(act.xc[:5], -int8._offset_of(fmt) * q.sum(axis=2))
+    np.testing.assert_allclose(act.xs[:5], G.astype(np.float64).sum(axis=2), rtol=1e-5, atol=1e-4)
+    assert np.all(act.xq[1, 64:128] == 0)

@@ -2,8 +2,8 @@
 in one parallel call, on activation rows padded per expert) against int8.matmul called per expert (itself
 checked against gguf-py in test_int8.py), bit for bit; and the MoE layer on a hand-made routing (experts with
 0, 1, 3, 4, 5 and all tokens, a dropped slot) against a float64 FFN over gguf-py's dequantized weights, for
-each kernel the prefill can take (vpdpbusd, the generic integer kernel, the f32 tiles), and streamed ==
-resident bit for bit."""
+each kernel the prefill can take (vpdpbusd, the generic integer kernel, the f32 tiles; Q4_K experts with 4..16
+tokens by lanes.grouped or by the tiles), and streamed == resident bit for bit."""
 
 import numpy as np
 import pytest
@@ -93,14 +93,16 @@ def _chunk(session, layer, h, ids, w):
         ffn.router = router
 
 
+@pytest.mark.parametrize("lanes_max", [0, 16])  # Q4_K experts with 4..16 tokens: lanes.grouped, or the tiles
 @pytest.mark.parametrize("grouped_max", [0, 3])
 @pytest.mark.parametrize("isa", int8.usable_isas() + [None], ids=lambda i: i or "f32-tiles")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
-def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, isa, grouped_max):
+def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, isa, grouped_max, lanes_max):
     path = synth_model("tiny-moe", qtype)
     monkeypatch.setattr(int8, "ISA", isa)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.grouped_max = grouped_max
+    s.moe.lanes_max = lanes_max
     cfg, ref, rng = s.cfg, Reference(str(path)), np.random.default_rng(3)
     m = 20
     for layer in range(cfg.n_layer):

@@ -383,3 +383,61 @@ for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
     for _d in (1, 2):
         for _g, _m in ((32, 0), (32, 1), (16, 0)):
             globals()[f"gemm_{_isa}_{_d}_{_g}_{_m}"] = _gemm_intrinsic(N_TOK, _g, _m, _dp, _d)
+
+
+# ---- activation digits in the tile kernel's layout: one 32-element group per call, vectorized ------------
+
+
+@intrinsic
+def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
+    """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / XA_MAX, xs[g] = sum of x (f32, a tree sum),
+    q = rint(x / dx[g]) (0 if the group is all zero) as two int8 digits q = 256 hi + lo stored per 4 elements as
+    their 4 hi bytes, then their 4 lo bytes (xq[64g:64g+64]), and xc[g] = -off * sum(q): int8.quantize_act's
+    two-digit layout, 32-element groups (XA_MAX = 127 * 256 + 127)."""
+    if not (
+        _c_array(x, types.float32)
+        and _c_array(xq, types.int8)
+        and _c_array(dx, types.float32)
+        and _c_array(xs, types.float32)
+        and _c_array(xc, types.int32)
+    ):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from .simd_vnni import _vcall
+
+        e = _Emit(context, builder)
+        bb = builder
+        x_, xq_, dx_, xs_, xc_, g_, off_ = args
+        xb, xqb, dxb, xsb, xcb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xq_, dx_, xs_, xc_)))
+        c = lambda k: ir.Constant(I64, k)  # noqa: E731
+        v = e.load(xb, bb.mul(g_, c(128)), V(F32, 32), 4)
+        a = _vcall(e, "llvm.fabs", v)
+        n = 32
+        while n > 1:  # exact: a tree of maxima
+            n //= 2
+            lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
+            a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
+        amax = bb.extract_element(a, I32(0))
+        levels = ir.Constant(F32, float(127 * 256 + 127))
+        gi = bb.mul(g_, c(4))
+        bb.store(bb.fdiv(amax, levels), e.ptr(dxb, gi, F32), align=4)
+        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
+        inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(levels, amax), ir.Constant(F32, 0.0))
+        q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
+        k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
+        lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
+        hi = bb.ashr(bb.sub(q, lo), k8)
+        mask = [(4 * (p // 8) + p % 8) if p % 8 < 4 else (32 + 4 * (p // 8) + p % 8 - 4) for p in range(64)]
+        both = e.shuffle(bb.trunc(hi, V(I8, 32)), bb.trunc(lo, V(I8, 32)), mask)
+        bb.store(both, e.ptr(xqb, bb.mul(g_, c(64)), V(I8, 64)), align=1)
+        s = q
+        n = 32
+        while n > 1:
+            n //= 2
+            s = bb.add(e.shuffle(s, s, list(range(n))), e.shuffle(s, s, list(range(n, 2 * n))))
+        qsum = bb.extract_element(s, I32(0))
+        bb.store(bb.mul(bb.neg(bb.trunc(off_, I32)), qsum), e.ptr(xcb, gi, I32), align=4)
+        return context.get_dummy_value()
+
+    return types.none(x, xq, dx, xs, xc, types.int64, types.int64), codegen

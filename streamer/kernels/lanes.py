@@ -1,0 +1,208 @@
+"""The MoE prefill's experts with a few tokens each (Q4_K): simd_lanes.py's row kernel, many experts per call.
+
+pack lays each expert's quantized activation rows (int8.quantize's, picked by row index) out in simd_lanes.py's
+lanes of T tokens (the expert's count rounded up to 2, 4, 8 or 16: lanes_t); grouped computes, for every part j
+(gate and up, or the down alone) and expert i of a group, out[j, starts[i] + t] = W_ji . x_t for the expert's
+tokens, in one parallel call over (part, expert, block of rows), the work split between the threads by its cost.
+The error bound is simd_lanes.py's.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from ._bits import FASTMATH, kernel
+from .simd_lanes import (
+    ROWS,
+    q4_k_lanes_generic_2,
+    q4_k_lanes_generic_4,
+    q4_k_lanes_generic_8,
+    q4_k_lanes_generic_16,
+    q4_k_lanes_vnni_2,
+    q4_k_lanes_vnni_4,
+    q4_k_lanes_vnni_8,
+    q4_k_lanes_vnni_16,
+)
+
+_R2, _R4, _R8, _R16 = ROWS[2], ROWS[4], ROWS[8], ROWS[16]  # rows per intrinsic call, by T (numba globals)
+MAX_TOKENS = 16  # the most tokens one pass holds
+ROW_BLOCK = 32  # rows per work item
+
+
+def lanes_t(n: np.ndarray) -> np.ndarray:
+    """The lane layout's token count for experts with n tokens (0..16): n rounded up to 2, 4, 8 or 16."""
+    return np.maximum(2, 1 << np.ceil(np.log2(np.maximum(n, 1))).astype(np.int64))
+
+
+@kernel(parallel=True)
+def pack(xq, dx, xs, rows, starts, ts, xoffs, loffs, xt, dl, sl):
+    """Expert i's activation rows rows[starts[i]]..rows[starts[i+1]-1] (of int8.quantize's xq, dx, xs; per 32
+    elements), T = ts[i] lanes' worth (zeros past its tokens), Tv = min(T, 8) tokens per vector, V = T / Tv
+    vectors, Cp = 8 / Tv chunks (of 4 elements) per lane group: for chunk run q (sub-blocks 2q, 2q + 1), s < Tv,
+    v < V, digit d: 64 bytes at xt[xoffs[i] + 128 (T q + V s + v) + 64 d], lane L (4 bytes) = token v Tv + t's
+    chunk Cp s + c' of sub-block 2q + k, with L = 2 Cp t + Cp k + c'; and at dl / sl[loffs[i] + 16 (V q + v) + L]
+    that token's dx of that sub-block, and its xs in the lanes c' = 0 (else 0)."""
+    xw = xq.view(np.int32)  # [rows, K / 2]: dword 2k + d = digit d of elements 4k..4k+3
+    nq = dx.shape[1] >> 1
+    xtw = xt.view(np.int32)
+    for i in prange(starts.size - 1):
+        T = ts[i]
+        Tv = min(T, 8)
+        V = T // Tv
+        Cp = 8 // Tv
+        a, n = starts[i], starts[i + 1] - starts[i]
+        xo, lo = xoffs[i] >> 2, loffs[i]
+        for q in range(nq):
+            for v in range(V):
+                for L in range(16):
+                    t = L // (2 * Cp)
+                    k = (L // Cp) & 1
+                    cp = L - (L // Cp) * Cp
+                    tok = v * Tv + t
+                    g = 2 * q + k
+                    at = lo + (V * q + v) * 16 + L
+                    if tok < n:
+                        r = rows[a + tok]
+                        dl[at] = dx[r, g]
+                        sl[at] = xs[r, g] if cp == 0 else np.float32(0)
+                        for s in range(Tv):
+                            k4 = 8 * g + Cp * s + cp
+                            base = xo + 32 * (T * q + V * s + v) + L
+                            xtw[base] = xw[r, 2 * k4]
+                            xtw[base + 16] = xw[r, 2 * k4 + 1]
+                    else:
+                        dl[at] = 0
+                        sl[at] = 0
+                        for s in range(Tv):
+                            base = xo + 32 * (T * q + V * s + v) + L
+                            xtw[base] = 0
+                            xtw[base + 16] = 0
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _row_vnni(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+    if T == 16:
+        q4_k_lanes_vnni_16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    elif T == 8:
+        q4_k_lanes_vnni_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    elif T == 4:
+        q4_k_lanes_vnni_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    else:
+        q4_k_lanes_vnni_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _row_generic(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+    if T == 16:
+        q4_k_lanes_generic_16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    elif T == 8:
+        q4_k_lanes_generic_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    elif T == 4:
+        q4_k_lanes_generic_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    else:
+        q4_k_lanes_generic_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _rows(T):
+    return _R16 if T == 16 else _R8 if T == 8 else _R4 if T == 4 else _R2
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _item(q, g, nt):
+    """Work item q -> (part j, expert i, row block t), items in that order."""
+    j = q // (g * nt)
+    rest = q - j * g * nt
+    i = rest // nt
+    return j, i, rest - i * nt
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def grouped_vnni(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
+    """Rows of every (part, expert) by vpdpbusd; thread slot s computes work items bounds[s]..bounds[s+1]."""
+    parts, g = offs.shape
+    P, n_out = out.shape[1], out.shape[2]
+    nb = row_bytes // 144
+    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
+    for s in prange(bounds.size - 1):
+        for q in range(bounds[s], bounds[s + 1]):
+            j, i, t = _item(q, g, nt)
+            a, n = starts[i], starts[i + 1] - starts[i]
+            if n > 0:
+                end = min(n_out, (t + 1) * ROW_BLOCK)
+                for r in range(t * ROW_BLOCK, end, _rows(ts[i])):
+                    o = offs[j, i] + r * row_bytes
+                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
+                    _row_vnni(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def grouped_generic(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
+    """As grouped_vnni, with the portable integer dot."""
+    parts, g = offs.shape
+    P, n_out = out.shape[1], out.shape[2]
+    nb = row_bytes // 144
+    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
+    for s in prange(bounds.size - 1):
+        for q in range(bounds[s], bounds[s + 1]):
+            j, i, t = _item(q, g, nt)
+            a, n = starts[i], starts[i + 1] - starts[i]
+            if n > 0:
+                end = min(n_out, (t + 1) * ROW_BLOCK)
+                for r in range(t * ROW_BLOCK, end, _rows(ts[i])):
+                    o = offs[j, i] + r * row_bytes
+                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
+                    _row_generic(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+
+
+GROUPED = {"vnni": grouped_vnni, "generic": grouped_generic}
+
+# Cost of a work item (a block of rows) in units of one row dotted with one lane vector's worth of tokens, beyond
+# the lanes themselves: the row's scale setup and weight loads (simd_lanes: per super-block, shared by the lanes).
+ROW_COST = 2.0
+
+
+def _aligned(n: int, dtype) -> np.ndarray:
+    """n elements starting on a 64-byte boundary (every lane vector then is one cache line)."""
+    size = np.dtype(dtype).itemsize
+    raw = np.empty(n * size + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    return raw[at : at + n * size].view(dtype)
+
+
+def grouped(
+    w: np.ndarray,
+    offs: np.ndarray,
+    row_bytes: int,
+    act,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    out: np.ndarray,
+    isa: str,
+) -> None:
+    """For part j and expert i (out.shape[2] Q4_K rows of row_bytes at byte offs[j, i] of the flat uint8 w):
+    out[j, starts[i] + t] = W_ji . (activation row rows[starts[i] + t] of act, int8.quantize's with 2 digits),
+    for t < starts[i+1] - starts[i] <= MAX_TOKENS. isa: 'vnni' or 'generic'."""
+    parts, g = offs.shape
+    n_out = out.shape[2]
+    ng = act.dx.shape[1]
+    cnt = np.diff(starts)
+    ts = lanes_t(cnt)
+    V = ts // np.minimum(ts, 8)
+    xoffs = np.concatenate(([0], np.cumsum(ng * 64 * ts)[:-1])).astype(np.int64)  # 2K bytes per token lane
+    loffs = np.concatenate(([0], np.cumsum((ng >> 1) * 16 * V)[:-1])).astype(np.int64)
+    xt = _aligned(int(ng * 64 * ts.sum()), np.int8)
+    nl = int((ng >> 1) * 16 * V.sum())
+    dl = _aligned(nl, np.float32)
+    sl = _aligned(nl, np.float32)
+    pack(act.xq, act.dx, act.xs, rows, starts, ts, xoffs, loffs, xt, dl, sl)
+    nt = -(-n_out // ROW_BLOCK)
+    cost = np.where(cnt > 0, ts + ROW_COST, 0.0)  # lane vectors, + the row's own work
+    cum = np.cumsum(np.broadcast_to(np.repeat(cost, nt), (parts, g * nt)).reshape(-1))
+    T = numba.get_num_threads()
+    bounds = np.searchsorted(cum, cum[-1] * np.arange(T + 1) / T, side="right") if len(cum) else np.zeros(T + 1)
+    bounds = bounds.astype(np.int64)
+    bounds[0], bounds[-1] = 0, len(cum)
+    GROUPED[isa](w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out)

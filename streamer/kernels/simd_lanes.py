@@ -1,0 +1,167 @@
+"""The MoE prefill's few-token Q4_K product: each weight row read once, dotted with up to 16 tokens in lanes.
+
+At 128 prefill tokens an expert gets about 8 of them. simd_i8.py's tile kernel then spends more time unpacking
+each 32-row weight tile into its transposed byte layout (7-10 us from RAM) than multiplying it (2.6 us per 4
+tokens), and the decode row dot (simd_vnni.py) redoes the nibble and scale work per token. Here the weights stay
+in their Q4_K rows, read front to back, and the activations are the ones rearranged (once per expert, by
+lanes.pack: T tokens x 2K bytes against the expert's 2.6 MB of weights).
+
+Lanes: T tokens (T = 2, 4, 8, 16: the expert's count rounded up), Tv = min(T, 8) per vector, Cp = 8 / Tv.
+A 32-byte run q of qs holds elements 0..31 of sub-blocks 2q (low nibbles) and 2q + 1 (high nibbles). Lane
+L = 2 Cp t + Cp k + c' of a vector holds token t's chunk (4 elements) Cp s + c' of sub-block 2q + k: 4 Cp bytes
+of the run (chunk group s) broadcast to every lane group and masked with 0x0F (k = 0) or 0xF0 (k = 1) are the
+weight codes u (and 16 u) of both sub-blocks for all Tv tokens, so one load, one shuffle and ONE mask feed
+2 vpdpbusd per vector (two activation digits); each lane sums a whole sub-block's chunks for its token over
+s < Tv, as 256 * sum(u * hi) + sum(u * lo) in int32 (exact: |isum| < 2^28, a multiple of 16 beyond 2^24 for
+the high nibbles, whose 16 u the exact scale d * sc / 16 undoes), then per lane in f32
+    acc += float(isum) * (d * sc_(2q+k) * dx_t,(2q+k)),   accm += dmin * m_(2q+k) * xs_t,(2q+k)  (xs in c' = 0)
+and at the row's end each token's 2 Cp lanes are added up (a shuffle tree). R rows per call share each
+activation vector load (one row per load was load-bound); 4 Q4_K rows stream in while these are computed
+(software prefetch). Measured per (row, token, super-block), one thread, weights from RAM (bench/lanes_bench.py
+has the grouped form): 3.9 ns at 8 tokens, 3.4 at 16, against the tiles' 6.2 and 4.5.
+
+Accuracy: the activations are int8.quantize_act's (two digits per element, q = rint(x / dx), dx = max|x| /
+32639 per 32 elements, xs the exact f32 sums), the integer sums exact and float(isum) exact, so the bound is
+simd_i8.py's tile kernel's; only the f32 summation order differs:
+    |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
+with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py checks it against
+gguf-py in float64). A token's result depends on its own lanes only, and on T (the summation order): the caller
+picks T from the expert's token count alone, so it is the same for every cache state (streamed == resident).
+
+Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
+from .simd_i8 import _dp_generic, _dp_vnni
+
+BLOCK = 144  # bytes of a Q4_K super-block
+# weight rows per call, by T: they share each activation vector load; more rows at T = 8, 16 spill registers
+ROWS = {16: 2, 8: 2, 4: 4, 2: 4}
+
+
+def _row_intrinsic(T, dp, R):
+    """Intrinsic `(w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)`: the R Q4_K rows at byte
+    off + i * row_bytes of w (i < R; rows past nr repeat row nr - 1 and are not stored; nb super-blocks each)
+    dotted with the T tokens packed at byte xo of xt (lanes.pack's layout) with their dx / xs lanes from f32
+    index lo of dl / sl: dst[doff + t * ld + i] = row i's dot for token t < n. The R rows share each activation
+    vector load."""
+    Tv = min(T, 8)  # tokens per vector
+    NV = T // Tv  # vectors per (chunk run, digit)
+    Cp = 8 // Tv  # chunks per lane group
+    bmask = [15 if (L // Cp) % 2 == 0 else -16 for L in range(16) for _ in range(4)]
+
+    @intrinsic
+    def row(typingctx, w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+        if not (
+            _c_array(w, types.uint8)
+            and _c_array(xt, types.int8)
+            and _c_array(dl, types.float32)
+            and _c_array(sl, types.float32)
+            and _c_array(dst, types.float32)
+        ):
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            bb = builder
+            w_, off_, rb_, nr_, nb_, xt_, xo_, dl_, sl_, lo_, dst_, doff_, ld_, n_ = args
+            wb, xb = e.base(sig.args[0], w_), e.base(sig.args[5], xt_)
+            dlb, slb, db = e.base(sig.args[7], dl_), e.base(sig.args[8], sl_), e.base(sig.args[10], dst_)
+            c = lambda k: ir.Constant(I64, k)  # noqa: E731
+            zero_f = ir.Constant(V(F32, 16), [0.0] * 16)
+            zero_i = ir.Constant(V(I32, 16), [0] * 16)
+            eight = e.const(I32, 16, 8)
+            mask = ir.Constant(V(I8, 64), bmask)
+            lo_b = bb.mul(lo_, c(4))
+            last = bb.sub(nr_, c(1))
+            roff = []
+            for i in range(R):
+                ri = c(i)
+                ri = bb.select(bb.icmp_signed(">", ri, last), last, ri)
+                roff.append(bb.add(off_, bb.mul(ri, rb_)))
+
+            def step(b, accs):
+                bo = bb.mul(b, c(BLOCK))
+                blks = [bb.add(ro, bo) for ro in roff]
+                # the next R rows (contiguous after these), R super-blocks' bytes per step: read by the time
+                # these rows are done
+                ahead = bb.add(bb.add(off_, bb.mul(rb_, c(R))), bb.mul(b, c(R * BLOCK)))
+                for k in range(0, R * BLOCK, 64):
+                    e.prefetch(wb, e.off(ahead, k))
+                dsc, dmn = [], []
+                for blk in blks:
+                    d, dmin = e.f16x2(wb, blk)
+                    scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+                    ds = bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8)))
+                    # the high nibbles are taken as 16 u: their scale / 16 (exact)
+                    dsc.append(bb.fmul(ds, ir.Constant(V(F32, 8), [1.0, 0.0625] * 4)))
+                    dmn.append(bb.fmul(e.splat(dmin, 8), bb.uitofp(mins, V(F32, 8))))
+                acc = list(accs)  # [row][v]: acc, then [row][v]: accm
+                for cc in range(4):
+                    run = bb.add(bb.mul(b, c(4)), c(cc))  # chunk run (sub-blocks 2cc, 2cc + 1) in the row
+                    xr = bb.add(xo_, bb.mul(run, c(128 * T)))
+                    xh = [
+                        [e.load(xb, bb.add(xr, c(128 * (s * NV + v))), V(I8, 64), 1) for v in range(NV)]
+                        for s in range(Tv)
+                    ]
+                    xl = [
+                        [e.load(xb, bb.add(xr, c(128 * (s * NV + v) + 64)), V(I8, 64), 1) for v in range(NV)]
+                        for s in range(Tv)
+                    ]
+                    lat = [bb.add(lo_b, bb.mul(bb.add(bb.mul(run, c(NV)), c(v)), c(64))) for v in range(NV)]
+                    dxv = [e.load(dlb, la, V(F32, 16), 4) for la in lat]
+                    xsv = [e.load(slb, la, V(F32, 16), 4) for la in lat]
+                    pick = [2 * cc + (L // Cp) % 2 for L in range(16)]
+                    for i, blk in enumerate(blks):
+                        ws = []
+                        for s in range(Tv):
+                            raw = e.load(wb, e.off(blk, 16 + 32 * cc + 4 * Cp * s), V(I32, Cp) if Cp > 1 else I32)
+                            v16 = e.shuffle(raw, raw, [L % Cp for L in range(16)]) if Cp > 1 else e.splat(raw, 16)
+                            ws.append(bb.and_(bb.bitcast(v16, V(I8, 64)), mask))
+                        scl = e.shuffle(dsc[i], dsc[i], pick)
+                        mnv = e.shuffle(dmn[i], dmn[i], pick)
+                        for v in range(NV):
+                            t = zero_i
+                            for s in range(Tv):
+                                t = dp(e, t, ws[s], xh[s][v])
+                            t = bb.shl(t, eight)
+                            for s in range(Tv):
+                                t = dp(e, t, ws[s], xl[s][v])
+                            k = i * NV + v
+                            sv = bb.fmul(scl, dxv[v], flags=("fast",))
+                            acc[k] = e.fma(acc[k], bb.sitofp(t, V(F32, 16)), sv)
+                            acc[R * NV + k] = e.fma(acc[R * NV + k], xsv[v], mnv)
+                return acc
+
+            accs = e.loop(nb_, [zero_f] * (2 * R * NV), step)
+            for i in range(R):
+                with bb.if_then(bb.icmp_signed("<", c(i), nr_)):
+                    for v in range(NV):
+                        k = i * NV + v
+                        x = bb.fsub(accs[k], accs[R * NV + k], flags=("fast",))
+                        width = 1
+                        while width < 2 * Cp:  # lane t * 2Cp then holds token t's sum
+                            x = bb.fadd(x, e.shuffle(x, x, [min(L + width, 15) for L in range(16)]), flags=("fast",))
+                            width *= 2
+                        for t in range(Tv):
+                            tok = v * Tv + t
+                            with bb.if_then(bb.icmp_signed("<", c(tok), n_)):
+                                at = bb.mul(bb.add(doff_, bb.add(bb.mul(c(tok), ld_), c(i))), c(4))
+                                bb.store(bb.extract_element(x, I32(t * 2 * Cp)), e.ptr(db, at, F32), align=4)
+            return context.get_dummy_value()
+
+        i64 = types.int64
+        return types.none(w, i64, i64, i64, i64, xt, i64, dl, sl, i64, dst, i64, i64, i64), codegen
+
+    return row
+
+
+# q4_k_lanes_<isa>_<T>: module globals for numba (lanes.py picks one per expert).
+TS = (2, 4, 8, 16)
+for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
+    for _T in TS:
+        globals()[f"q4_k_lanes_{_isa}_{_T}"] = _row_intrinsic(_T, _dp, ROWS[_T])
