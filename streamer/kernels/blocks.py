@@ -85,7 +85,8 @@ from .simd_lowbit import (
 )
 from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot_vnni
 
-PF = 4096  # prefetch distance in bytes ahead of the block being read: rows are read front to back
+PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
+# Q4_K digit row dot read a 184 MB matrix from RAM 7% faster on one thread than with 4 KiB, as fast as from L3)
 
 
 # Not numba dispatchers of their own: only prepare's and dot's implementations call these (register_jitable).
@@ -247,8 +248,10 @@ def _dot(fmt, w, off, xq, dx, xs, n_in):
 
 def dot2(fmt, w, off, stride, xq, dx, xs, n_in):
     """(dot of the row at byte off, dot of the row at off + stride) with the prepared x (kernels only). Q4_K
-    takes the two-row intrinsics (simd's n_rows=2: one loop, x loads shared); each value is the same bits as
-    dot's for that row, so callers may pair rows as they like. Other formats: two dot calls."""
+    takes the two-row intrinsics (simd's n_rows=2: one loop, x loads shared): each value agrees with dot's for
+    that row to float32 rounding (not always bit for bit), so every kernel pairs the rows of a matrix the same way,
+    (0, 1), (2, 3), ..., the last alone if their number is odd, whatever else it computes: streamed and resident
+    decode then get the same bits. Other formats: two dot calls."""
     raise NotImplementedError("blocks.dot2 runs inside numba kernels only")
 
 

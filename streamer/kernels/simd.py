@@ -136,8 +136,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
     if n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
     (simd_vnni.py). n_rows = 2: `(w, off, stride, xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and
-    off + stride in one loop (the activation loads shared, two chains in flight: 2-6% faster on Zen 4 at 768 to
-    2048 inputs); each row's operations are the one-row intrinsic's, so its result is the same bits.
+    off + stride in one loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and
+    2048 inputs); each row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
+    accumulators otherwise in either version: a row agrees with the one-row result to float32 rounding, and
+    callers keep the pairing of a row fixed (blocks.dot2).
     """
 
     def typed(w, xq, dx, xs):
@@ -307,7 +309,7 @@ def _q6_k(e, wb, xqb, dxb, xsb, b, blk, accs):
 q8_0_dot = _row_intrinsic(34, _q8_0, 1)
 q4_0_dot = _row_intrinsic(18, _q4_0, 1)
 q4_k_dot = _row_intrinsic(144, _q45_k(16, False), 2)
-q4_k_dot2 = _row_intrinsic(144, _q45_k(16, False), 2, n_rows=2)  # two rows, each the same bits as q4_k_dot
+q4_k_dot2 = _row_intrinsic(144, _q45_k(16, False), 2, n_rows=2)  # two rows per call (blocks.dot2)
 q5_k_dot = _row_intrinsic(176, _q45_k(48, True), 2)
 q6_k_dot = _row_intrinsic(210, _q6_k, 1)
 
