@@ -48,7 +48,19 @@ from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
 from .int8 import ISA
-from .simd import q4_0_deq, q4_0_dot, q4_k_deq, q4_k_dot, q4_k_dot2, q5_k_deq, q5_k_dot, q6_k_deq, q6_k_dot, q8_0_deq, q8_0_dot
+from .simd import (
+    q4_0_deq,
+    q4_0_dot,
+    q4_k_deq,
+    q4_k_dot,
+    q4_k_dot2,
+    q5_k_deq,
+    q5_k_dot,
+    q6_k_deq,
+    q6_k_dot,
+    q8_0_deq,
+    q8_0_dot,
+)
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
