@@ -183,3 +183,45 @@ def test_stream_run_isa_picks_the_decode_path(isa):
     assert p.returncode == 0, p.stderr[-2000:]
     digits = VNNI and isa == ""
     assert p.stdout.split() == [str(digits), "int8" if digits else "int16", "True"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_row_pairs_equal_single_rows(qtype, kind):
+    """block_matvec takes rows in pairs (blocks.dot2: Q4_K's two-row intrinsics, two dots otherwise), the last
+    alone when their number is odd: each row agrees with blocks.dot's one-row dot to float32 rounding (the same
+    operations; LLVM may order the fast-math sums of the accumulators otherwise, so the kernels pair rows the same
+    way in every path), whichever rows are paired, and is within the oracle's bound."""
+    from numba import njit
+
+    @njit
+    def one_by_one(fmt, w, x, out, xq, aux):
+        dx, xs = blocks.prepare(fmt, x, xq, aux)
+        for r in range(w.shape[0]):
+            out[r] = blocks.dot(fmt, w, r * w.shape[1], xq, dx, xs, x.size)
+
+    @njit
+    def shifted_pairs(fmt, w, x, out, xq, aux):  # row 0 alone, then (1, 2), (3, 4), ...
+        dx, xs = blocks.prepare(fmt, x, xq, aux)
+        rb = w.shape[1]
+        out[0] = blocks.dot(fmt, w, 0, xq, dx, xs, x.size)
+        for r in range(1, w.shape[0] - 1, 2):
+            out[r], out[r + 1] = blocks.dot2(fmt, w, r * rb, rb, xq, dx, xs, x.size)
+
+    code = FORMATS[qtype].code
+    for n_out, n_in, seed in [(9, 768, 1), (6, 2048, 2), (2, 256, 3)]:
+        out, ref = _matvec(kind, qtype, n_out, n_in, "normal", seed)
+        rng = np.random.default_rng(seed)
+        data, _ = make_weight(qtype, n_out, n_in, rng)
+        w = QMatrix(data, qtype, n_in)._w
+        x = _x(rng, n_in)
+        aux = np.empty(3 * (n_in // 32) + 1, np.float32)
+        single = np.full(n_out, np.nan, np.float32)
+        one_by_one(code, w, x, single, _buffer(kind, n_in), aux)
+        scale = np.abs(single).max()
+        np.testing.assert_allclose(out, single, rtol=0, atol=2e-6 * scale)
+        if n_out % 2:
+            shifted = np.full(n_out, np.nan, np.float32)
+            shifted_pairs(code, w, x, shifted, _buffer(kind, n_in), aux)
+            np.testing.assert_allclose(shifted, single, rtol=0, atol=2e-6 * scale)
+            assert np.all(np.abs(shifted - ref) <= np.abs(out - ref) + 4e-6 * scale)

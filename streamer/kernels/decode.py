@@ -25,7 +25,7 @@ import numpy as np
 from numba import prange
 
 from ._bits import FASTMATH, f32_to_f16_bits, kernel
-from .blocks import block_matvec, dot, prepare
+from .blocks import block_matvec, dot, dot2, prepare
 from .experts import experts_down, experts_matvec
 from .ops import attention, head_norm_rope, head_rope, rmsnorm, swiglu
 from .routing import topk_softmax
@@ -41,6 +41,21 @@ def _prepare3(f0, f1, f2, x, xq, aux):
         if j == 0 or (j == 1 and s1 == 1) or (j == 2 and s2 == 2):
             prepare(fs[j], x, xq[j], aux[j])
     return (0, s1, s2)
+
+
+@kernel(parallel=True, fastmath=FASTMATH, inline="always")
+def _add_matvec(f, w, xq, dx, xs, n_in, y):
+    """y[r] += row r of w . the prepared x, rows in pairs (blocks.dot2), the last alone if their number is odd."""
+    n = y.size
+    rb = w.shape[1]
+    for p in prange((n + 1) >> 1):
+        r = 2 * p
+        if r + 1 < n:
+            d0, d1 = dot2(f, w, r * rb, rb, xq, dx, xs, n_in)
+            y[r] = y[r] + d0
+            y[r + 1] = y[r + 1] + d1
+        else:
+            y[r] = y[r] + dot(f, w, r * rb, xq, dx, xs, n_in)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -62,16 +77,21 @@ def attn_block(
     fs = (fq, fk, fv)
     nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
     qkv = qkv_out.reshape(nq + nk + nv)  # q, k, v: views of it
-    for tt in prange(nq + nk + nv):
-        t = np.int64(tt)  # the prange index may be unsigned: t - nq would be float64
-        if t < nq:
-            j, w, r = 0, wq, t
-        elif t < nq + nk:
-            j, w, r = 1, wk, t - nq
+    pq, pk, pv = (nq + 1) >> 1, (nk + 1) >> 1, (nv + 1) >> 1  # each matrix's rows in pairs (blocks.dot2)
+    for tt in prange(pq + pk + pv):
+        t = np.int64(tt)  # the prange index may be unsigned: t - pq would be float64
+        if t < pq:
+            j, w, r, at, m = 0, wq, 2 * t, 2 * t, nq
+        elif t < pq + pk:
+            j, w, r, at, m = 1, wk, 2 * (t - pq), nq + 2 * (t - pq), nk
         else:
-            j, w, r = 2, wv, t - nq - nk
+            j, w, r, at, m = 2, wv, 2 * (t - pq - pk), nq + nk + 2 * (t - pq - pk), nv
         s = slots[j]
-        qkv[t] = dot(fs[j], w, r * w.shape[1], xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+        rb = w.shape[1]
+        if r + 1 < m:
+            qkv[at], qkv[at + 1] = dot2(fs[j], w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+        else:
+            qkv[at] = dot(fs[j], w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
     qf, kf, vf = qkv[:nq], qkv[nq : nq + nk], qkv[nq + nk :]
     if bq.size:
         for r in range(nq):
@@ -99,9 +119,7 @@ def attn_block(
     a = att.reshape(att.size)
     na = a.size
     dx, xs = prepare(fo, a, xqo, auxo)
-    rb = wo.shape[1]
-    for r in prange(n):
-        x[0, r] = x[0, r] + dot(fo, wo, r * rb, xqo, dx, xs, na)
+    _add_matvec(fo, wo, xqo, dx, xs, na, x[0])
     rmsnorm(x, ffn_norm, eps, h)
 
 
@@ -114,21 +132,23 @@ def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
     slots = _prepare3(fg, fu, fu, h[0], xq, aux)
     fs = (fg, fu)
     nf = wg.shape[0]
-    for tt in prange(2 * nf):
+    npair = (nf + 1) >> 1  # each matrix's rows in pairs (blocks.dot2)
+    for tt in prange(2 * npair):
         t = np.int64(tt)
-        if t < nf:
-            j, w, r = 0, wg, t
-        else:
-            j, w, r = 1, wu, t - nf
+        j = 0 if t < npair else 1
+        w = wg if j == 0 else wu
+        r = 2 * (t - j * npair)
         s = slots[j]
-        gu[j, r] = dot(fs[j], w, r * w.shape[1], xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+        rb = w.shape[1]
+        if r + 1 < nf:
+            gu[j, r], gu[j, r + 1] = dot2(fs[j], w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+        else:
+            gu[j, r] = dot(fs[j], w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
     g = gu[0:1]
     swiglu(g, gu[1:2], g)
     a = gu[0]
     dx, xs = prepare(fd, a, xqa, auxa)
-    rb = wd.shape[1]
-    for r in prange(n):
-        x[0, r] = x[0, r] + dot(fd, wd, r * rb, xqa, dx, xs, nf)
+    _add_matvec(fd, wd, xqa, dx, xs, nf, x[0])
 
 
 @kernel(parallel=True, fastmath=FASTMATH)

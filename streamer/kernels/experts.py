@@ -16,7 +16,7 @@ from numba import prange
 
 from ..formats import BLOCK_CODES as FORMATS
 from ._bits import FASTMATH, kernel
-from .blocks import act_buffer, dot, prepare
+from .blocks import act_buffer, dot, dot2, prepare
 
 __all__ = ["FORMATS", "ExpertScratch", "experts_down", "experts_matvec"]
 
@@ -26,10 +26,15 @@ def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
     """out[i, r] = row r of the matrix starting at byte offs[i] of w, dot x. out is (n_mats, n_rows)."""
     dx, xs = prepare(fmt, x, xq, aux)
     k, n = out.shape
-    for t in prange(k * n):
-        i = t // n
-        r = t - i * n
-        out[i, r] = dot(fmt, w, offs[i] + r * row_bytes, xq, dx, xs, x.size)
+    npair = (n + 1) >> 1  # each matrix's rows in pairs (blocks.dot2), its last alone if n is odd
+    for t in prange(k * npair):
+        i = t // npair
+        r = 2 * (t - i * npair)
+        at = offs[i] + r * row_bytes
+        if r + 1 < n:
+            out[i, r], out[i, r + 1] = dot2(fmt, w, at, row_bytes, xq, dx, xs, x.size)
+        else:
+            out[i, r] = dot(fmt, w, at, xq, dx, xs, x.size)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -39,11 +44,21 @@ def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     ng = n_in >> 5
     for i in range(k):
         prepare(fmt, a[i], xq[i], aux[i])
-    for r in prange(out.size):
-        acc = out[r]
-        for i in range(k):
-            acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
-        out[r] = acc
+    n = out.size
+    for p in prange((n + 1) >> 1):  # output rows in pairs (blocks.dot2), the last alone if n is odd
+        r = 2 * p
+        if r + 1 < n:
+            acc0, acc1 = out[r], out[r + 1]
+            for i in range(k):
+                d0, d1 = dot2(fmt, w, offs[i] + r * row_bytes, row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+                acc0 += weights[i] * d0
+                acc1 += weights[i] * d1
+            out[r], out[r + 1] = acc0, acc1
+        else:
+            acc = out[r]
+            for i in range(k):
+                acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+            out[r] = acc
 
 
 class ExpertScratch:

@@ -16,7 +16,7 @@ import numba
 from numba import prange
 
 from ._bits import FASTMATH, kernel
-from .blocks import deq, dot, prepare
+from .blocks import deq, dot, dot2, prepare
 from .gemm import TILE, gemm_tile
 
 
@@ -36,15 +36,21 @@ def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
     ng = n_in >> 5
     g = starts.size - 1
     n = out.shape[2]
-    for task in prange(g * 2 * n):
-        i = task // (2 * n)
-        r = task - i * 2 * n
-        part = r // n
-        rr = r - part * n
+    npair = (n + 1) >> 1  # rows in pairs (blocks.dot2), as experts_matvec: the same bits as the decode path
+    for task in prange(g * 2 * npair):
+        i = task // (2 * npair)
+        r = task - i * 2 * npair
+        part = r // npair
+        rr = 2 * (r - part * npair)
         off = offs[part, i] + rr * row_bytes
         for p in range(starts[i], starts[i + 1]):
             t = toks[p]
-            out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in)
+            if rr + 1 < n:
+                out[part, p, rr], out[part, p, rr + 1] = dot2(
+                    fmt, w, off, row_bytes, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in
+                )
+            else:
+                out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in)
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
@@ -56,13 +62,26 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
     for p in prange(P):
         prepare(fmt, a[p], aq[p], aux[p])
     m = tstarts.size - 1
-    for r in prange(out.shape[1]):
+    n = out.shape[1]
+    for pr in prange((n + 1) >> 1):  # output rows in pairs (blocks.dot2), as experts_down
+        r = 2 * pr
         for t in range(m):
-            acc = out[t, r]
-            for q in range(tstarts[t], tstarts[t + 1]):
-                p = perm[q]
-                acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
-            out[t, r] = acc
+            if r + 1 < n:
+                acc0, acc1 = out[t, r], out[t, r + 1]
+                for q in range(tstarts[t], tstarts[t + 1]):
+                    p = perm[q]
+                    d0, d1 = dot2(fmt, w, poffs[p] + r * row_bytes, row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
+                                  n_in)  # fmt: skip
+                    acc0 += weights[p] * d0
+                    acc1 += weights[p] * d1
+                out[t, r], out[t, r + 1] = acc0, acc1
+            else:
+                acc = out[t, r]
+                for q in range(tstarts[t], tstarts[t + 1]):
+                    p = perm[q]
+                    acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
+                                            n_in)  # fmt: skip
+                out[t, r] = acc
 
 
 @kernel(parallel=True, fastmath=FASTMATH)

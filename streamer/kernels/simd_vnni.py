@@ -69,6 +69,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
 
 
 q4_k_dot_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4)  # 4 scale-lane accumulators + mins
+q4_k_dot2_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4, n_rows=2)  # two rows per call
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Decode (and prefill) speed of stream-run builds side by side with llama.cpp, warm page cache, alternating rounds.
+
+    python3 bench/decode_vs_llama.py /work/models/qwen3-30b-a3b-Q4_K.gguf \\
+        --stream-run before=/opt/before/bin/stream-run --stream-run after=/opt/dev/bin/stream-run --rounds 3
+
+Every round runs each variant once, the order reversed every other round: each stream-run build as
+`stream-run bench MODEL --pp PP --tg TG -t T --no-stream --json` (all experts resident: the in-RAM case), and
+llama.cpp through bench/llama_run.py under --llama-python, with repacking (its fastest decode) unless
+--no-repack. The page cache is NOT evicted (a warm in-RAM comparison; read the file once before, e.g. with
+`cat MODEL > /dev/null`, and keep enough free RAM). A first round is run and discarded unless --no-discard.
+Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
+llama.cpp and against the first build. Only the standard library: runs under any Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output")
+
+
+def run_stream(exe: str, a) -> tuple[float, float]:
+    cmd = [exe, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
+    r = _last_json(p.stdout)
+    return r["pp_tok_s"], r["tg_tok_s"]
+
+
+def run_llama(a) -> tuple[float, float]:
+    cmd = [a.llama_python, str(HERE / "llama_run.py"), a.model, "--threads", str(a.threads), "--pp", str(a.pp)]
+    cmd += ["--tg", str(a.tg)] + (["--no-repack"] if a.no_repack else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
+    if p.returncode:
+        raise RuntimeError(f"llama_run.py: exit {p.returncode}: {p.stderr.strip()[-500:]}")
+    r = _last_json(p.stdout)
+    return r["pp_tok_s"], r["tg_tok_s"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--stream-run", action="append", default=[], metavar="NAME=PATH",
+                    help="a stream-run executable to time (repeatable; the first is the baseline)")
+    ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-repack", action="store_true", help="llama.cpp without repacking")
+    ap.add_argument("--pp", type=int, default=32)
+    ap.add_argument("--tg", type=int, default=32)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-discard", action="store_true", help="keep the first round")
+    a = ap.parse_args(argv)
+    builds = []
+    for s in a.stream_run:
+        name, sep, path = s.partition("=")
+        if not sep or not name or not path:
+            print(f"error: --stream-run wants NAME=PATH, got {s!r}", file=sys.stderr)
+            return 2
+        builds.append((name, path))
+    if not builds:
+        print("error: give at least one --stream-run NAME=PATH", file=sys.stderr)
+        return 2
+    if not Path(a.model).is_file():
+        print(f"error: no such model file: {a.model}", file=sys.stderr)
+        return 2
+    variants = [(n, lambda p=p: run_stream(p, a)) for n, p in builds]
+    llama = "llama.cpp" + (" (no repack)" if a.no_repack else " (repack)")
+    if not a.no_llama:
+        variants.append((llama, lambda: run_llama(a)))
+    res: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}
+    total = a.rounds + (0 if a.no_discard else 1)
+    for r in range(total):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for name, fn in order:
+            pp, tg = fn()
+            keep = a.no_discard or r > 0
+            print(f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s",
+                  flush=True)
+            if keep:
+                res[name].append((pp, tg))
+    med = {n: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for n, v in res.items()}
+    print(f"\nmedians of {a.rounds} rounds ({Path(a.model).name}, pp {a.pp}, tg {a.tg}, {a.threads} threads):")
+    base = builds[0][0]
+    for n, (pp, tg) in med.items():
+        line = f"  {n:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
+        if n != llama:
+            if n != base:
+                line += f"  decode {tg / med[base][1]:.3f}x {base}"
+            if llama in med:
+                line += f"  decode {tg / med[llama][1]:.3f}x / prefill {pp / med[llama][0]:.3f}x {llama}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
