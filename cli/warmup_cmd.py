@@ -30,8 +30,7 @@ def warmup() -> None:
         )
         print(f" {how} in {r.seconds:.1f} s", file=sys.stderr, flush=True)
 
-    # the MoE prefill's kernels and the integer matmuls compile in a second process meanwhile (about half)
-    reports = kw.warmup(before, after, aside=("experts", "expert-tiles", "expert-int8", "int8"))
+    reports = kw.warmup(before, after)
     n, compiled = sum(r.n_kernels for r in reports), sum(r.compiled for r in reports)
     print(
         f"warmup: {n} kernels ready ({compiled} compiled, {n - compiled} from cache) in "

@@ -310,35 +310,6 @@ def open_model(
         raise
 
 
-def _warm_up(model, moe) -> None:
-    """Compile (or load from numba's cache) the kernels a run of the model calls: its matrices' and the ops
-    (Model.warmup), the one-call decode blocks, and a MoE's expert kernels for its expert formats (or their
-    compile time would land in the first token). On a first run about half of them compile in a second
-    process meanwhile (warmup.compile_aside): the expert kernels of a MoE, the decode blocks of a dense model."""
-    from streamer.warmup import compile_aside, warmup
-
-    if moe is not None:
-        qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
-        aside = ("experts", "expert-int8") + (("expert-tiles",) if moe.needs_tiles() else ())
-        rest = ("decode-moe",)  # after "decode" (attn_block), which runs here while the helper compiles
-    else:
-        qtypes, aside, rest = None, (), ()
-        if model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
-            aside = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
-    helper = compile_aside(aside, qtypes) if aside else None
-    try:
-        model.warmup()
-        if moe is not None:
-            warmup(only=("decode",))
-        if helper is not None:
-            helper.wait()
-        warmup(only=aside + rest, qtypes=qtypes)  # the helper's from the cache (compiled here if it failed)
-    finally:
-        if helper is not None and helper.poll() is None:  # an error or Ctrl-C here: no compile left running
-            helper.kill()
-            helper.wait()
-
-
 def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
     from streamer import kernels
     from streamer.model import Model
@@ -358,11 +329,17 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
     advise_pages(gf)
     start_pagein(session, options.ram_budget, early)
     timing.mark("model_built")
-    from streamer.warmup import cached, model_kernels
+    from streamer.warmup import cached, model_kernels, warmup
 
     session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
     if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
         with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
-            _warm_up(model, moe)
+            model.warmup()
+            if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
+                qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
+                tiles = ("expert-tiles",) if moe.needs_tiles() else ()
+                warmup(only=("experts", "decode", "decode-moe", "expert-int8") + tiles, qtypes=qtypes)
+            elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
+                warmup(only=("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",))
     timing.mark("warmed_up")
     return session

@@ -14,9 +14,6 @@ tests/test_first_run.py checks that a model run afterwards compiles nothing new.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -327,34 +324,6 @@ def cache_dir() -> str:
     return ops.rmsnorm.stats.cache_path
 
 
-def compile_aside(only, qtypes=None) -> subprocess.Popen | None:
-    """Start compiling the groups named in `only` (the MoE groups for qtypes only, as warmup) in a second Python
-    process, into numba's on-disk cache, while this one compiles the others: numba compiles on one thread, so on
-    a first run a second core halves the wait. None (nothing started) when their kernels are in the cache
-    already, or with one CPU. Afterwards `.wait()`, then warmup(only=...) here loads them from the cache (or,
-    had the helper failed, compiles them). Two processes may both compile a helper kernel they share (say
-    ops.rmsnorm): each cache file is written atomically, so the worst case is a compile more."""
-    kernels = [d for g in groups(qtypes) if g.name in only for d in g.kernels]
-    if not kernels or cached(kernels) or len(os.sched_getaffinity(0)) < 2:
-        return None
-    names = ",".join(sorted(q.name for q in qtypes)) if qtypes is not None else ""
-    code = "import sys; from streamer.warmup import _aside; _aside(sys.argv[1], sys.argv[2])"
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-c", code, ",".join(only), names],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        return None
-
-
-def _aside(only: str, names: str) -> None:
-    """compile_aside's helper process."""
-    warmup(only=set(only.split(",")), qtypes={T[n] for n in names.split(",")} if names else None)
-
-
 class Report(NamedTuple):
     name: str
     n_kernels: int
@@ -367,48 +336,25 @@ def warmup(
     after: Callable[[Report], None] | None = None,
     only=None,
     qtypes=None,
-    aside=(),
 ) -> list[Report]:
     """Run every group (or those named in `only`; the MoE groups for the formats in `qtypes` only, if given);
-    `before` is called with each group as it starts, `after` with its report. The groups named in `aside`
-    compile in a second process meanwhile (compile_aside); they and decode-moe (which calls their kernels)
-    run here last, loading what it compiled."""
-    todo = [g for g in groups(qtypes) if only is None or g.name in only]
-    later = set(aside) | {"decode-moe"} if aside else set()
-    todo = [g for g in todo if g.name not in later] + [g for g in todo if g.name in later]
-    helper = compile_aside([g.name for g in todo if g.name in aside], qtypes) if aside else None
+    `before` is called with each group as it starts, `after` with its report."""
     reports = []
-    try:
-        for g in todo:
-            if helper is not None and g.name in later:
-                helper.wait()
-            if before is not None:
-                before(g)
-            misses = sum(sum(d.stats.cache_misses.values()) for d in g.kernels)
-            t0 = time.perf_counter()
-            g.run()
-            dt = time.perf_counter() - t0
-            compiled = sum(sum(d.stats.cache_misses.values()) for d in g.kernels) - misses
-            r = Report(g.name, len(g.kernels), compiled, dt)
-            reports.append(r)
-            if after is not None:
-                after(r)
-    finally:
-        if helper is not None and helper.poll() is None:  # an error or Ctrl-C: no compile left running
-            helper.kill()
-            helper.wait()
+    for g in groups(qtypes):
+        if only is not None and g.name not in only:
+            continue
+        if before is not None:
+            before(g)
+        misses = sum(sum(d.stats.cache_misses.values()) for d in g.kernels)
+        t0 = time.perf_counter()
+        g.run()
+        dt = time.perf_counter() - t0
+        compiled = sum(sum(d.stats.cache_misses.values()) for d in g.kernels) - misses
+        r = Report(g.name, len(g.kernels), compiled, dt)
+        reports.append(r)
+        if after is not None:
+            after(r)
     return reports
 
 
-__all__ = [
-    "Group",
-    "Report",
-    "cache_dir",
-    "cached",
-    "compile_aside",
-    "entry_points",
-    "groups",
-    "loaded",
-    "model_kernels",
-    "warmup",
-]
+__all__ = ["Group", "Report", "cache_dir", "cached", "entry_points", "groups", "loaded", "model_kernels", "warmup"]
