@@ -3,8 +3,7 @@
 Each round runs the command once per source tree (alternating: --src DIR puts DIR first on PYTHONPATH, e.g. an
 export of main beside a branch; none: the installed package) with a fresh NUMBA_CACHE_DIR, then once more
 warm; prints per tree the wall time, the "compiling kernels ... done in X s" figure the command prints, and
-the CPU seconds of the process and its children (the warm-up's helper process, warmup.compile_aside).
-Time it on a quiet machine: the helper only shortens the wall time when a second core is free.
+the CPU seconds of the process and its children. Time it on a quiet machine.
 
     python bench/first_run.py --rounds 2 --src /tmp/main-src --src .        # A/B of the demo's first run
     python bench/first_run.py -- run MODEL.gguf -p hi -n 4                   # another command
