@@ -141,6 +141,11 @@ class Model:
         """Whether one-token steps run kernels/decode.py's one-call blocks (block-quantized weights)."""
         return self._decode is not None
 
+    @property
+    def ffn_decodes_in_blocks(self) -> bool:
+        """Whether one-token steps run the dense FFN as decode.ffn_block (dense, block-quantized FFN)."""
+        return self._decode is not None and self._decode[2] is not None
+
     def _decode_plan(self):
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""

@@ -361,7 +361,7 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
                 qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
                 tiles = ("expert-tiles",) if moe.needs_tiles() else ()
                 warmup(only=("experts", "decode", "decode-moe", "expert-int8") + tiles, qtypes=qtypes)
-            elif model.decodes_in_blocks:
-                warmup(only=("decode",))  # the one-call decode blocks
+            elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
+                warmup(only=("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",))
     timing.mark("warmed_up")
     return session

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numba
@@ -138,9 +139,9 @@ def _run_experts(qtypes=None) -> None:
         routing.topk_softmax(np.zeros((m, 8), np.float32), 2, np.empty((m, 2), np.int64), np.empty((m, 2), np.float32))
 
 
-def _run_decode() -> None:
-    """kernels/decode.py's one-token blocks (attention, dense FFN, resident MoE layer) with the argument types
-    Model._decode_plan and MoEFFN.decode pass (the format is a runtime argument: one version serves all)."""
+def _decode_args():
+    """Tiny arguments of kernels/decode.py's attention and dense-FFN blocks, with the types Model._decode_plan
+    passes (the format is a runtime argument: one version serves all)."""
     n, nh, nkv, hd, n_ctx = N_IN, 2, 1, N_IN // 2, 4
     fmt = experts.FORMATS[T.Q8_0]
     rb = N_IN // 32 * 34
@@ -156,11 +157,24 @@ def _run_decode() -> None:
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
     wq = _readonly(np.zeros((nh * hd, rb), np.uint8))
     wkv = _readonly(np.zeros((nkv * hd, rb), np.uint8))
-    for bias, qn in ((none, head_norm), (norm[: nh * hd], none)):  # Qwen3, and Qwen2's biases without norms
-        decode.attn_block(x, h, norm, norm, 1e-6, fmt, wq, bias, fmt, wkv, bias[: nkv * hd], fmt, wkv,
-                          bias[: nkv * hd], qn, qn, cos, sin, 0, kc, kc, np.float32(0.1), fmt, w, qkv, q, kv, kv,
-                          np.empty((1, nh, hd), np.float32), xq, aux, x1, aux1)  # fmt: skip
-    decode.ffn_block(x, h, fmt, w, fmt, w, fmt, w, np.empty((2, n), np.float32), xq, aux, x1, aux1)
+    return SimpleNamespace(**locals())
+
+
+def _run_decode() -> None:
+    """decode.attn_block (every model whose matrices are block-quantized: Model.decodes_in_blocks)."""
+    a = _decode_args()
+    nq, nk = a.nh * a.hd, a.nkv * a.hd
+    for bias, qn in ((a.none, a.head_norm), (a.norm[:nq], a.none)):  # Qwen3, and Qwen2's biases without norms
+        decode.attn_block(a.x, a.h, a.norm, a.norm, 1e-6, a.fmt, a.wq, bias, a.fmt, a.wkv, bias[:nk], a.fmt, a.wkv,
+                          bias[:nk], qn, qn, a.cos, a.sin, 0, a.kc, a.kc, np.float32(0.1), a.fmt, a.w, a.qkv, a.q,
+                          a.kv, a.kv, np.empty((1, a.nh, a.hd), np.float32), a.xq, a.aux, a.x1, a.aux1)  # fmt: skip
+
+
+def _run_decode_ffn() -> None:
+    """decode.ffn_block: the dense FFN of one token (dense models only; a MoE's FFN is moe_block or MoEFFN's)."""
+    a = _decode_args()
+    scratch = (np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
+    decode.ffn_block(a.x, a.h, a.fmt, a.w, a.fmt, a.w, a.fmt, a.w, *scratch)
 
 
 def _run_decode_moe() -> None:
@@ -209,23 +223,24 @@ def _run_int8() -> None:
 
 def _run_int8_grouped(qtypes=None, isas=()) -> None:
     """The MoE prefill's grouped integer matmul (two parts, one expert of N_TOK rows) of the formats it serves
-    (of qtypes, if given), on the file's read-only mapping (resident experts) and on a writable array (the
-    streaming cache), with the activations quantized once and gathered per expert."""
+    (of qtypes, if given), on a read-only flat byte array (what both the file's mapping, for resident experts,
+    and the expert cache's arena view, for streamed ones, are), with the activations quantized once and
+    gathered per expert."""
     for qtype in INT8 if qtypes is None else INT8 & set(qtypes):
         block, type_size = GGML_QUANT_SIZES[qtype]
         w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         fmt = SUPPORTED[qtype].fmt
         act = int8.gather(int8.quantize(fmt, np.zeros((2, N_IN), np.float32)), np.array([0, 1, -1, -1], np.int64))
         for isa in isas:
-            for flat in (w.reshape(-1), np.zeros(w.size, np.uint8)):
-                gu = np.empty((2, int8.N_TOK, N_OUT), np.float32)
-                int8.grouped_matmul(
-                    fmt, flat, np.zeros((2, 1), np.int64), w.shape[1], act, np.array([0, int8.N_TOK]), gu, isa
-                )
-                if _lanes(qtype):  # the few-token experts' kernel (MoEFFN._grouped_lanes)
-                    rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
-                    out = np.empty((2, 2, N_OUT), np.float32)
-                    lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, isa)
+            flat = w.reshape(-1)  # read-only, as the file's mapping and the expert cache's arena view
+            gu = np.empty((2, int8.N_TOK, N_OUT), np.float32)
+            int8.grouped_matmul(
+                fmt, flat, np.zeros((2, 1), np.int64), w.shape[1], act, np.array([0, int8.N_TOK]), gu, isa
+            )
+            if _lanes(qtype):  # the few-token experts' kernel (MoEFFN._grouped_lanes)
+                rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
+                out = np.empty((2, 2, N_OUT), np.float32)
+                lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, isa)
 
 
 def _lanes(qtype) -> bool:
@@ -259,7 +274,8 @@ def groups(qtypes=None) -> list[Group]:
             ),
             functools.partial(_run_experts, qtypes),
         ),
-        Group("decode", (decode.attn_block, decode.ffn_block), _run_decode),
+        Group("decode", (decode.attn_block,), _run_decode),
+        Group("decode-ffn", (decode.ffn_block,), _run_decode_ffn),
         Group("decode-moe", (decode.moe_block,), _run_decode_moe),
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
@@ -298,7 +314,8 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
         names += ("expert-int8",) if int8_serves else ()
     else:
-        names = ("ops", "decode") if model.decodes_in_blocks else ("ops",)
+        names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
+        names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
     out += [d for g in groups() if g.name in names for d in g.kernels]
     return list(dict.fromkeys(out))
 

@@ -14,6 +14,12 @@ from streamer.synth.writer import random_weight
 N_EXP, FF, E = 6, 96, 512  # small stack: 6 experts, gate/up 96 x 512, down 512 x 96 (96 = 3 x 32; K-quants need 256)
 
 
+def _readonly(a):
+    """Weights as the kernels get them in a run (read-only views): the same compiled kernel version."""
+    a.flags.writeable = False
+    return a
+
+
 def stack(qtype, rows, cols, seed):
     return random_weight((N_EXP, rows, cols), qtype, 0.05, np.random.default_rng(seed))
 
@@ -22,7 +28,7 @@ def stack(qtype, rows, cols, seed):
 def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
     ff = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else FF
     w = stack(qtype, ff, E, 1)
-    base = w.reshape(-1)
+    base = _readonly(w.reshape(-1))
     per_expert = w[0].nbytes
     chosen = np.array([4, 1, 5], np.int64)
     x = np.random.default_rng(2).standard_normal(E).astype(np.float32)
@@ -42,7 +48,7 @@ def test_experts_matvec_equals_per_matrix_matvec_and_oracle(qtype):
 def test_experts_down_adds_weighted_contributions_in_order(qtype):
     ff = 256 if GGML_QUANT_SIZES[qtype][0] == 256 else FF
     w = stack(qtype, E, ff, 3)
-    base, per_expert = w.reshape(-1), w[0].nbytes
+    base, per_expert = _readonly(w.reshape(-1)), w[0].nbytes
     chosen = np.array([0, 2, 3, 5], np.int64)
     rng = np.random.default_rng(4)
     a = rng.standard_normal((len(chosen), ff)).astype(np.float32)

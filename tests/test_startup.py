@@ -102,3 +102,56 @@ def test_an_empty_kernel_cache_is_not_cached(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-empty"))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "False", p.stderr
+
+
+# A fresh interpreter: open_model's own warm-up (the model's kernels only, not `stream-run warmup`'s all), then
+# a prefill long enough that some expert gets more than grouped_max tokens (the integer grouped kernel) and
+# two decode steps. Every numba dispatcher's signatures are listed after the warm-up and after the run.
+PROMPT_SCRIPT = """
+import importlib, json, pkgutil, sys
+import numpy as np
+from numba.core.registry import CPUDispatcher
+import streamer.kernels as K
+from streamer.options import StreamOptions
+from streamer.session import open_model
+
+disp = {}
+for m in pkgutil.iter_modules(K.__path__):
+    mod = importlib.import_module("streamer.kernels." + m.name)
+    disp.update({n: v for n, v in vars(mod).items() if isinstance(v, CPUDispatcher) and v.__module__ == mod.__name__})
+sigs = lambda: {k: sorted(map(str, d.signatures)) for k, d in disp.items() if d.signatures}
+path, kw = json.loads(sys.argv[1])
+with open_model(path, StreamOptions(learn=False, **kw)) as s:
+    warm = sigs()
+    cache = s.model.new_cache()
+    s.model.forward(np.arange(1, 25), cache)
+    s.model.forward(np.array([7]), cache)
+    s.model.forward(np.array([8]), cache)
+print(json.dumps({"warm": warm, "after": sigs()}))
+"""
+
+
+@pytest.mark.parametrize(
+    "preset,qtype,kw",
+    [
+        ("tiny-moe", "Q8_0", {"expert_cache_bytes": 1 << 20}),  # streamed, as the demo
+        ("tiny-moe", "Q4_K", {"stream": False}),  # resident
+        ("tiny", "Q4_K", {}),
+    ],
+)
+def test_the_warm_up_compiles_what_the_first_prompt_needs(synth_model, preset, qtype, kw):
+    """Nothing is compiled (or loaded) inside the first prompt: the warm-up gave every kernel the run calls
+    the argument types the run passes. And it compiled nothing a run of this model never calls: a MoE has no
+    dense-FFN decode block, and each kernel it calls one version (one array type per argument)."""
+    from streamer.kernels import decode
+    from streamer.warmup import entry_points
+
+    arg = json.dumps([str(synth_model(preset, qtype)), kw])
+    p = subprocess.run([sys.executable, "-c", PROMPT_SCRIPT, arg], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    warm, after = got["warm"], got["after"]
+    assert after == warm, {k: v for k, v in after.items() if warm.get(k) != v}
+    assert (decode.ffn_block.__name__ in warm) == (preset == "tiny")
+    called = {d.py_func.__name__ for d in entry_points()}  # (helpers they call take constants, e.g. group sizes)
+    assert {k: v for k, v in warm.items() if k in called and len(v) > 1} == {}
