@@ -14,6 +14,7 @@ import numpy as np
 from numba import prange
 
 from ._bits import FASTMATH, kernel
+from .int8 import _item  # work item -> (part, expert, row block), as the grouped integer kernel's
 from .simd_lanes import (
     ROWS,
     q4_k_lanes_generic_2,
@@ -108,15 +109,6 @@ def _row_generic(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
 @kernel(fastmath=FASTMATH, inline="always")
 def _rows(T):
     return _R16 if T == 16 else _R8 if T == 8 else _R4 if T == 4 else _R2
-
-
-@kernel(fastmath=FASTMATH, inline="always")
-def _item(q, g, nt):
-    """Work item q -> (part j, expert i, row block t), items in that order."""
-    j = q // (g * nt)
-    rest = q - j * g * nt
-    i = rest // nt
-    return j, i, rest - i * nt
 
 
 @kernel(parallel=True, fastmath=FASTMATH)
