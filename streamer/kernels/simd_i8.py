@@ -404,30 +404,15 @@ def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
         return None
 
     def codegen(context, builder, sig, args):
-        from .simd_vnni import _vcall
+        from .simd_vnni import group_digits
 
         e = _Emit(context, builder)
         bb = builder
         x_, xq_, dx_, xs_, xc_, g_, off_ = args
         xb, xqb, dxb, xsb, xcb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xq_, dx_, xs_, xc_)))
         c = lambda k: ir.Constant(I64, k)  # noqa: E731
-        v = e.load(xb, bb.mul(g_, c(128)), V(F32, 32), 4)
-        a = _vcall(e, "llvm.fabs", v)
-        n = 32
-        while n > 1:  # exact: a tree of maxima
-            n //= 2
-            lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
-            a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
-        amax = bb.extract_element(a, I32(0))
-        levels = ir.Constant(F32, float(127 * 256 + 127))
+        q, hi, lo = group_digits(e, xb, dxb, xsb, g_, 127 * 256 + 127)
         gi = bb.mul(g_, c(4))
-        bb.store(bb.fdiv(amax, levels), e.ptr(dxb, gi, F32), align=4)
-        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
-        inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(levels, amax), ir.Constant(F32, 0.0))
-        q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
-        k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
-        lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
-        hi = bb.ashr(bb.sub(q, lo), k8)
         mask = [(4 * (p // 8) + p % 8) if p % 8 < 4 else (32 + 4 * (p // 8) + p % 8 - 4) for p in range(64)]
         both = e.shuffle(bb.trunc(hi, V(I8, 32)), bb.trunc(lo, V(I8, 32)), mask)
         bb.store(both, e.ptr(xqb, bb.mul(g_, c(64)), V(I8, 64)), align=1)

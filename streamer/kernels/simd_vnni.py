@@ -85,6 +85,31 @@ def _vcall(e, name, v):
     return e.b.call(fn, [v])
 
 
+def group_digits(e, xb, dxb, xsb, g, levels):
+    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g] = sum of x (f32, a tree sum), and
+    (q, hi, lo): q = rint(x / dx[g]) as <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in
+    [-128, 127]. Shared by digits32 (here) and simd_i8.digits_i8, which store the digits in their layouts."""
+    bb = e.b
+    c = lambda k: ir.Constant(I64, k)  # noqa: E731
+    v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
+    a = _vcall(e, "llvm.fabs", v)
+    n = 32
+    while n > 1:  # exact: a tree of maxima
+        n //= 2
+        lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
+        a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
+    amax = bb.extract_element(a, I32(0))
+    lv = ir.Constant(F32, float(levels))
+    gi = bb.mul(g, c(4))
+    bb.store(bb.fdiv(amax, lv), e.ptr(dxb, gi, F32), align=4)
+    bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
+    inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
+    q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
+    k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
+    lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
+    return q, bb.ashr(bb.sub(q, lo), k8), lo
+
+
 @intrinsic
 def digits32(typingctx, x, xd, dx, xs, g):
     """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / XD_MAX, xs[g] = sum of x (f32), and q = rint(x /
@@ -103,23 +128,7 @@ def digits32(typingctx, x, xd, dx, xs, g):
         x_, xd_, dx_, xs_, g_ = args
         xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
         c = lambda k: ir.Constant(I64, k)  # noqa: E731
-        v = e.load(xb, bb.mul(g_, c(128)), V(F32, 32), 4)
-        a = _vcall(e, "llvm.fabs", v)
-        n = 32
-        while n > 1:  # exact: max and a tree of adds (the adds round as any f32 sum)
-            n //= 2
-            lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
-            a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
-        amax = bb.extract_element(a, I32(0))
-        levels = ir.Constant(F32, float(XD_MAX))
-        gi = bb.mul(g_, c(4))
-        bb.store(bb.fdiv(amax, levels), e.ptr(dxb, gi, F32), align=4)
-        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
-        inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(levels, amax), ir.Constant(F32, 0.0))
-        q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
-        k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
-        lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
-        hi = bb.ashr(bb.sub(q, lo), k8)
+        _, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX)
         j = bb.and_(g_, c(7))
         at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(512)), bb.mul(bb.lshr(j, c(2)), c(256)))
         at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(128)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
