@@ -258,6 +258,21 @@ def _dot(fmt, w, off, xq, dx, xs, n_in):
     return impl8
 
 
+@register_jitable(**_HELPER)
+def _rows2(fmt, w, off, stride, xq, dx, xs, n_in):
+    """dot_i16 of the rows at off and off + stride, from ONE inlined copy of dot_i16 (a loop, not two calls):
+    its body holds every format's row dot, and a second copy in every kernel that pairs rows cost the first
+    run ~30 s more compiling. Each value is dot_i16's for that row."""
+    a = b = np.float32(0.0)
+    for k in range(2):
+        v = dot_i16(fmt, w, off + k * stride, xq, dx, xs, n_in)
+        if k == 0:
+            a = v
+        else:
+            b = v
+    return a, b
+
+
 def dot2(fmt, w, off, stride, xq, dx, xs, n_in):
     """(dot of the row at byte off, dot of the row at off + stride) with the prepared x (kernels only). Q4_K
     takes the two-row intrinsics (simd's n_rows=2: one loop, x loads shared): each value agrees with dot's for
@@ -274,15 +289,14 @@ def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
         def impl16(fmt, w, off, stride, xq, dx, xs, n_in):
             if fmt == Q4_K:
                 return q4_k_dot2(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-            return dot_i16(fmt, w, off, xq, dx, xs, n_in), dot_i16(fmt, w, off + stride, xq, dx, xs, n_in)
+            return _rows2(fmt, w, off, stride, xq, dx, xs, n_in)
 
         return impl16
 
     def impl8(fmt, w, off, stride, xq, dx, xs, n_in):
         if fmt == Q4_K:
             return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-        x16 = xq.view(np.int16)
-        return dot_i16(fmt, w, off, x16, dx, xs, n_in), dot_i16(fmt, w, off + stride, x16, dx, xs, n_in)
+        return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
 
     return impl8
 
