@@ -71,8 +71,13 @@ def run_llama(a) -> tuple[float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--stream-run", action="append", default=[], metavar="NAME=PATH",
-                    help="a stream-run executable to time (repeatable; the first is the baseline)")
+    ap.add_argument(
+        "--stream-run",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a stream-run executable to time (repeatable; the first is the baseline)",
+    )
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp without repacking")
@@ -109,8 +114,10 @@ def main(argv=None) -> int:
                 print(f"  page cache re-read in {rewarm(a.model):.1f} s", flush=True)
             pp, tg = fn()
             keep = a.no_discard or r > 0
-            print(f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s",
-                  flush=True)
+            print(
+                f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s",
+                flush=True,
+            )
             if keep:
                 res[name].append((pp, tg))
     med = {n: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for n, v in res.items()}

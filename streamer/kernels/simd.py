@@ -143,8 +143,11 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     """
 
     def typed(w, xq, dx, xs):
-        return _c_array(w, types.uint8) and _c_array(xq, x_dtype) and _c_array(dx, types.float32) and _c_array(
-            xs, types.float32
+        return (
+            _c_array(w, types.uint8)
+            and _c_array(xq, x_dtype)
+            and _c_array(dx, types.float32)
+            and _c_array(xs, types.float32)
         )
 
     def codegen(context, builder, sig, args):
