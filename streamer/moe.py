@@ -117,6 +117,13 @@ def _lanes_serve(plan) -> bool:
     return int8.ISA is not None and int8.DIGITS == 2 and plan.gate_up_format == Q4_K and plan.down_format == Q4_K
 
 
+def _by_token(toks: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(perm, tstarts): the pairs ordered by token, each token's in ascending expert order (a stable sort of
+    pairs already in expert order), and token t's pairs at perm[tstarts[t]:tstarts[t + 1]], for m tokens."""
+    perm = np.argsort(toks, kind="stable")
+    return perm, np.searchsorted(toks[perm], np.arange(m + 1))
+
+
 def _int8_serves(fmt: int) -> bool:
     """The integer prefill kernel runs on this CPU (or is forced) and serves this format."""
     return int8.ISA is not None and fmt in int8.CODES
@@ -350,8 +357,7 @@ class MoEFFN:
         gu_offs = offs[: 2 * g].reshape(2, g)
         grouped_gate_up(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
         a = ops.swiglu(gu[0], gu[1], gu[0])
-        perm = np.argsort(toks, kind="stable")  # pairs by token, each token's in ascending expert order
-        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        perm, tstarts = _by_token(toks, out.shape[0])
         poffs = np.repeat(offs[2 * g :], np.diff(starts))
         aq = act_buffer(n_ff, P)
         aaux = np.empty((P, 3 * (n_ff >> 5) + 1), np.float32)
@@ -390,8 +396,7 @@ class MoEFFN:
             int8.grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, aq, rstarts, y)
         else:
             grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, a, rstarts, y, self._tiles(n_ff))
-        perm = np.argsort(toks, kind="stable")
-        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        perm, tstarts = _by_token(toks, out.shape[0])
         wrow = np.zeros(R, np.float32)
         wrow[rows] = weights
         scatter_add(out, y[0], wrow, tstarts, rows[perm])
@@ -409,8 +414,7 @@ class MoEFFN:
         y = np.empty((1, P, out.shape[1]), np.float32)
         aq = int8.quantize(plan.down_format, a)
         lanes.grouped(base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, np.arange(P), starts, y, isa)
-        perm = np.argsort(toks, kind="stable")
-        tstarts = np.searchsorted(toks[perm], np.arange(out.shape[0] + 1))
+        perm, tstarts = _by_token(toks, out.shape[0])
         scatter_add(out, y[0], weights, tstarts, perm)
 
     def needs_tiles(self) -> bool:
