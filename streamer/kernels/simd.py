@@ -130,7 +130,7 @@ class _Emit:
         return phis
 
 
-def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_rows=1):
+def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_rows=1, block_stride=None):
     """Wrap a per-block body into an intrinsic `(w, off, xq, dx, xs, nb, pf) -> f32`.
 
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
@@ -139,8 +139,11 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     off + stride in one loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and
     2048 inputs); each row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
     accumulators otherwise in either version: a row agrees with the one-row result to float32 rounding, and
-    callers keep the pairing of a row fixed (blocks.dot2).
+    callers keep the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, r < n_rows, an
+    n_rows-tuple. block_stride: bytes from one block of a row to its next (default block_bytes: rows as in the
+    file; n_rows * block_bytes with stride = block_bytes reads rows interleaved block by block).
     """
+    bstride = block_bytes if block_stride is None else block_stride
 
     def typed(w, xq, dx, xs):
         return (
@@ -154,7 +157,7 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
         e = _Emit(context, builder)
         w_, off_ = args[:2]
         xq_, dx_, xs_, nb_, pf_ = args[-5:]
-        offs = [off_] if n_rows == 1 else [off_, builder.add(off_, args[2])]
+        offs = [off_] + [builder.add(off_, builder.mul(args[2], ir.Constant(I64, r))) for r in range(1, n_rows)]
         wb = e.base(sig.args[0], w_)
         n = len(sig.args)
         xqb, dxb, xsb = e.base(sig.args[n - 5], xq_), e.base(sig.args[n - 4], dx_), e.base(sig.args[n - 3], xs_)
@@ -164,9 +167,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
         def step(b, accs):
             new = []
             for r, o in enumerate(offs):
-                blk = builder.add(o, builder.mul(b, ir.Constant(I64, block_bytes)))
-                for j in range(0, block_bytes, 64):
-                    e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, j))))
+                blk = builder.add(o, builder.mul(b, ir.Constant(I64, bstride)))
+                if r == 0 or bstride == block_bytes:  # interleaved rows: row 0's prefetches cover the group
+                    for j in range(0, block_bytes if bstride == block_bytes else bstride, 64):
+                        e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, j))))
                 new += body_fn(e, wb, xqb, dxb, xsb, b, blk, accs[r * k : (r + 1) * k])
             return new
 
@@ -196,7 +200,7 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
 
     @intrinsic
     def rows(typingctx, w, off, stride, xq, dx, xs, nb, pf):
-        sig = types.UniTuple(types.float32, 2)(w, i64, i64, xq, dx, xs, i64, i64)
+        sig = types.UniTuple(types.float32, n_rows)(w, i64, i64, xq, dx, xs, i64, i64)
         return sig if typed(w, xq, dx, xs) else None, codegen
 
     return rows

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""The decode roofline of a GGUF model in RAM: weight bytes one decode step reads, this machine's memory read
+ceiling on 1 and 2 threads, and hence the tok/s no decoder reading those weights from RAM can beat.
+
+    python bench/decode_roofline.py /work/models/qwen3-30b-a3b-Q4_K.gguf [--tok-s NAME=15.7 ...]
+
+Bytes per token: every non-expert matrix once (attention q/k/v/o, norms, the router, the output head, one
+embedding row) plus, for a MoE, expert_used_count experts x (gate, up, down) per layer. The ceiling: a numba
+parallel reduction (a xor of 64-bit words, nothing to compute) over the model's own mapping (its page cache,
+no copy), read in pieces the size of one layer's expert reads or of the whole step, best and median of
+repeated passes; and the same reduction over the step's actual tensor ranges (8 random experts per layer,
+attention, router, head), in decode order, one parallel region per tensor as the decoders run them.
+--tok-s NAME=X (repeatable) prints X's effective read rate (bytes per token x X) and its share of the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from streamer.gguf_file import GGUFFile
+from streamer.kernels.simd import I64, V, _Emit
+
+
+@intrinsic
+def _xor_lines(typingctx, w, start, n_lines, pf):
+    """xor of n_lines 64-byte lines of w (uint8) from byte start, one <8 x i64> load per line, with a software
+    prefetch pf bytes ahead (as the row dots prefetch): the read with nothing to compute."""
+
+    def codegen(context, builder, sig, args):
+        e = _Emit(context, builder)
+        w_, start_, n_, pf_ = args
+        wb = e.base(sig.args[0], w_)
+        vt = V(I64, 8)
+
+        def step(i, acc):
+            at = builder.add(start_, builder.mul(i, ir.Constant(I64, 64)))
+            e.prefetch(wb, builder.add(at, pf_))
+            return [builder.xor(acc[0], e.load(wb, at, vt, 64))]
+
+        acc = e.loop(n_, [ir.Constant(vt, [0] * 8)], step)[0]
+        res = builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
+        for k in range(1, 8):
+            res = builder.xor(res, builder.extract_element(acc, ir.Constant(ir.IntType(32), k)))
+        return res
+
+    return types.uint64(w, types.int64, types.int64, types.int64), codegen
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _xor_ranges_pf(w, starts, sizes, nth, pf):
+    """_xor_ranges with 64-byte vector loads and software prefetch (starts 64-aligned, sizes multiples of 64)."""
+    acc = np.uint64(0)
+    for i in range(starts.size):
+        n = sizes[i] >> 6
+        part = (n + nth - 1) // nth
+        part_x = np.zeros(nth, np.uint64)
+        for t in prange(nth):
+            a = t * part
+            b = min(n, a + part)
+            if b > a:
+                part_x[t] = _xor_lines(w, starts[i] + 64 * a, b - a, pf)
+        for t in range(nth):
+            acc ^= part_x[t]
+    return acc
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _xor_ranges(w, starts, sizes, nth):
+    """xor of the 64-bit words of each range (bytes starts[i] .. + sizes[i], 8-aligned), one parallel region per
+    range, the range split into nth contiguous pieces (as a matvec splits rows)."""
+    acc = np.uint64(0)
+    for i in range(starts.size):
+        n = sizes[i] >> 3
+        s0 = starts[i] >> 3
+        part = (n + nth - 1) // nth
+        part_x = np.zeros(nth, np.uint64)
+        for t in prange(nth):
+            a = s0 + t * part
+            b = min(s0 + n, a + part)
+            x = np.uint64(0)
+            for j in range(a, b):
+                x ^= w[j]
+            part_x[t] = x
+        for t in range(nth):
+            acc ^= part_x[t]
+    return acc
+
+
+def step_ranges(g: GGUFFile, rng: np.random.Generator):
+    """(start, nbytes) of each tensor range one decode step reads, in decode order; and the byte split by kind."""
+    n_layer = int(g.scalar(f"{g.arch}.block_count", int))
+    k = int(g.scalar(f"{g.arch}.expert_used_count", int, 0) or 0)
+    t = g.tensors
+    out: list[tuple[int, int]] = []
+    kinds: dict[str, int] = {}
+
+    def add(kind, start, n):
+        out.append((start, n))
+        kinds[kind] = kinds.get(kind, 0) + n
+
+    emb = t["token_embd.weight"]
+    add("embedding row", emb.offset, emb.nbytes // emb.shape[0])
+    for layer in range(n_layer):
+        pre = f"blk.{layer}."
+        for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output"):
+            ti = t.get(pre + name + ".weight")
+            if ti is not None:
+                add("attention", ti.offset, ti.nbytes)
+        for name in ("ffn_norm", "ffn_gate_inp"):
+            ti = t.get(pre + name + ".weight")
+            if ti is not None:
+                add("router + ffn norm", ti.offset, ti.nbytes)
+        if pre + "ffn_gate_exps.weight" in t:
+            n_exp = t[pre + "ffn_gate_exps.weight"].shape[0]
+            ids = np.sort(rng.choice(n_exp, k, replace=False))
+            for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                ti = t[pre + name + ".weight"]
+                per = ti.nbytes // n_exp
+                for e in ids:
+                    add("experts", ti.offset + int(e) * per, per)
+        else:
+            for name in ("ffn_gate", "ffn_up", "ffn_down"):
+                ti = t[pre + name + ".weight"]
+                add("dense ffn", ti.offset, ti.nbytes)
+    for name in ("output_norm.weight", "output.weight"):
+        ti = t.get(name)
+        if ti is not None:
+            add("head", ti.offset, ti.nbytes)
+    if "output.weight" not in t:  # tied head: the embedding matrix
+        add("head", emb.offset, emb.nbytes)
+    return out, kinds
+
+
+def _aligned(ranges, a=64):
+    starts = np.array([s // a * a for s, _ in ranges], np.int64)
+    sizes = np.array([(s + n + a - 1) // a * a - s // a * a for s, n in ranges], np.int64)
+    return starts, sizes
+
+
+def timeit(fn, reps: int) -> tuple[float, float]:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts), statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pf", type=int, default=8192, help="software prefetch distance (bytes) of the pf variant")
+    ap.add_argument("--tok-s", action="append", default=[], help="NAME=tok/s measured elsewhere")
+    args = ap.parse_args()
+    g = GGUFFile(args.model)
+    w = g.mm[: g.mm.size // 8 * 8].view(np.uint64)
+    ranges, kinds = step_ranges(g, np.random.default_rng(args.seed))
+    per_tok = sum(kinds.values())
+    print(f"{args.model}: {per_tok / 1e6:.1f} MB of weights per decode step ({len(ranges)} ranges)")
+    for kind, n in kinds.items():
+        print(f"  {kind:18s} {n / 1e6:9.1f} MB  {100 * n / per_tok:5.1f}%")
+
+    nthreads = numba.config.NUMBA_NUM_THREADS
+    results = {}
+    # One contiguous span the size of the step, from the middle of the file (expert bytes), in pieces.
+    span0 = g.mm.size // 2 // 4096 * 4096
+    for piece_mb in (per_tok / 1e6, 21.0, 2.6):
+        piece = int(piece_mb * 1e6) // 64 * 64
+        n_pieces = max(1, per_tok // piece)
+        starts = span0 + np.arange(n_pieces, dtype=np.int64) * piece
+        sizes = np.full(n_pieces, piece, np.int64)
+        for nth in sorted({1, nthreads}):
+            numba.set_num_threads(nth)
+            nb = piece * n_pieces
+            best, med = timeit(partial(_xor_ranges, w, starts, sizes, nth), args.reps)
+            results[(f"contiguous, {piece_mb:.1f} MB regions", nth)] = (nb / best / 1e9, nb / med / 1e9)
+            best, med = timeit(partial(_xor_ranges_pf, g.mm, starts, sizes, nth, args.pf), args.reps)
+            results[(f"contiguous, {piece_mb:.1f} MB regions, pf", nth)] = (nb / best / 1e9, nb / med / 1e9)
+    starts, sizes = _aligned(ranges)
+    for nth in sorted({1, nthreads}):
+        numba.set_num_threads(nth)
+        best, med = timeit(partial(_xor_ranges, w, starts, sizes, nth), args.reps)
+        results[("the step's ranges, one region each", nth)] = (sizes.sum() / best / 1e9, sizes.sum() / med / 1e9)
+        best, med = timeit(partial(_xor_ranges_pf, g.mm, starts, sizes, nth, args.pf), args.reps)
+        results[("the step's ranges, one region each, pf", nth)] = (sizes.sum() / best / 1e9, sizes.sum() / med / 1e9)
+    print("\nread ceiling (GB/s best / median; tok/s at that rate):")
+    for (what, nth), (gb_best, gb_med) in results.items():
+        print(
+            f"  {what:38s} {nth} thr  {gb_best:5.1f} / {gb_med:5.1f} GB/s"
+            f"  -> {gb_best * 1e9 / per_tok:5.1f} / {gb_med * 1e9 / per_tok:5.1f} tok/s"
+        )
+    ceiling = max(v[0] for (_, nth), v in results.items() if nth == nthreads)
+    for spec in args.tok_s:
+        name, val = spec.split("=")
+        rate = float(val) * per_tok / 1e9
+        print(
+            f"{name}: {float(val):.2f} tok/s = {rate:.1f} GB/s effective, {100 * rate / ceiling:.0f}% of {ceiling:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
