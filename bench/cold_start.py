@@ -142,18 +142,86 @@ print(json.dumps({"pagein_bytes": p.done, "pagein_s": p.seconds, "pagein_gb_s": 
 """
 
 
+class DiskActivity:
+    """The model's block device while a run goes on: /sys/dev/block/M:m/stat sampled every `period` seconds
+    in a thread (sectors read, requests in flight, io_ticks). summary(t0): seconds from t0 (epoch) to the
+    first read, the device's busy seconds (io_ticks) and bytes read from t0 to the end, and the gaps of at
+    least `gap` seconds after the first read with nothing in flight (the disk idle while the run waits on
+    something else). Other processes' reads count too: run it on a quiet machine."""
+
+    def __init__(self, path: str, period: float = 0.005):
+        st = os.stat(path)
+        self.file = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+        self.period = period
+        self.samples: list[tuple[float, int, int, int]] = []  # (epoch, sectors read, in flight, io_ticks ms)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        with open(self.file) as f:
+            v = f.read().split()
+        self.samples.append((time.time(), int(v[2]), int(v[8]), int(v[9])))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.period)
+
+    def __enter__(self) -> DiskActivity:
+        if os.path.exists(self.file):
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+            self._sample()
+
+    def summary(self, t0: float, gap: float = 0.02) -> dict:
+        s = self.samples
+        if len(s) < 2:
+            return {}
+        first = next((t for (t, n, _, _), (_, n0, _, _) in zip(s[1:], s) if n > n0), None)
+        gaps, start = [], None
+        for t, _, inflight, _ in s:
+            if first is None or t < first:
+                continue
+            if inflight == 0 and start is None:
+                start = t
+            elif inflight > 0 and start is not None:
+                if t - start >= gap:
+                    gaps.append((round(start - t0, 3), round(t - t0, 3)))
+                start = None
+        out = {
+            "disk_first_read_s": None if first is None else round(first - t0, 3),
+            "disk_busy_s": (s[-1][3] - s[0][3]) / 1e3,
+            "disk_read_bytes": (s[-1][1] - s[0][1]) * 512,
+            "disk_idle_gaps": gaps,
+            "disk_idle_s": round(sum(b - a for a, b in gaps), 3),
+        }
+        return out
+
+
 def timed(
     label: str, cmd: list[str], path: str, cap: str | None = None, timeout: float = 900, breakdown: bool = False
 ) -> dict:
     """Evict `path`, run cmd (under a cgroup cap if given), return its wall time and counters. breakdown: the
     command is stream-run's; it also reports its start-up timeline (streamer/timing.py), seconds from the
-    moment before it was forked: the result's "timing"."""
+    moment before it was forked: the result's "timing", and the disk's activity meanwhile (DiskActivity)."""
     left = cold(path)
-    env = None
+    env, disk = None, None
     if breakdown:
-        env = dict(os.environ, STREAM_RUN_TIMING="1", STREAM_RUN_T0=repr(time.time()))
-    r = cgroup.run_capped(cmd, cap, timeout=timeout, env=env)
+        t0 = time.time()
+        env = dict(os.environ, STREAM_RUN_TIMING="1", STREAM_RUN_T0=repr(t0))
+        with DiskActivity(path) as disk:
+            r = cgroup.run_capped(cmd, cap, timeout=timeout, env=env)
+    else:
+        r = cgroup.run_capped(cmd, cap, timeout=timeout, env=env)
     out = r.summary()
+    if disk is not None:
+        out.update(disk.summary(t0))
     out.update(label=label, cached_after_evict=left, stdout_tail=r.stdout[-400:], stderr_tail=r.stderr[-600:])
     timing = [line for line in r.stderr.splitlines() if line.startswith("timing: ")]
     if timing:
@@ -319,6 +387,10 @@ def main(argv=None) -> int:
                                                for k in keys if k in r), file=sys.stderr)  # fmt: skip
         if "timing" in r:
             print("    " + breakdown_line(r["timing"], r.get("wall_s")), file=sys.stderr)
+        if r.get("disk_first_read_s") is not None:
+            gaps = " ".join(f"{a:.2f}-{b:.2f}" for a, b in r["disk_idle_gaps"]) or "none"
+            print(f"    disk: first read at {r['disk_first_read_s']:.2f} s, busy {r['disk_busy_s']:.2f} s, "
+                  f"{r['disk_read_bytes'] / 1e9:.2f} GB read; idle {r['disk_idle_s']:.2f} s ({gaps})", file=sys.stderr)  # fmt: skip
     if args.ab:
         for n in map(int, args.prompt_tokens.split(",")):
             a, b = ([r["wall_s"] for r in results if r["label"] == f"stream-run ttft {n}{tag}"] for tag in ("", " (B)"))
@@ -336,8 +408,11 @@ STEPS = (  # streamer/timing.py's marks, in the order of the start-up path, and 
     ("kernels_imported", "numba + kernel modules imported"),
     ("model_built", "budget plan, expert cache, model objects"),
     ("warmed_up", "kernel warm-up (run: skipped when numba's cache holds them; they load at first call)"),
+    ("forward_start", "generator set up: the prompt's forward starts"),
+    ("experts_first_read", "first expert read queued (layer 0's routing known)"),
     ("first_token", "forward pass: expert reads + compute"),
     ("closed", "session closed (reader threads joined, learned usage saved)"),
+    ("exit", "the command returned; other threads joined (then atexit, flush, the process's teardown)"),
 )
 
 
@@ -349,7 +424,7 @@ def breakdown_line(t: dict, wall: float | None) -> str:
             parts.append(f"{key} +{t[key] - prev:.2f}")
             prev = t[key]
     if wall is not None:
-        parts.append(f"exit +{wall - prev:.2f}")
+        parts.append(f"end +{wall - prev:.2f}")  # atexit, flush, teardown, reaped
     extra = []
     if "pagein_end" in t:
         extra.append(f"page-in {t.get('pagein_bytes', 0) / 1e9:.2f} GB done at {t['pagein_end']:.2f} s")

@@ -91,9 +91,12 @@ def leave(code) -> None:
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
+    from streamer import timing
+
     for t in threading.enumerate():
         if t is not threading.current_thread() and not t.daemon:
             t.join()
+    timing.mark("exit")  # what is left: the atexit handlers, flushing, the kernel's teardown of the process
     atexit._run_exitfuncs()
     for f in (sys.stdout, sys.stderr):
         try:

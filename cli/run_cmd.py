@@ -126,30 +126,37 @@ def _write_logits(s, ids: list[int], path: Path) -> None:
 
 
 def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
+    from streamer import timing
     from streamer.generate import Generator
 
-    tok = s.tokenizer
+    s.tokenizer_in_background()  # a prompt of token ids: the tokenizer builds while the prompt runs
     if sampler.params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
     gen = Generator(
-        s.model, s.model.new_cache(), sampler, frozenset() if ignore_eos else tok.eog_ids, on_prefill=prefill_progress()
+        s.model,
+        s.model.new_cache(),
+        sampler,
+        on_prefill=prefill_progress(),
+        stop_ids_after_prompt=(lambda: frozenset()) if ignore_eos else (lambda: s.tokenizer.eog_ids),
     )
     out = sys.stdout
     if display_prompt:
-        out.write(tok.decode(ids))
+        out.write(s.tokenizer.decode(ids))
         out.flush()
-    dec = tok.stream_decoder()
+    dec = None
+    timing.mark("forward_start")
     try:
         for i, t in enumerate(gen.generate(ids, n_predict)):
             if i == 0:
                 s.mark_first_token()
+                dec = s.tokenizer.stream_decoder()
             piece = dec.push(t)
             if piece:
                 out.write(piece)
                 out.flush()
     except KeyboardInterrupt:
         gen.stop_reason = "interrupted"
-    out.write(dec.flush() + "\n")
+    out.write((dec.flush() if dec is not None else "") + "\n")
     out.flush()
     print(gen.stats.line() + f" | stop: {gen.stop_reason}", file=sys.stderr)
     s.report(sys.stderr)

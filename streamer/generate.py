@@ -46,6 +46,9 @@ class Generator:
     stop_reason: str = ""
     stats: Stats = field(default_factory=Stats)
     on_prefill: Callable[[int, int], None] | None = None  # progress of long prompts: (tokens done, total)
+    # stop_ids, given once the prompt's forward is done (before the first token is sampled): what they come from
+    # (a tokenizer still being built) need not be ready before the forward starts
+    stop_ids_after_prompt: Callable[[], frozenset] | None = None
 
     def reset(self) -> None:
         self.cache.truncate(0)
@@ -79,6 +82,8 @@ class Generator:
         """Yield sampled tokens until an end-of-generation token (not yielded), n_predict tokens (-1: no limit)
         or a full context. stop_reason says which: 'eog', 'length' or 'context'."""
         logits = self.feed(prompt_ids)
+        if self.stop_ids_after_prompt is not None:
+            self.stop_ids, self.stop_ids_after_prompt = self.stop_ids_after_prompt(), None
         n = 0
         while True:
             if n_predict >= 0 and n >= n_predict:

@@ -155,3 +155,78 @@ def test_the_warm_up_compiles_what_the_first_prompt_needs(synth_model, preset, q
     assert (decode.ffn_block.__name__ in warm) == (preset == "tiny")
     called = {d.py_func.__name__ for d in entry_points()}  # (helpers they call take constants, e.g. group sizes)
     assert {k: v for k, v in warm.items() if k in called and len(v) > 1} == {}
+
+
+def test_a_token_prompt_prints_what_the_built_tokenizer_decodes(synth_model):
+    """`run --tokens` builds the tokenizer behind the prompt's forward (Session.tokenizer_in_background): what it
+    prints, through the entry point's fast exit, is the greedy continuation decoded by a tokenizer built
+    beforehand, prompt echo included, every byte of it."""
+    if not STREAM_RUN.exists():
+        pytest.skip(f"no console script at {STREAM_RUN}")
+    from streamer.generate import Generator
+    from streamer.sampler import Sampler, SamplerParams
+
+    path = synth_model("tiny-moe", "Q8_0")
+    ids = [5, 6, 7]
+    with open_model(path, StreamOptions(learn=False), threads=1) as s:
+        tok = s.tokenizer
+        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
+        out = list(gen.generate(ids, 6))
+        want = tok.decode(ids) + tok.decode(out) + "\n"
+    cmd = [str(STREAM_RUN), "run", str(path), "--tokens", ",".join(map(str, ids)), "-n", "6", "-t", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want
+    quiet = subprocess.run(cmd + ["--no-display-prompt"], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stdout == tok.decode(out) + "\n"
+
+
+def test_stop_ids_given_after_the_prompt_stop_the_first_token(synth_model):
+    """Generator.stop_ids_after_prompt is asked once the prompt's forward is done (the KV cache holds the prompt),
+    before the first token is sampled: a first token among them ends the generation at once, as stop_ids do."""
+    from streamer.generate import Generator
+    from streamer.sampler import Sampler, SamplerParams
+
+    path = synth_model("tiny", "Q8_0")
+    ids = [3, 17, 5]
+    with open_model(path, StreamOptions(learn=False)) as s:
+        greedy = Sampler(SamplerParams(temperature=0.0))
+        first = next(Generator(s.model, s.model.new_cache(), greedy).generate(ids, 1))
+        seen = []
+
+        def stop_ids() -> frozenset:
+            seen.append(gen.cache.n)
+            return frozenset({first})
+
+        gen = Generator(s.model, s.model.new_cache(), greedy, stop_ids_after_prompt=stop_ids)
+        assert list(gen.generate(ids, 4)) == [] and gen.stop_reason == "eog"
+        assert seen == [len(ids)] and gen.stop_ids == frozenset({first}) and gen.stop_ids_after_prompt is None
+        again = Generator(s.model, s.model.new_cache(), greedy, stop_ids_after_prompt=lambda: frozenset())
+        assert next(again.generate(ids, 4)) == first
+
+
+def test_the_tokenizer_built_behind_is_the_tokenizer(synth_model, monkeypatch):
+    """Session.tokenizer waits for tokenizer_in_background's thread and returns what it built; a build that
+    failed there is built again, and its error raised, in the caller's thread."""
+    from streamer.errors import StreamerError
+    from streamer.tokenizer import Tokenizer
+
+    path = synth_model("tiny", "Q8_0")
+    with open_model(path, StreamOptions(learn=False)) as s:
+        s.tokenizer_in_background()
+        tok = s.tokenizer
+        assert s._building is None and s.tokenizer is tok
+        plain = Tokenizer.from_gguf(s.gf)
+        assert tok.eog_ids == plain.eog_ids and tok.decode(range(40)) == plain.decode(range(40))
+    calls = []
+
+    def broken(gf):
+        calls.append(gf)
+        raise StreamerError("no vocabulary")
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", staticmethod(broken))
+    with open_model(path, StreamOptions(learn=False)) as s:
+        s.tokenizer_in_background()
+        with pytest.raises(StreamerError, match="no vocabulary"):
+            _ = s.tokenizer
+        assert len(calls) == 2

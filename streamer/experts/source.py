@@ -17,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from streamer import timing
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
 from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
@@ -158,6 +159,7 @@ class StreamingSource:
         return mats
 
     def _start(self, entry, priority: int) -> None:
+        timing.mark("experts_first_read")
         entry.future = self.pool.submit(priority, self._load, entry)
 
     def request(self, layer: int, e: int) -> bool:
