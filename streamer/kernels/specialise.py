@@ -17,12 +17,17 @@ literal codes too: the callee then compiles (or loads) the same specialisation.
 from __future__ import annotations
 
 import inspect
+import warnings
 
-from numba.core import compiler, ir, sigutils, types
+from numba.core import compiler, errors, ir, sigutils, types
 from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.ir_utils import build_definitions
 from numba.core.registry import CPUDispatcher
 from numba.core.untyped_passes import IRProcessing
+
+# numba's pedantic SSA check flags blocks._rows2's loop-carried pair once it is inlined as IR ("variable ... is not
+# in scope"): a note for numba's developers, printed in the middle of a user's first run otherwise.
+warnings.filterwarnings("ignore", category=errors.NumbaIRAssumptionWarning)
 
 
 @register_pass(mutates_CFG=False, analysis_only=False)
