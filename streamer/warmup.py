@@ -373,6 +373,10 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
         names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
         names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
     out += [d for g in groups() if g.name in names for d in g.kernels]
+    experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
+    if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
+        lanes_k = set(_lanes_kernels(int8.usable_isas()))
+        out = [d for d in out if d not in lanes_k]
     return list(dict.fromkeys(out))
 
 
