@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--min", type=int, default=4)
     ap.add_argument("--max", type=int, default=16)
     ap.add_argument("--isa", default=int8.usable_isas()[-1])
+    ap.add_argument("--lanes-isa", action="append", help="also time lanes.grouped with this ISA (repeat; e.g. amx)")
     args = ap.parse_args()
     set_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -85,6 +86,15 @@ def main() -> None:
         lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, out, args.isa)
 
     fns = {"tiles gate+up": tiles_gu, "lanes gate+up": lanes_gu, "tiles down": tiles_dn, "lanes down": lanes_dn}
+    for isa in args.lanes_isa or []:
+
+        def gu(isa=isa):
+            lanes.grouped(base, gu_offs, rb_gu, hq, rows, starts, np.empty((2, P, f), np.float32), isa)
+
+        def dn(isa=isa):
+            lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, np.empty((1, P, d), np.float32), isa)
+
+        fns[f"lanes/{isa} gate+up"], fns[f"lanes/{isa} down"] = gu, dn
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
@@ -97,6 +107,8 @@ def main() -> None:
         print(f"{name:14} {t * 1e3:8.2f} ms")
     for kind in ("gate+up", "down"):
         print(f"lanes / tiles {kind}: {best[f'tiles {kind}'] / best[f'lanes {kind}']:.2f}x faster")
+        for isa in args.lanes_isa or []:
+            print(f"lanes/{isa} / lanes {kind}: {best[f'lanes {kind}'] / best[f'lanes/{isa} {kind}']:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """A/B of the MoE prefill's expert paths in one process: each layer's FFN on one chunk of tokens (the model's own
-router on random hidden states), with lanes.grouped for the experts with 4..16 tokens (lanes_max 16) against
-the unpacked-tile integer kernel for them (lanes_max 0), alternating, whole model resident.
+router on random hidden states), under two or more splits of the experts between the paths, alternating, whole
+model resident. A split is NAME=GROUPED_MAX,LANES_MAX[,ISA]: experts with at most GROUPED_MAX tokens by the int16 row
+dots, then up to LANES_MAX by lanes.grouped (on ISA: vnni or amx; default lanes.best_isa's), the rest by the
+integer tiles. Default: "rowdots=3,16" (the
+1..3-token experts by row dots: the fourth session) against "lanes=0,16" (every expert up to 16 tokens in lanes).
 
     python bench/moe_prefill_ab.py /work/models/qwen3-30b-a3b-4L-Q4_K.gguf [-m 128] [-t 2] [--rounds 7]
+    python bench/moe_prefill_ab.py MODEL --split tiles=3,0 --split lanes=3,16
 
-Prints the best and median FFN time per chunk (all layers) of each, and their ratio.
+Prints the best and median FFN time per chunk (all layers) of each, and each one's ratio to the first.
 """
 
 import argparse
@@ -22,8 +26,9 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers (0: all)")
+    ap.add_argument("--split", action="append", help="NAME=GROUPED_MAX,LANES_MAX (repeat; default two, see above)")
     args = ap.parse_args()
-    from streamer.kernels import set_threads
+    from streamer.kernels import lanes, set_threads
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
@@ -33,22 +38,29 @@ def main() -> None:
     layers = range(args.layers or cfg.n_layer)
     rng = np.random.default_rng(0)
     hs = [rng.standard_normal((args.m, cfg.n_embd)).astype(np.float32) for _ in layers]
-    variants = {"tiles": 0, "lanes": 16}
+    splits = args.split or ["rowdots=3,16", "lanes=0,16"]
+    variants = {n: sv.split(",") for n, sv in (x.split("=") for x in splits)}
+    best = lanes.best_isa
     times: dict[str, list[float]] = {k: [] for k in variants}
     outs = {}
     for r in range(args.rounds + 1):
-        for name, lm in variants.items():
-            moe.lanes_max = lm
+        for name, (gm, lm, *isa) in variants.items():
+            moe.grouped_max, moe.lanes_max = int(gm), int(lm)
+            lanes.best_isa = (lambda _, i=isa[0]: i) if isa else best
             t = time.perf_counter()
             outs[name] = [moe(layer, h) for layer, h in zip(layers, hs)]
             if r:  # round 0 warms up (page-in, kernels)
                 times[name].append(time.perf_counter() - t)
     for name, ts in times.items():
         print(f"{name}: best {min(ts) * 1e3:8.1f} ms  median {statistics.median(ts) * 1e3:8.1f} ms per chunk")
-    a, b = times["tiles"], times["lanes"]
-    print(f"lanes speed-up: best {min(a) / min(b):.3f}x  median {statistics.median(a) / statistics.median(b):.3f}x")
-    err = max(float(np.abs(x - y).max() / np.abs(x).max()) for x, y in zip(outs["tiles"], outs["lanes"]))
-    print(f"largest relative difference lanes vs tiles: {err:.2e}")
+    first = next(iter(times))
+    a, x0 = times[first], outs[first]
+    for name in list(times)[1:]:
+        b = times[name]
+        ratio = f"best {min(a) / min(b):.3f}x  median {statistics.median(a) / statistics.median(b):.3f}x"
+        print(f"{name} speed-up over {first}: {ratio}")
+        err = max(float(np.abs(x - y).max() / np.abs(x).max()) for x, y in zip(x0, outs[name]))
+        print(f"largest relative difference {name} vs {first}: {err:.2e}")
     s.close()
 
 

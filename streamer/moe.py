@@ -94,7 +94,11 @@ class Router:
 # per token: the decode kernels' math), one with more through int8.grouped_matmul (integer tiles, reused across
 # its tokens; grouped_matmul's f32 tiles without the integer kernel): the crossover model.linear measured
 # between matvec and matmul. (5 instead of 3 was no faster on the 30B-A3B prefill, 128 tokens, busy machine.)
+# Where lanes.grouped serves the layer (LANES_MAX), it takes these experts too (GROUPED_MAX_LANES): its 2-token
+# lanes read each weight row once for both tokens, 7.0 ns per (row, token, super-block) against the row dots'
+# 19.5 (bench/lanes_bench.py --min 1 --max 3), and one token in 2-token lanes still costs less than a row dot.
 GROUPED_MAX = MATVEC_ROWS
+GROUPED_MAX_LANES = 0
 
 
 def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +187,7 @@ class MoEFFN:
         self.predicted: dict[int, np.ndarray] = {}
         self.window = cfg.n_expert_used  # experts requested ahead of the one being computed
         self.group = cfg.n_expert_used  # streamed prefill: experts computed together (reads run window ahead)
-        self.grouped_max = GROUPED_MAX
+        self.grouped_max: int | None = None  # None: GROUPED_MAX, or GROUPED_MAX_LANES where lanes serve
         self.lanes_max = LANES_MAX
         self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
@@ -310,14 +314,17 @@ class MoEFFN:
         pe, pt, pw = e_flat[order], t_flat[order], w.reshape(-1)[order].astype(np.float32)
         pstart = np.searchsorted(pe, experts, side="left")
         pend = np.searchsorted(pe, experts, side="right")
-        xq = act_buffer(h.shape[1], m)
-        aux = np.empty((m, 3 * (h.shape[1] >> 5) + 1), np.float32)
-        prepare_rows(plan.gate_up_format, h, xq, aux)
         cnt = pend - pstart
-        small = cnt <= self.grouped_max
+        # one lanes pass holds at most 16 tokens; lanes_max 0: none
+        lanes_max = min(self.lanes_max, lanes.MAX_TOKENS) if _lanes_serve(plan) else 0
+        small = cnt <= self._grouped_max(lanes_max)
         # 0: row dots (into out), 1: lanes (into lanes_out), 2: matmul (into big_out)
-        lanes_max = min(self.lanes_max, lanes.MAX_TOKENS)  # one lanes pass holds at most 16 tokens
-        kind = np.where(small, 0, np.where((cnt <= lanes_max) & _lanes_serve(plan), 1, 2))
+        kind = np.where(small, 0, np.where(cnt <= lanes_max, 1, 2))
+        xq = aux = None  # h quantized for the row dots, only if some expert takes them
+        if small.any():
+            xq = act_buffer(h.shape[1], m)
+            aux = np.empty((m, 3 * (h.shape[1] >> 5) + 1), np.float32)
+            prepare_rows(plan.gate_up_format, h, xq, aux)
         lanes_out = np.zeros_like(out) if (kind == 1).any() else None
         big_out = np.zeros_like(out) if (kind == 2).any() else None
         hq = None  # h quantized once for the integer kernels, for all of the layer's larger experts
@@ -346,6 +353,12 @@ class MoEFFN:
             out += lanes_out
         if big_out is not None:
             out += big_out
+
+    def _grouped_max(self, lanes_max: int) -> int:
+        """Experts with at most this many tokens take the row dots (the lanes take them where they serve)."""
+        if self.grouped_max is not None:
+            return self.grouped_max
+        return GROUPED_MAX_LANES if lanes_max > 0 else GROUPED_MAX
 
     def _grouped(self, layer, group, starts, toks, weights, xq, aux, out) -> None:
         """Experts `group` (ascending) and their pairs (token toks[p], weight weights[p]; expert i's are
@@ -407,7 +420,7 @@ class MoEFFN:
         pairs' SwiGLU outputs (quantized), then scatter_add (per token in ascending expert order)."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        P, isa = len(toks), int8.ISA
+        P, isa = len(toks), lanes.best_isa(int8.ISA)  # the AMX tiles where the CPU has them
         gu = np.empty((2, P, n_ff), np.float32)
         lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
         a = ops.swiglu(gu[0], gu[1], gu[0])

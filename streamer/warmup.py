@@ -257,7 +257,7 @@ def _run_int8_grouped(qtypes=None, isas=()) -> None:
             if _lanes(qtype):  # the few-token experts' kernel (MoEFFN._grouped_lanes)
                 rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
                 out = np.empty((2, 2, N_OUT), np.float32)
-                lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, isa)
+                lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, lanes.best_isa(isa))
 
 
 def _lanes(qtype) -> bool:
@@ -266,7 +266,10 @@ def _lanes(qtype) -> bool:
 
 
 def _lanes_kernels(isas) -> tuple:
-    return tuple(lanes.GROUPED[i] for i in isas) + (lanes.pack,) if int8.DIGITS == 2 and isas else ()
+    if int8.DIGITS != 2 or not isas:
+        return ()
+    packs = ((lanes.pack,) if set(isas) - {"amx"} else ()) + ((lanes.pack_amx,) if "amx" in isas else ())
+    return tuple(lanes.GROUPED[i] for i in isas) + packs
 
 
 def groups(qtypes=None, decode_combos=None) -> list[Group]:
@@ -299,7 +302,7 @@ def groups(qtypes=None, decode_combos=None) -> list[Group]:
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
             "expert-int8",
-            ((int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) + _lanes_kernels([int8.ISA]))
+            ((int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) + _lanes_kernels([lanes.best_isa(int8.ISA)]))
             if int8.ISA
             else (),
             functools.partial(_run_int8_grouped, qtypes, (int8.ISA,) if int8.ISA else ()),

@@ -1,7 +1,8 @@
 """The MoE prefill's few-token Q4_K kernel (kernels/lanes.py, simd_lanes.py) against gguf-py's dequantizer in
 float64, with the bound derived in simd_lanes.py (test_kernels' formula, int8.quantize_act's activation grid),
 for 0..16 tokens per expert (every lane width C), experts at arbitrary byte offsets, gate and up parts, and
-both instruction sets (vpdpbusd where the CPU has it, the generic integer dot forced explicitly)."""
+every instruction set (vpdpbusd where the CPU has it, the AMX tiles where it has those, the generic integer dot
+forced explicitly)."""
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def _group(rng, n_out, n_in, regime="normal"):
 
 
 @pytest.mark.parametrize("regime", ["normal", "extreme"])
-@pytest.mark.parametrize("isa", int8.usable_isas())
+@pytest.mark.parametrize("isa", lanes.isas())
 @pytest.mark.parametrize("n_out,n_in", [(40, 256), (33, 768), (16, 2048)])
 def test_lanes_against_oracle(n_out, n_in, isa, regime):
     rng = np.random.default_rng(n_out * 7 + n_in)
@@ -61,8 +62,8 @@ def test_lanes_against_oracle(n_out, n_in, isa, regime):
 
 
 def test_lanes_isas_agree_and_token_independent():
-    """vpdpbusd and the generic dot form the same integer sums (results agree to f32 rounding); a token's result
-    does not depend on the other tokens in its lanes (only on the lane width C)."""
+    """vpdpbusd, the AMX tiles and the generic dot form the same integer sums (results agree to f32 rounding); a
+    token's result does not depend on the other tokens in its lanes (only on the lane width C)."""
     rng = np.random.default_rng(2)
     n_out, n_in = 24, 512
     base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
@@ -71,7 +72,7 @@ def test_lanes_isas_agree_and_token_independent():
     starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
     rows = np.concatenate([np.arange(c) for c in COUNTS]).astype(np.int64)
     outs = {}
-    for isa in int8.usable_isas():
+    for isa in lanes.isas():
         outs[isa] = np.empty((2, starts[-1], n_out), np.float32)
         lanes.grouped(base, offs, row_bytes, act, rows, starts, outs[isa], isa)
     ref = outs[int8.usable_isas()[0]]
@@ -84,3 +85,22 @@ def test_lanes_isas_agree_and_token_independent():
     lanes.grouped(base, same, row_bytes, act, rows, starts, out, int8.usable_isas()[-1])
     i7, i8 = COUNTS.index(7), COUNTS.index(8)
     assert np.array_equal(out[:, starts[i7] : starts[i7] + 7], out[:, starts[i8] : starts[i8] + 7])
+
+
+@pytest.mark.skipif("amx" not in lanes.isas(), reason="no AMX-INT8 tiles on this CPU")
+def test_lanes_amx_token_independent():
+    """On the AMX tiles every expert computes 16 token columns whatever its count: token t's result is the same
+    bits for every expert that has it (same weights), and a row block's tail (n_out not a multiple of 16) too."""
+    rng = np.random.default_rng(4)
+    n_out, n_in = 37, 768
+    base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
+    X = rng.standard_normal((20, n_in)).astype(np.float32)
+    act = int8.quantize(Q4_K, X, 2)
+    starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
+    rows = np.concatenate([np.arange(c) for c in COUNTS]).astype(np.int64)
+    same = np.zeros_like(offs) + offs[:, :1]
+    out = np.full((2, starts[-1], n_out), np.nan, np.float32)
+    lanes.grouped(base, same, row_bytes, act, rows, starts, out, "amx")
+    full = out[:, starts[COUNTS.index(16)] : starts[COUNTS.index(16)] + 16]
+    for i, c in enumerate(COUNTS):
+        assert np.array_equal(out[:, starts[i] : starts[i + 1]], full[:, :c]), c

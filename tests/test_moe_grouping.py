@@ -14,7 +14,7 @@ from test_moe import slot_bytes
 from test_moe_prefill import FixedRouter
 
 from streamer.formats import FORMATS
-from streamer.kernels import int8
+from streamer.kernels import int8, lanes
 from streamer.options import StreamOptions
 from streamer.session import open_model
 
@@ -94,12 +94,19 @@ def _chunk(session, layer, h, ids, w):
         ffn.router = router
 
 
+# "vnni-lanes": vpdpbusd for the lanes too where the AMX tiles would take them (lanes.best_isa)
+AMX_TOO = ["vnni-lanes"] if "amx" in lanes.isas() else []
+
+
 @pytest.mark.parametrize("lanes_max", [0, 16])  # Q4_K experts with 4..16 tokens: lanes.grouped, or the tiles
 @pytest.mark.parametrize("grouped_max", [0, 3])
-@pytest.mark.parametrize("isa", int8.usable_isas() + [None], ids=lambda i: i or "f32-tiles")
+@pytest.mark.parametrize("isa", int8.usable_isas() + AMX_TOO + [None], ids=lambda i: i or "f32-tiles")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
 def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, isa, grouped_max, lanes_max):
     path = synth_model("tiny-moe", qtype)
+    if isa == "vnni-lanes":
+        monkeypatch.setattr(lanes, "best_isa", lambda i: i)
+        isa = "vnni"
     monkeypatch.setattr(int8, "ISA", isa)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.grouped_max = grouped_max
