@@ -94,11 +94,13 @@ class Router:
 # per token: the decode kernels' math), one with more through int8.grouped_matmul (integer tiles, reused across
 # its tokens; grouped_matmul's f32 tiles without the integer kernel): the crossover model.linear measured
 # between matvec and matmul. (5 instead of 3 was no faster on the 30B-A3B prefill, 128 tokens, busy machine.)
-# Where lanes.grouped serves the layer (LANES_MAX), it takes these experts too (GROUPED_MAX_LANES): its 2-token
-# lanes read each weight row once for both tokens, 7.0 ns per (row, token, super-block) against the row dots'
-# 19.5 (bench/lanes_bench.py --min 1 --max 3), and one token in 2-token lanes still costs less than a row dot.
+# Where lanes.grouped serves the layer (LANES_MAX), GROUPED_MAX_LANES = 0 would give it these experts too: its
+# 2-token lanes read each weight row once for both tokens (7.0 ns per (row, token, super-block) against the row
+# dots' 19.5 in bench/lanes_bench.py --min 1 --max 3, loaded machine), but on the 17 GB 30B-A3B file a 32-token
+# prefill (nearly every expert with 1-3 tokens) ran 13.2-15.9 tok/s that way against 14.2-16.4 with the row dots
+# (fifth session, noisy), so the row dots keep them.
 GROUPED_MAX = MATVEC_ROWS
-GROUPED_MAX_LANES = 0
+GROUPED_MAX_LANES = GROUPED_MAX
 
 
 def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

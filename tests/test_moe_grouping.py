@@ -94,8 +94,8 @@ def _chunk(session, layer, h, ids, w):
         ffn.router = router
 
 
-# "vnni-lanes": vpdpbusd for the lanes too where the AMX tiles would take them (lanes.best_isa)
-AMX_TOO = ["vnni-lanes"] if "amx" in lanes.isas() else []
+# "amx-lanes": the AMX tiles for the lanes (lanes.best_isa with STREAM_RUN_AMX=1), where the CPU grants them
+AMX_TOO = ["amx-lanes"] if "amx" in lanes.isas() else []
 
 
 @pytest.mark.parametrize("lanes_max", [0, 16])  # Q4_K experts with 4..16 tokens: lanes.grouped, or the tiles
@@ -104,9 +104,10 @@ AMX_TOO = ["vnni-lanes"] if "amx" in lanes.isas() else []
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
 def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, isa, grouped_max, lanes_max):
     path = synth_model("tiny-moe", qtype)
-    if isa == "vnni-lanes":
-        monkeypatch.setattr(lanes, "best_isa", lambda i: i)
+    if isa == "amx-lanes":
+        monkeypatch.setenv("STREAM_RUN_AMX", "1")
         isa = "vnni"
+        assert lanes.best_isa(isa) == "amx"
     monkeypatch.setattr(int8, "ISA", isa)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.grouped_max = grouped_max

@@ -11,6 +11,8 @@ the same error bound.
 
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numba import prange
@@ -222,9 +224,12 @@ def isas() -> list[str]:
 
 
 def best_isa(isa: str | None) -> str | None:
-    """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: the AMX tiles in
-    place of vpdpbusd where usable (a forced "generic" stays generic)."""
-    return "amx" if isa == "vnni" and simd_amx.enable() else isa
+    """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: vpdpbusd, or the AMX
+    tiles in its place where usable and asked for (STREAM_RUN_AMX=1; a forced "generic" stays generic). Not the
+    default: on the 17 GB 30B-A3B file (Emerald Rapids VM, 2 threads, fifth session) the tiles prefilled 32 tokens
+    at 7.5-12.8 tok/s against 13.2-16.4 with vpdpbusd, and 128 tokens no faster (19.0 against 20.4, medians of 3,
+    noisy), although the 4-layer file's MoE FFN steered 1.45x (bench/RESULTS.md, "Fifth session")."""
+    return "amx" if isa == "vnni" and os.environ.get("STREAM_RUN_AMX", "").strip() == "1" and simd_amx.enable() else isa
 
 
 # Cost of a work item (a block of rows) in units of one row dotted with one lane vector's worth of tokens, beyond

@@ -28,7 +28,8 @@ The tile unit needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, onc
 tile configuration per thread (tiles_begin: ldtilecfg, before a thread's first call; tiles_end: tilerelease, after
 its last, so the threads carry no tile state between kernel calls). Compiled only where the CPU has AMX-INT8
 (lanes.isas / lanes.best_isa ask `enable()`), like every other instruction-set variant: its own cached kernel.
-STREAM_RUN_AMX=0 turns it off.
+lanes.best_isa uses it only when STREAM_RUN_AMX=1 (not the default: slower on the full 30B-A3B file); STREAM_RUN_AMX=0
+turns it off everywhere.
 """
 
 from __future__ import annotations
