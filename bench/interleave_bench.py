@@ -183,18 +183,23 @@ def _serial(dot, R, interleaved):
     return run
 
 
-def cpu_time(fn, rounds_time: float) -> float:
-    """Least thread CPU time of repeated calls (fn runs on this thread)."""
+def _least(fn, rounds_time: float, clock) -> float:
+    """Least time of repeated calls of fn by `clock` (at least 3, for rounds_time seconds), after one untimed call."""
     fn()
     best = float("inf")
     t_end = time.perf_counter() + rounds_time
     n = 0
     while n < 3 or time.perf_counter() < t_end:
-        t = time.thread_time()
+        t = clock()
         fn()
-        best = min(best, time.thread_time() - t)
+        best = min(best, clock() - t)
         n += 1
     return best
+
+
+def cpu_time(fn, rounds_time: float) -> float:
+    """Least thread CPU time of repeated calls (fn runs on this thread)."""
+    return _least(fn, rounds_time, time.thread_time)
 
 
 VARIANTS = {
@@ -203,13 +208,9 @@ VARIANTS = {
     "ilv2": (2, True, dot2_i),
     "ilv4": (4, True, dot4_i),
     "ilv8": (8, True, dot8_i),
-    "rows2v": (2, False, dot2_v),
-    "rows2s": (2, False, dot2_s),
-    "rows2m": (
-        2,
-        False,
-        dot2_m,
-    ),  # rows2s with the high nibbles by vpmultishiftqb (port 5) instead of vgf2p8affineqb  # rows2 with the hi digits' << 8 as vpshufb (port 5) instead of vpslld (port 0)  # rows2 with the K-quant scales decoded by vector ops (simd._k4_scales_vec)
+    "rows2v": (2, False, dot2_v),  # rows2 with the K-quant scales decoded by vector ops (simd._k4_scales_vec)
+    "rows2s": (2, False, dot2_s),  # rows2 with the hi digits' << 8 as vpshufb (port 5) instead of vpslld (port 0)
+    "rows2m": (2, False, dot2_m),  # rows2s with the high nibbles by vpmultishiftqb (port 5), not vgf2p8affineqb
 }
 
 
@@ -221,16 +222,8 @@ def interleave(w: np.ndarray, R: int) -> np.ndarray:
 
 
 def best_time(fn, rounds_time: float) -> float:
-    fn()
-    best = float("inf")
-    t_end = time.perf_counter() + rounds_time
-    n = 0
-    while n < 3 or time.perf_counter() < t_end:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        n += 1
-    return best
+    """Least wall time of repeated calls."""
+    return _least(fn, rounds_time, time.perf_counter)
 
 
 def main() -> None:
