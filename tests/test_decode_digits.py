@@ -15,18 +15,19 @@ from test_kernels import U, _tolerance, make_weight
 
 from streamer.formats import FORMATS
 from streamer.kernels import QMatrix, blocks, int8
-from streamer.kernels.activations import XD_MAX, XQ_MAX
+from streamer.kernels.activations import XD1_MAX, XD_MAX, XQ_MAX
 from streamer.kernels.experts import experts_down, experts_matvec
 
 VNNI = "vnni" in int8.usable_isas()
 needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX512-VNNI: the int16 path only")
 DIGIT_TYPES = [t for t, f in FORMATS.items() if f.family == "block" and f.code in blocks.DIGIT_CODES]
-GRID = {"int16": (256, XQ_MAX), "digits": (32, XD_MAX)}
+GRID = {"int16": (256, XQ_MAX), "digits": (32, XD_MAX), "digit": (32, XD1_MAX)}
 
 
 def _buffer(kind, n_in, *lead):
+    """int16, two int8 digits per element (typed int8), or one (STREAM_RUN_ACT=int8: the bytes typed uint8)."""
     xq = np.empty((*lead, n_in), np.int16)
-    return xq.view(np.int8) if kind == "digits" else xq
+    return {"int16": xq, "digits": xq.view(np.int8), "digit": xq.view(np.uint8)}[kind]
 
 
 def _x(rng, n_in):
@@ -56,7 +57,7 @@ def _matvec(kind, qtype, n_out, n_in, regime, seed, strided=False):
     return out, ref
 
 
-KINDS = ["int16", pytest.param("digits", marks=needs_vnni)]
+KINDS = ["int16", pytest.param("digits", marks=needs_vnni), pytest.param("digit", marks=needs_vnni)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -124,6 +125,48 @@ def test_quantize_digits_step_and_layout():
         np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
 
 
+@needs_vnni
+@pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
+def test_one_digit_is_within_its_bound_and_coarser_than_two(qtype):
+    """One int8 digit per 32 elements (ggml's q8 grid): within the bound of its 127 levels (checked in _matvec), and
+    the cost of that grid is visible: its error exceeds the two digits'."""
+    errs = {}
+    for kind in ("digits", "digit"):
+        out, ref = _matvec(kind, qtype, 256, 2048, "normal", 3)
+        errs[kind] = np.sqrt(np.mean((out - ref) ** 2))
+    assert errs["digit"] > 10 * errs["digits"], errs
+
+
+@needs_vnni
+def test_quantize_one_digit_step_and_layout():
+    """digit32_1: each element's digit, read back from digit_offset1's layout, gives q with |x - q dx| <= dx/2 +
+    4u|x|, |q| <= 127, an all-zero group exactly zero, and f32 sums per group."""
+    from numba import njit
+
+    from streamer.kernels.simd_vnni import SB_BYTES1, digit32_1, digit_offset1
+
+    @njit
+    def vector(x, xd, dx, xs):
+        for g in range(x.size >> 5):
+            digit32_1(x, xd, dx, xs, g)
+
+    rng = np.random.default_rng(6)
+    n = 1024
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+    x[256:288] = 0
+    pos = np.array([SB_BYTES1 * (e // 256) + digit_offset1(e % 256) for e in range(n)])
+    assert sorted(pos) == list(range(n))  # a permutation: every byte written once
+    xd, dx, xs = np.empty(n, np.uint8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
+    vector(x, xd, dx, xs)
+    q = xd.view(np.int8)[pos].astype(np.int64)
+    assert np.abs(q).max() <= XD1_MAX
+    d = np.repeat(dx.astype(np.float64), 32)
+    assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
+    assert np.all(q[256:288] == 0) and dx[8] == 0
+    sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
+    np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_expert_kernels_with_either_buffer(kind):
     """The multi-expert decode kernels, given either activation buffer, equal block_matvec with the same one bit
@@ -168,21 +211,22 @@ def _qmatrix_script():
         "raw.reshape(40, 8, 144)[:, :, 0:4] = np.array([0.01, 0.002], np.float16).view(np.uint8)\n"
         "q = QMatrix(raw, T.Q4_K, 2048); x = rng.standard_normal(2048).astype(np.float32)\n"
         "out = np.empty(40, np.float32); xq = np.empty(2048, np.int16)\n"
-        "xq = xq.view(np.int8) if blocks.DIGITS else xq\n"
+        "xq = xq.view(np.uint8 if blocks.ONE_DIGIT else np.int8) if blocks.DIGITS else xq\n"
         "blocks.block_matvec(7, q._w, x, out, xq, np.empty(193, np.float32))\n"
         "print(blocks.DIGITS, q._xq.dtype, bool(np.array_equal(q.matvec(x), out)))\n"
     )
 
 
-@pytest.mark.parametrize("isa", ["generic", ""])
-def test_stream_run_isa_picks_the_decode_path(isa):
+@pytest.mark.parametrize("isa,act", [("generic", ""), ("", ""), ("", "int8"), ("generic", "int8")])
+def test_stream_run_isa_picks_the_decode_path(isa, act):
     """STREAM_RUN_ISA=generic: QMatrix.matvec runs the int16 row dot (same bits as calling it explicitly); by
-    default the digits path where the CPU has VNNI."""
-    env = dict(os.environ, STREAM_RUN_ISA=isa)
+    default the two-digit path where the CPU has VNNI, and with STREAM_RUN_ACT=int8 the one-digit path."""
+    env = dict(os.environ, STREAM_RUN_ISA=isa, STREAM_RUN_ACT=act)
     p = subprocess.run([sys.executable, "-c", _qmatrix_script()], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     digits = VNNI and isa == ""
-    assert p.stdout.split() == [str(digits), "int8" if digits else "int16", "True"]
+    dtype = ("uint8" if act else "int8") if digits else "int16"
+    assert p.stdout.split() == [str(digits), dtype, "True"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

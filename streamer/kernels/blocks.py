@@ -47,7 +47,7 @@ from ..formats import (
 from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
-from .int8 import ISA
+from .int8 import DIGITS as INT8_DIGITS, ISA
 from .simd import (
     q4_0_deq,
     q4_0_dot,
@@ -95,7 +95,7 @@ from .simd_lowbit import (
     q5_1_deq,
     q5_1_dot,
 )
-from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot_vnni
+from .simd_vnni import digit32_1, digits32, q4_k_dot2_vnni, q4_k_dot2_vnni1, q4_k_dot_vnni, q4_k_dot_vnni1
 
 PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
 # Q4_K digit row dot read a 184 MB matrix from RAM 7% faster on one thread than with 4 KiB, as fast as from L3)
@@ -174,6 +174,9 @@ DIGIT_CODES = (Q4_K,)
 # Decode with int8 digits where the CPU has AVX512-VNNI (int8.host_isa: STREAM_RUN_ISA=generic or f32 keep the
 # int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
 DIGITS = ISA == "vnni"
+# ... and one digit per element instead of two where STREAM_RUN_ACT=int8 (int8.DIGITS == 1, as prefill): the
+# buffer's bytes typed uint8. ggml's q8 grid (127 levels, here per 32 elements): faster, 257x coarser.
+ONE_DIGIT = DIGITS and INT8_DIGITS == 1
 
 
 def act_buffer(n_in: int, *lead: int) -> np.ndarray:
@@ -184,11 +187,15 @@ def act_buffer(n_in: int, *lead: int) -> np.ndarray:
     raw = np.empty(size + 32, np.int16)
     at = (-raw.ctypes.data % 64) // 2
     xq = raw[at : at + size].reshape(*lead, n_in)
-    return xq.view(np.int8) if DIGITS else xq
+    return xq.view(np.uint8 if ONE_DIGIT else np.int8) if DIGITS else xq
 
 
 def _is_digits(xq):
-    return isinstance(xq, types.Array) and xq.dtype == types.int8
+    return isinstance(xq, types.Array) and xq.dtype in (types.int8, types.uint8)
+
+
+def _one_digit(xq):
+    return xq.dtype == types.uint8
 
 
 _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
@@ -211,6 +218,19 @@ def _prepare(fmt, x, xq, aux):
             return prepare_i16(fmt, x, xq, aux)
 
         return impl16
+
+    if _one_digit(xq):
+
+        def impl1(fmt, x, xq, aux):  # one digit: x copied to contiguous if it is not (a no-op if it is)
+            ng = x.size >> 5
+            if fmt == Q4_K:
+                xc = np.ascontiguousarray(x)
+                for g in range(ng):
+                    digit32_1(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
+                return aux[:ng], aux[ng : 3 * ng]
+            return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+        return impl1
 
     if isinstance(x, types.Array) and x.layout == "C":
 
@@ -249,6 +269,15 @@ def _dot(fmt, w, off, xq, dx, xs, n_in):
             return dot_i16(fmt, w, off, xq, dx, xs, n_in)
 
         return impl16
+
+    if _one_digit(xq):
+
+        def impl1(fmt, w, off, xq, dx, xs, n_in):
+            if fmt == Q4_K:
+                return q4_k_dot_vnni1(w, off, xq, dx, xs, n_in >> 8, PF)
+            return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
+
+        return impl1
 
     def impl8(fmt, w, off, xq, dx, xs, n_in):
         if fmt == Q4_K:
@@ -292,6 +321,15 @@ def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
             return _rows2(fmt, w, off, stride, xq, dx, xs, n_in)
 
         return impl16
+
+    if _one_digit(xq):
+
+        def impl1(fmt, w, off, stride, xq, dx, xs, n_in):
+            if fmt == Q4_K:
+                return q4_k_dot2_vnni1(w, off, stride, xq, dx, xs, n_in >> 8, PF)
+            return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
+
+        return impl1
 
     def impl8(fmt, w, off, stride, xq, dx, xs, n_in):
         if fmt == Q4_K:

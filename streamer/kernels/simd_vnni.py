@@ -19,10 +19,19 @@ n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_ke
 activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16 path's (256, 16383)). The
 mins use exact f32 sums of x per 32, as simd.py's dot does.
 
+One digit (STREAM_RUN_ACT=int8, as prefill's int8.DIGITS == 1; ggml's q8 grid, here per 32 elements):
+q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digit32_1's bytes (SB_BYTES1 per
+super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The bound
+above holds with the grid (32, 127): 257x coarser activations, outside the model tests' 1% of the largest
+logit against the float64 forward (tests/test_moe.py's Q4_K case), hence opt-in. The buffer's bytes are
+typed uint8 to tell the kernels apart (blocks.act_buffer).
+
 Only int8.py's host_isa() == "vnni" selects these (in Python, never inside a cached kernel: the intrinsic
 does not compile for a CPU without AVX512-VNNI). The kernels take them when given the activation buffer as
 int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps simd.py's path.
 """
+
+from functools import partial
 
 from llvmlite import ir
 from numba import types
@@ -32,6 +41,7 @@ from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrin
 from .simd_i8 import _dp_vnni
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
+SB_BYTES1 = 256  # ... with one digit per element: [h = 0, 1][nibble n = lo, hi][64 bytes], elements as above
 
 
 def digit_offset(e):
@@ -40,7 +50,9 @@ def digit_offset(e):
     return 256 * h + 128 * ((r % 64) // 32) + 32 * (r // 64) + r % 32
 
 
-def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
+def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
+    # digits = 1: x as one int8 digit per element (digit32_1's layout: SB_BYTES1 per super-block), one vpdpbusd
+    # per 64 weights instead of two and a shift
     # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
     # of sub-block 2c + 1 (high nibble)
     bb = e.b
@@ -48,17 +60,20 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
     scales, mins = _k4_scales(e, wb, e.off(blk, 4))
     dx8 = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
     sdx = bb.fmul(bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8))), dx8)
-    xb = bb.mul(b, ir.Constant(I64, SB_BYTES))
+    xb = bb.mul(b, ir.Constant(I64, SB_BYTES if digits == 2 else SB_BYTES1))
     zero = ir.Constant(V(I32, 16), [0] * 16)
     eight = ir.Constant(V(I32, 16), [8] * 16)
     new = []
     for h in range(2):
         q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
         for n, wv in enumerate((bb.and_(q, e.const(I8, 64, 15)), bb.lshr(q, e.const(I8, 64, 4)))):
-            at = 256 * h + 128 * n
-            xh = e.load(xdb, e.off(xb, at), V(I8, 64))
-            xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
-            t = _dp_vnni(e, bb.shl(_dp_vnni(e, zero, wv, xh), eight), wv, xl)
+            if digits == 1:
+                t = _dp_vnni(e, zero, wv, e.load(xdb, e.off(xb, 128 * h + 64 * n), V(I8, 64)))
+            else:
+                at = 256 * h + 128 * n
+                xh = e.load(xdb, e.off(xb, at), V(I8, 64))
+                xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
+                t = _dp_vnni(e, bb.shl(_dp_vnni(e, zero, wv, xh), eight), wv, xl)
             # lane i: sub-block 2 * (2h + i // 8) + n
             scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
@@ -70,6 +85,10 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs):
 
 q4_k_dot_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4)  # 4 scale-lane accumulators + mins
 q4_k_dot2_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4, n_rows=2)  # two rows per call
+# One digit per element (the buffer's bytes typed uint8, holding int8 digits: the dtype tells the kernels apart)
+_one = partial(_q4_k_vnni_body, digits=1)
+q4_k_dot_vnni1 = _row_intrinsic(144, _one, 2, types.uint8, 4)
+q4_k_dot2_vnni1 = _row_intrinsic(144, _one, 2, types.uint8, 4, n_rows=2)
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
@@ -134,6 +153,39 @@ def digits32(typingctx, x, xd, dx, xs, g):
         at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(128)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
         bb.store(bb.trunc(hi, V(I8, 32)), e.ptr(xdb, at, V(I8, 32)), align=1)
         bb.store(bb.trunc(lo, V(I8, 32)), e.ptr(xdb, e.off(at, 64), V(I8, 32)), align=1)
+        return context.get_dummy_value()
+
+    return types.none(x, xd, dx, xs, types.int64), codegen
+
+
+def digit_offset1(e):
+    """Byte offset, inside its super-block's SB_BYTES1 bytes, of element e's one digit (digit32_1)."""
+    h, r = divmod(e, 128)
+    return 128 * h + 64 * ((r % 64) // 32) + 32 * (r // 64) + r % 32
+
+
+@intrinsic
+def digit32_1(typingctx, x, xd, dx, xs, g):
+    """digits32 with ONE int8 digit per element: dx[g] = max|x| / 127, q = rint(x / dx[g]) in [-127, 127] stored
+    at digit_offset1 of xd (typed uint8: the kernels read it as the one-digit buffer), xs[g] the f32 sum."""
+    if not (_c_array(x, types.float32) and _c_array(xd, types.uint8) and _c_array(dx, types.float32)) or not _c_array(
+        xs, types.float32
+    ):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from .activations import XD1_MAX
+
+        e = _Emit(context, builder)
+        bb = builder
+        x_, xd_, dx_, xs_, g_ = args
+        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+        c = lambda k: ir.Constant(I64, k)  # noqa: E731
+        q, _, _ = group_digits(e, xb, dxb, xsb, g_, XD1_MAX)
+        j = bb.and_(g_, c(7))
+        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(SB_BYTES1)), bb.mul(bb.lshr(j, c(2)), c(128)))
+        at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(64)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
+        bb.store(bb.trunc(q, V(I8, 32)), e.ptr(xdb, at, V(I8, 32)), align=1)
         return context.get_dummy_value()
 
     return types.none(x, xd, dx, xs, types.int64), codegen
