@@ -6,8 +6,9 @@
 Prints weight-bytes throughput in GB/s (what decode speed is bound by) and GFLOP/s for matmul,
 best and median of repeated calls. Weights are random valid blocks with sane f16 scales.
 --decode-ab: the decode row dot old vs new, for each format with a vpdpbusd version (blocks.DIGIT_CODES): the
-same block_matvec given the int16 activation buffer (the path without VNNI) and the int8-digit one, alternating
-in each round, single thread (ns per 256-element super-block) and 2 threads (GB/s); best of the rounds.
+same block_matvec given the int16 activation buffer (the path without VNNI), the two-int8-digit one (the
+default) and the one-digit one (STREAM_RUN_ACT=int8), alternating in each round, single thread (ns per
+256-element super-block) and 2 threads (GB/s); best of the rounds.
 """
 
 import argparse
@@ -99,7 +100,7 @@ def decode_ab(shapes: str, rounds: int, min_time: float) -> None:
     print(f"# decode row dot A/B {datetime.datetime.now():%Y-%m-%d %H:%M}, best of {rounds} alternating rounds")
     print(
         f"{'format':6} {'shape':>12} {'thr':>3} | {'int16 ns/sb':>11} {'GB/s':>6} | {'digits ns/sb':>12} {'GB/s':>6} |"
-        " old/new time"
+        f" {'1 digit ns/sb':>13} {'GB/s':>6} | int16/digits  digits/1 digit time"
     )
     for shape in shapes.split(","):
         n_out, n_in = map(int, shape.split("x"))
@@ -107,7 +108,7 @@ def decode_ab(shapes: str, rounds: int, min_time: float) -> None:
         out = np.empty(n_out, np.float32)
         aux = np.empty(3 * (n_in // 32) + 1, np.float32)
         xq = blocks.act_buffer(n_in).view(np.int16)  # 64-byte aligned
-        bufs = {"int16": xq, "digits": xq.view(np.int8)}
+        bufs = {"int16": xq, "digits": xq.view(np.int8), "digit": xq.view(np.uint8)}
         for qtype, f in formats.FORMATS.items():
             if f.family != "block" or f.code not in blocks.DIGIT_CODES:
                 continue
@@ -120,10 +121,11 @@ def decode_ab(shapes: str, rounds: int, min_time: float) -> None:
                     for k, buf in bufs.items():
                         t, _ = timeit(partial(blocks.block_matvec, f.code, q._w, x, out, buf, aux), min_time / rounds)
                         best[k] = min(best[k], t)
-                a, b = best["int16"], best["digits"]
+                a, b, c = best["int16"], best["digits"], best["digit"]
                 print(
                     f"{qtype.name:6} {shape:>12} {threads:>3} | {a / nsb * 1e9:11.2f} {q.nbytes / a / 1e9:6.1f} | "
-                    f"{b / nsb * 1e9:12.2f} {q.nbytes / b / 1e9:6.1f} | {a / b:.2f}x",
+                    f"{b / nsb * 1e9:12.2f} {q.nbytes / b / 1e9:6.1f} | {c / nsb * 1e9:13.2f} {q.nbytes / c / 1e9:6.1f} "
+                    f"| {a / b:12.2f}x {b / c:9.2f}x",
                     flush=True,
                 )
             del q
