@@ -344,6 +344,19 @@ def _misses(kernels) -> int:
     return sum(sum(d.stats.cache_misses.values()) for d in _dispatchers(kernels))
 
 
+def compiles() -> int:
+    """Kernels numba has compiled in this process so far (every entry point and each specialisation made)."""
+    return _misses(entry_points())
+
+
+def common_groups(qtypes) -> list[str]:
+    """The groups `stream-run warmup` runs for COMMON_RECIPES' formats (recipe_formats): all but every ISA's
+    integer kernels (STREAM_RUN_ISA's other choice), and the f32 expert tiles only where no integer kernel runs
+    (every format of these mixes has one: MoEFFN.needs_tiles)."""
+    skip = {"int8"} | (set() if int8.ISA is None else {"expert-tiles"})
+    return [g.name for g in groups(qtypes) if g.name not in skip]
+
+
 def compiled_formats(kernels) -> set[tuple[str, tuple[int, ...]]]:
     """(kernel name, format codes) of the specialisations that have machine code in this process now."""
     return {(d.py_func.__name__, c) for d in kernels if isinstance(d, FormatKernel) for c, s in d.specs.items()
@@ -353,6 +366,45 @@ def compiled_formats(kernels) -> set[tuple[str, tuple[int, ...]]]:
 def entry_points() -> list:
     """The numba dispatchers a model calls directly (the others are inlined into these or called by them)."""
     return [d for g in groups() for d in g.kernels]
+
+
+# `stream-run warmup` without a model: the demo's kernels (opened as the demo opens it) and those of these
+# llama-quantize mixes (synth/recipes.py's per-tensor types) at a dense and a MoE geometry. Each format's
+# kernels are compiled apart (kernels/specialise.py), so "every kernel" would be every format tuple: many
+# minutes; other files' kernels compile at their first run, or with `stream-run warmup MODEL.gguf`.
+COMMON_RECIPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+COMMON_PRESETS = ("qwen3-0.6b", "qwen3-30b-a3b")
+
+
+def recipe_formats(recipes=COMMON_RECIPES, presets=COMMON_PRESETS) -> tuple[set, dict[str, list[tuple[int, ...]]]]:
+    """(matrix types, decode blocks' format tuples by group name) of the files those mixes make at those
+    geometries, computed from the recipes' rules without writing a file (as decode_formats reads a model)."""
+    from streamer.synth.writer import PRESETS, SynthSpec, typed_tensors
+
+    F = experts.FORMATS
+    qtypes: set = set()
+    combos: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
+    for preset in presets:
+        g = PRESETS[preset]
+        for recipe in recipes:
+            types = {n: t for n, _, t, _ in typed_tensors(SynthSpec(g, recipe=recipe), 151936)}
+            qtypes |= {t for n, t in types.items() if "_norm" not in n and not n.endswith(".bias")}
+            for i in range(g.n_layer):
+                t = {
+                    k.split(".", 2)[2].removesuffix(".weight"): v for k, v in types.items() if k.startswith(f"blk.{i}.")
+                }
+                attn = [t[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output")]
+                if all(q in F for q in attn):
+                    combos["decode"].add(tuple(F[q] for q in attn))
+                if g.n_expert:
+                    r, gu, d = t["ffn_gate_inp"], t["ffn_gate_exps"], t["ffn_down_exps"]
+                    if gu == t["ffn_up_exps"] and gu in F and d in F:
+                        combos["decode-moe"].add((F[r] if r in F else -1, F[gu], F[d]))
+                else:
+                    ffn = [t[k] for k in ("ffn_gate", "ffn_up", "ffn_down")]
+                    if all(q in F for q in ffn):
+                        combos["decode-ffn"].add(tuple(F[q] for q in ffn))
+    return qtypes, {k: sorted(v) for k, v in combos.items()}
 
 
 def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
@@ -365,7 +417,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out = [SUPPORTED[q].matvec.specialise(code[q]) for q in qtypes]
     out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
     out.append(SUPPORTED[model.embd.qtype].rows.specialise(code[model.embd.qtype]))  # the embedding gather only
-    out += [int8.KERNELS[int8.ISA].specialise(code[q]) for q in int8_serves]
+    out += [int8.KERNELS[int8.ISA]] if int8_serves else []  # one version for every format (not specialised)
     combos = decode_formats(model, model.ffn if moe else None)
     for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
         out += [k.specialise(*c) for c in combos[name]]
@@ -442,4 +494,17 @@ def warmup(
     return reports
 
 
-__all__ = ["Group", "Report", "cache_dir", "cached", "entry_points", "groups", "loaded", "model_kernels", "warmup"]
+__all__ = [
+    "Group",
+    "Report",
+    "cache_dir",
+    "cached",
+    "common_groups",
+    "compiles",
+    "entry_points",
+    "groups",
+    "loaded",
+    "model_kernels",
+    "recipe_formats",
+    "warmup",
+]

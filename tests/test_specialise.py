@@ -62,3 +62,20 @@ def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model):
         n: sorted(set(map(tuple, a))) for n, a in compiled.items()
     }
     assert again["misses"] == 0
+
+
+def test_warmup_without_a_model_takes_the_common_mixes():
+    """`stream-run warmup` without a model compiles the demo's kernels and those of llama-quantize's Q4_K_M,
+    Q5_K_M, Q6_K and Q8_0 files (their per-tensor types, synth/recipes.py), not every format tuple."""
+    from streamer.kernels.experts import FORMATS as F
+    from streamer.warmup import common_groups, recipe_formats
+
+    qtypes, combos = recipe_formats()
+    assert {T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0} <= qtypes <= {T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.F32}
+    q4, q6 = F[T.Q4_K], F[T.Q6_K]
+    assert {(q4, q4, q6, q4), (q4, q4, q4, q4)} <= set(combos["decode"])  # Q4_K_M: attn_v Q6_K on some layers
+    assert {(q4, q4, q6), (q4, q4, q4)} <= set(combos["decode-ffn"])
+    assert (-1, q4, q6) in combos["decode-moe"]  # a float router, Q4_K gate/up, Q6_K down experts
+    assert sum(map(len, combos.values())) <= 24
+    names = common_groups(qtypes)
+    assert "int8" not in names and {"ops", "experts", "decode", "decode-moe"} <= set(names)

@@ -15,7 +15,7 @@ import numpy as np
 from numba import prange
 
 from ..formats import BLOCK_CODES as FORMATS
-from ._bits import FASTMATH
+from ._bits import FASTMATH, fma32
 from .blocks import act_buffer, dot, dot2, prepare
 from .specialise import format_kernel
 
@@ -52,13 +52,14 @@ def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
             acc0, acc1 = out[r], out[r + 1]
             for i in range(k):
                 d0, d1 = dot2(fmt, w, offs[i] + r * row_bytes, row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
-                acc0 += weights[i] * d0
-                acc1 += weights[i] * d1
+                acc0 = fma32(weights[i], d0, acc0)  # one rounding, whatever LLVM makes of the code around it
+                acc1 = fma32(weights[i], d1, acc1)
             out[r], out[r + 1] = acc0, acc1
         else:
             acc = out[r]
             for i in range(k):
-                acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+                d = dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+                acc = fma32(weights[i], d, acc)
             out[r] = acc
 
 

@@ -15,7 +15,7 @@ group in one call) and `scatter_add`.
 import numba
 from numba import prange
 
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, fma32, kernel
 from .blocks import deq, dot, dot2, prepare
 from .gemm import TILE, gemm_tile
 from .specialise import format_kernel
@@ -73,15 +73,15 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
                     p = perm[q]
                     d0, d1 = dot2(fmt, w, poffs[p] + r * row_bytes, row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
                                   n_in)  # fmt: skip
-                    acc0 += weights[p] * d0
-                    acc1 += weights[p] * d1
+                    acc0 = fma32(weights[p], d0, acc0)  # as experts_down: one rounding in both
+                    acc1 = fma32(weights[p], d1, acc1)
                 out[t, r], out[t, r + 1] = acc0, acc1
             else:
                 acc = out[t, r]
                 for q in range(tstarts[t], tstarts[t + 1]):
                     p = perm[q]
-                    acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
-                                            n_in)  # fmt: skip
+                    d = dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
+                    acc = fma32(weights[p], d, acc)
                 out[t, r] = acc
 
 

@@ -45,7 +45,6 @@ from .simd_i8 import (
     q6_k_tile,
     q8_0_tile,
 )
-from .specialise import format_kernel
 
 CODES = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)  # format codes (streamer.formats) the int8 path serves
 # Activation levels per number of int8 digits: 127, or 127 * 256 + 127 (hi stays within int8).
@@ -162,7 +161,7 @@ def _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
         gemm_generic_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
-@format_kernel(parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def i8_matmul_vnni(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     """out = X . w^T with int8 activations (vpdpbusd). Scratch per thread: tiles [T, 32*K] u8, scs/mns
     [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group]."""
@@ -185,7 +184,7 @@ def i8_matmul_vnni(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf
                         out[i + a, r0 + j] = ob[a, j]
 
 
-@format_kernel(parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def i8_matmul_generic(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
     """As i8_matmul_vnni, with the portable integer dot (simd_i8._dp_generic)."""
     m, K = X.shape
@@ -221,7 +220,7 @@ def _weights(w, off, n_out, row_bytes):
     return w[off : off + n_out * row_bytes].reshape(n_out, row_bytes)
 
 
-@format_kernel(parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def i8_grouped_vnni(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
     """For part j and expert i of a group (its out.shape[2] rows at byte offs[j, i] of w) and its activation rows
     rstarts[i]..rstarts[i+1] (quantized, a multiple of N_TOK each): out[j, those rows] = X . W_ji^T, by
@@ -252,7 +251,7 @@ def i8_grouped_vnni(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bo
                             dst[i0 + r, r0 + c] = ob[r, c]
 
 
-@format_kernel(parallel=True, fastmath=FASTMATH)
+@kernel(parallel=True, fastmath=FASTMATH)
 def i8_grouped_generic(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
     """As i8_grouped_vnni, with the portable integer dot."""
     parts, g = offs.shape
