@@ -427,8 +427,14 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     else:
         names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
         names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
-    out += [d for g in groups() if g.name in names for d in g.kernels]
     experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
+    for g in groups():
+        if g.name in names:
+            for d in g.kernels:  # the expert kernels for the experts' formats; the decode blocks' tuples are above
+                if not isinstance(d, FormatKernel):
+                    out.append(d)
+                elif g.name in ("experts", "expert-tiles"):
+                    out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q)]
     if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
         lanes_k = set(_lanes_kernels(int8.usable_isas()))
         out = [d for d in out if d not in lanes_k]
@@ -443,7 +449,8 @@ def cached(dispatchers) -> bool:
     internals: anything unexpected answers False (warm up, as before)."""
     try:
         return all(
-            d.in_cache() if isinstance(d, Specialised) else d._cache._cache_file._load_index() for d in dispatchers
+            d.in_cache() if isinstance(d, (Specialised, FormatKernel)) else d._cache._cache_file._load_index()
+            for d in dispatchers
         )
     except Exception:
         return False

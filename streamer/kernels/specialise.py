@@ -12,6 +12,12 @@ entry on the signature, which holds the literal codes), so a second process load
 
 Called from another kernel with constant codes (the caller's own literals), the kernel is typed with the
 literal codes too: the callee then compiles (or loads) the same specialisation.
+
+Only the formats real uploads mostly use are compiled apart (SPECIALISED: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and
+-1, moe_block's float router): a tuple with any other code calls the kernel's every-format version, compiled
+once for all of them. Each specialisation costs a compile of its own (typing, parfors, LLVM's fixed work): the
+test suite runs every one of the 23 formats through every kernel, and one version per format and kernel took it
+far past CI's limit (tests/test_formats.py alone: many minutes), where the every-format version is compiled once.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.ir_utils import build_definitions
 from numba.core.registry import CPUDispatcher
 from numba.core.untyped_passes import IRProcessing
+
+from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+
+SPECIALISED = frozenset({Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, -1})  # block format codes compiled apart (and no router)
 
 # numba's pedantic SSA check flags blocks._rows2's loop-carried pair once it is inlined as IR ("variable ... is not
 # in scope"): a note for numba's developers, printed in the middle of a user's first run otherwise.
@@ -94,18 +104,22 @@ class FormatKernel(CPUDispatcher):
     global called from other kernels it is an ordinary dispatcher; called from Python it calls
     specialise(its codes)."""
 
-    def __init__(self, py_func, params: tuple[str, ...], targetoptions: dict):
+    def __init__(self, py_func, params: tuple[str, ...], targetoptions: dict, every: bool = False):
         super().__init__(py_func, locals={}, targetoptions=targetoptions, pipeline_class=SpecCompiler)
         names = list(inspect.signature(py_func).parameters)
         self.format_args = tuple(names.index(p) for p in params)
+        self.every = every  # every code compiled apart (the float kernels: one format each), else SPECIALISED's
         self.specs: dict[tuple[int, ...], Specialised] = {}
         self.enable_caching()
 
-    def specialise(self, *codes: int) -> Specialised:
-        """The dispatcher of this kernel for these format codes (one per format argument, in order)."""
+    def specialise(self, *codes: int) -> Specialised | FormatKernel:
+        """The dispatcher of this kernel for these format codes (one per format argument, in order): their
+        specialisation, or this kernel itself (its every-format version) if a code is not in SPECIALISED."""
         key = tuple(int(c) for c in codes)
         spec = self.specs.get(key)
         if spec is None:
+            if not (self.every or SPECIALISED.issuperset(key)):
+                return self
             spec = self.specs[key] = Specialised(self, key)
         return spec
 
@@ -113,7 +127,14 @@ class FormatKernel(CPUDispatcher):
         spec = self.specs.get(tuple([args[i] for i in self.format_args]))
         if spec is None:
             spec = self.specialise(*[args[i] for i in self.format_args])
+            if spec is self:
+                return super().__call__(*args)
         return spec(*args)
+
+    def in_cache(self) -> bool:
+        """Whether numba's on-disk cache holds machine code of the every-format version (for some argument types)."""
+        index = self._cache._cache_file._load_index()
+        return any(not any(isinstance(key[0][i], types.Literal) for i in self.format_args) for key in index)
 
     @property
     def signatures(self) -> list:
@@ -125,12 +146,13 @@ class FormatKernel(CPUDispatcher):
         return [self, *self.specs.values()]
 
 
-def format_kernel(*params: str, **options):
+def format_kernel(*params: str, every: bool = False, **options):
     """Decorator: a FormatKernel whose format arguments are `params` (default "fmt"), compiled like _bits.kernel
-    (cached, numpy's error model, no GIL) with these numba options."""
+    (cached, numpy's error model, no GIL) with these numba options; every: each code compiled apart (not only
+    SPECIALISED's)."""
     targetoptions = {"nopython": True, "error_model": "numpy", "nogil": True, **options}
 
     def wrap(py_func):
-        return FormatKernel(py_func, params or ("fmt",), targetoptions)
+        return FormatKernel(py_func, params or ("fmt",), targetoptions, every)
 
     return wrap
