@@ -37,10 +37,12 @@ def warmup(
         )
 
     def before(g) -> None:
-        print(f"{g.name:>8}: {len(g.kernels)} kernels ...", end="", file=sys.stderr, flush=True)
+        print(f"{g.name:>8}: ...", end="", file=sys.stderr, flush=True)
 
-    def after(r) -> None:
-        print(f" {how(r.compiled, r.n_kernels)} in {r.seconds:.1f} s", file=sys.stderr, flush=True)
+    def after(r) -> None:  # kernels: compiled versions (one per format tuple of a per-format kernel)
+        print(
+            f" {r.n_kernels} kernels, {how(r.compiled, r.n_kernels)} in {r.seconds:.1f} s", file=sys.stderr, flush=True
+        )
 
     n = compiled = 0
     if models:
