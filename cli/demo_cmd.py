@@ -51,9 +51,7 @@ def demo(
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
-    # a share of the experts in cache slots (4 KiB-aligned, so larger than an expert), as bench/trained_routing.py
-    # counts it: a share of the bytes held 90 of the 128 slots a quarter means, and LRU then never hit
-    n_slots = max(round(cache_share * cfg.n_layer * cfg.n_expert), cfg.n_expert_used)
+    n_slots = _slots(cfg, cache_share)
     cache_bytes = n_slots * layout.slot_bytes
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     print(
@@ -71,6 +69,25 @@ def demo(
     # threads waiting on each other made the demo 10x slower (measured: 24 s with 2, 1.7 s with 1)
     with open_model(path, StreamOptions(expert_cache_bytes=cache_bytes), threads=threads or 1) as s:
         _generate(s, prompt, n_predict)
+
+
+def _slots(cfg, cache_share: float) -> int:
+    # a share of the experts in cache slots (4 KiB-aligned, so larger than an expert), as bench/trained_routing.py
+    # counts it: a share of the bytes held 90 of the 128 slots a quarter means, and LRU then never hit
+    return max(round(cache_share * cfg.n_layer * cfg.n_expert), cfg.n_expert_used)
+
+
+def demo_options(cache_share: float = 0.25):
+    """The demo's StreamOptions (an expert cache of that share), without the usage file (`stream-run warmup`
+    opens the demo model with them: the kernels its run calls)."""
+    from streamer.config import ModelConfig
+    from streamer.experts.store import ExpertLayout
+    from streamer.gguf_file import GGUFFile
+    from streamer.options import StreamOptions
+
+    gf = GGUFFile(demo_model())
+    cfg = ModelConfig.from_gguf(gf)
+    return StreamOptions(learn=False, expert_cache_bytes=_slots(cfg, cache_share) * ExpertLayout(gf, cfg).slot_bytes)
 
 
 def _generate(s, prompt: str, n_predict: int) -> None:

@@ -374,7 +374,7 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
     advise_pages(gf)
     start_pagein(session, options.ram_budget, early)
     timing.mark("model_built")
-    from streamer.warmup import cached, model_kernels, warmup
+    from streamer.warmup import cached, decode_formats, model_kernels, warmup
 
     session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
     if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
@@ -383,8 +383,10 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
             if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
                 qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
                 tiles = ("expert-tiles",) if moe.needs_tiles() else ()
-                warmup(only=("experts", "decode", "decode-moe", "expert-int8") + tiles, qtypes=qtypes)
+                only = ("experts", "decode", "decode-moe", "expert-int8") + tiles
+                warmup(only=only, qtypes=qtypes, decode_combos=decode_formats(model, moe))
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
-                warmup(only=("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",))
+                only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
+                warmup(only=only, decode_combos=decode_formats(model))
     timing.mark("warmed_up")
     return session

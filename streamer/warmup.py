@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from streamer.kernels import blocks, decode, experts, grouped, int8, lanes, ops, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
+from streamer.kernels.specialise import FormatKernel, Specialised
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
 N_OUT = 4
@@ -57,10 +58,11 @@ def _matrix_group(qtypes: list[T]) -> Group:
     return Group("/".join(t.name for t in qtypes), (k.matvec, k.matmul, k.rows), run)
 
 
-def _matrix_groups() -> list[Group]:
-    shared: dict = {}  # matvec kernel -> the formats it serves, in SUPPORTED's order
+def _matrix_groups(qtypes=None) -> list[Group]:
+    shared: dict = {}  # matvec kernel -> the formats it serves (of qtypes, if given), in SUPPORTED's order
     for qtype, k in SUPPORTED.items():
-        shared.setdefault(k.matvec, []).append(qtype)
+        if qtypes is None or qtype in qtypes:
+            shared.setdefault(k.matvec, []).append(qtype)
     return [_matrix_group(qtypes) for qtypes in shared.values()]
 
 
@@ -141,9 +143,9 @@ def _run_experts(qtypes=None) -> None:
 
 def _decode_args():
     """Tiny arguments of kernels/decode.py's attention and dense-FFN blocks, with the types Model._decode_plan
-    passes (the format is a runtime argument: one version serves all)."""
+    passes. The rows are Q8_0's size, the largest of the block formats per element: they serve every format
+    (each format's kernel is compiled apart, specialise.py)."""
     n, nh, nkv, hd, n_ctx = N_IN, 2, 1, N_IN // 2, 4
-    fmt = experts.FORMATS[T.Q8_0]
     rb = N_IN // 32 * 34
     w = _readonly(np.zeros((n, rb), np.uint8))  # every matrix n x n here
     norm, none = _readonly(np.ones(n, np.float32)), _readonly(np.empty(0, np.float32))
@@ -160,37 +162,52 @@ def _decode_args():
     return SimpleNamespace(**locals())
 
 
-def _run_decode() -> None:
-    """decode.attn_block (every model whose matrices are block-quantized: Model.decodes_in_blocks)."""
+def _uniform(n: int) -> list[tuple[int, ...]]:
+    """Every block format for all n format arguments (what `stream-run warmup` compiles of the decode blocks)."""
+    return [(f,) * n for f in experts.FORMATS.values()]
+
+
+def _run_decode(combos=None) -> None:
+    """decode.attn_block (every model whose matrices are block-quantized: Model.decodes_in_blocks), for each
+    (fq, fk, fv, fo) of combos (a model's own: decode_formats)."""
     a = _decode_args()
     nq, nk = a.nh * a.hd, a.nkv * a.hd
-    for bias, qn in ((a.none, a.head_norm), (a.norm[:nq], a.none)):  # Qwen3, and Qwen2's biases without norms
-        decode.attn_block(a.x, a.h, a.norm, a.norm, 1e-6, a.fmt, a.wq, bias, a.fmt, a.wkv, bias[:nk], a.fmt, a.wkv,
-                          bias[:nk], qn, qn, a.cos, a.sin, 0, a.kc, a.kc, np.float32(0.1), a.fmt, a.w, a.qkv, a.q,
-                          a.kv, a.kv, np.empty((1, a.nh, a.hd), np.float32), a.xq, a.aux, a.x1, a.aux1)  # fmt: skip
+    for fq, fk, fv, fo in combos or _uniform(4):
+        for bias, qn in ((a.none, a.head_norm), (a.norm[:nq], a.none)):  # Qwen3, and Qwen2's biases without norms
+            decode.attn_block(a.x, a.h, a.norm, a.norm, 1e-6, fq, a.wq, bias, fk, a.wkv, bias[:nk], fv, a.wkv,
+                              bias[:nk], qn, qn, a.cos, a.sin, 0, a.kc, a.kc, np.float32(0.1), fo, a.w, a.qkv, a.q,
+                              a.kv, a.kv, np.empty((1, a.nh, a.hd), np.float32), a.xq, a.aux, a.x1, a.aux1)  # fmt: skip
 
 
-def _run_decode_ffn() -> None:
-    """decode.ffn_block: the dense FFN of one token (dense models only; a MoE's FFN is moe_block or MoEFFN's)."""
+def _run_decode_ffn(combos=None) -> None:
+    """decode.ffn_block: the dense FFN of one token (dense models only; a MoE's FFN is moe_block or MoEFFN's),
+    for each (fg, fu, fd) of combos."""
     a = _decode_args()
     scratch = (np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
-    decode.ffn_block(a.x, a.h, a.fmt, a.w, a.fmt, a.w, a.fmt, a.w, *scratch)
+    for fg, fu, fd in combos or _uniform(3):
+        decode.ffn_block(a.x, a.h, fg, a.w, fu, a.w, fd, a.w, *scratch)
 
 
-def _run_decode_moe() -> None:
-    """decode.moe_block with MoEFFN.decode's argument types."""
+def _run_decode_moe(combos=None) -> None:
+    """decode.moe_block with MoEFFN.decode's argument types, for each (fr, fgu, fd) of combos (fr -1: a float
+    router, whose logits the caller computes)."""
+    for combo in combos or [c for f, *rest in _uniform(3) for c in ((f, *rest), (-1, *rest))]:
+        _decode_moe(*combo)
+
+
+def _decode_moe(fr: int, fgu: int, fd: int) -> None:
     n, k, n_exp = N_IN, 2, 4
-    fmt = experts.FORMATS[T.Q8_0]
     rb = N_IN // 32 * 34
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
     s1, sk = experts.ExpertScratch(1, n), experts.ExpertScratch(k, n)  # MoEFFN's scratch_x, scratch_a
     x1, aux1 = s1.xq[0], s1.aux[0]
     base = _readonly(np.zeros(3 * n_exp * n * rb, np.uint8))
     starts, sizes = np.arange(3, dtype=np.int64) * (n_exp * n * rb), np.full(3, n * rb, np.int64)
-    for fr, counts in ((fmt, np.zeros(n_exp)), (-1, np.empty(0))):  # block router and usage; float router, none
-        decode.moe_block(x, h, fr, _readonly(np.zeros((n_exp, rb), np.uint8)), np.zeros((1, n_exp), np.float32),
+    for counts in (np.zeros(n_exp), np.empty(0)):  # with the usage counts, without
+        wr = _readonly(np.zeros((n_exp if fr >= 0 else 1, rb if fr >= 0 else 1), np.uint8))
+        decode.moe_block(x, h, fr, wr, np.zeros((1, n_exp), np.float32),
                          x1, aux1, np.empty((1, k), np.int64), np.empty((1, k), np.float32), base, starts, sizes,
-                         fmt, rb, fmt, rb, np.empty(3 * k, np.int64), np.empty(k, np.float32),
+                         fgu, rb, fd, rb, np.empty(3 * k, np.int64), np.empty(k, np.float32),
                          np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1,
                          sk.xq, sk.aux, counts)  # fmt: skip
 
@@ -255,10 +272,12 @@ def _lanes_kernels(isas) -> tuple:
     return tuple(lanes.GROUPED[i] for i in isas) + packs
 
 
-def groups(qtypes=None) -> list[Group]:
+def groups(qtypes=None, decode_combos=None) -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
-    MoE kernels (qtypes: the MoE groups run those formats only)."""
-    return _matrix_groups() + [
+    MoE kernels (qtypes: the matrix and MoE groups run those formats only; decode_combos: the decode blocks'
+    format tuples by group name, else every block format uniformly)."""
+    dc = decode_combos or {}
+    return _matrix_groups(qtypes) + [
         Group(
             "ops",
             (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows, ops.store_kv),
@@ -277,9 +296,9 @@ def groups(qtypes=None) -> list[Group]:
             ),
             functools.partial(_run_experts, qtypes),
         ),
-        Group("decode", (decode.attn_block,), _run_decode),
-        Group("decode-ffn", (decode.ffn_block,), _run_decode_ffn),
-        Group("decode-moe", (decode.moe_block,), _run_decode_moe),
+        Group("decode", (decode.attn_block,), functools.partial(_run_decode, dc.get("decode"))),
+        Group("decode-ffn", (decode.ffn_block,), functools.partial(_run_decode_ffn, dc.get("decode-ffn"))),
+        Group("decode-moe", (decode.moe_block,), functools.partial(_run_decode_moe, dc.get("decode-moe"))),
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
             "expert-int8",
@@ -298,9 +317,94 @@ def groups(qtypes=None) -> list[Group]:
     ]
 
 
+def decode_formats(model, moe=None) -> dict[str, list[tuple[int, ...]]]:
+    """The format tuples `model` calls the decode blocks with, by group name (each tuple is compiled apart)."""
+    out: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
+    plan = model._decode
+    if plan is not None:
+        attn, tail, ffn = plan
+        for a, t in zip(attn, tail):
+            out["decode"].add((a[3], a[6], a[9], t[1]))
+        for f in ffn or ():
+            out["decode-ffn"].add((f[0], f[2], f[4]))
+    if moe is not None:
+        for layer, p in enumerate(moe.fused):
+            if p is not None:
+                blk = moe.router.mats[layer].block
+                out["decode-moe"].add((blk[0] if blk is not None else -1, p.gate_up_format, p.down_format))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _dispatchers(kernels) -> list:
+    """The numba dispatchers behind kernels: a FormatKernel's own and its specialisations' (specialise.py)."""
+    return [x for d in kernels for x in (d.dispatchers() if isinstance(d, FormatKernel) else [d])]
+
+
+def _misses(kernels) -> int:
+    return sum(sum(d.stats.cache_misses.values()) for d in _dispatchers(kernels))
+
+
+def compiles() -> int:
+    """Kernels numba has compiled in this process so far (every entry point and each specialisation made)."""
+    return _misses(entry_points())
+
+
+def common_groups(qtypes) -> list[str]:
+    """The groups `stream-run warmup` runs for COMMON_RECIPES' formats (recipe_formats): all but every ISA's
+    integer kernels (STREAM_RUN_ISA's other choice), and the f32 expert tiles only where no integer kernel runs
+    (every format of these mixes has one: MoEFFN.needs_tiles)."""
+    skip = {"int8"} | (set() if int8.ISA is None else {"expert-tiles"})
+    return [g.name for g in groups(qtypes) if g.name not in skip]
+
+
+def compiled_formats(kernels) -> set[tuple[str, tuple[int, ...]]]:
+    """(kernel name, format codes) of the specialisations that have machine code in this process now."""
+    return {(d.py_func.__name__, c) for d in kernels if isinstance(d, FormatKernel) for c, s in d.specs.items()
+            if s.signatures}  # fmt: skip
+
+
 def entry_points() -> list:
     """The numba dispatchers a model calls directly (the others are inlined into these or called by them)."""
     return [d for g in groups() for d in g.kernels]
+
+
+# `stream-run warmup` without a model: the demo's kernels (opened as the demo opens it) and those of these
+# llama-quantize mixes (synth/recipes.py's per-tensor types) at a dense and a MoE geometry. Each format's
+# kernels are compiled apart (kernels/specialise.py), so "every kernel" would be every format tuple: many
+# minutes; other files' kernels compile at their first run, or with `stream-run warmup MODEL.gguf`.
+COMMON_RECIPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+COMMON_PRESETS = ("qwen3-0.6b", "qwen3-30b-a3b")
+
+
+def recipe_formats(recipes=COMMON_RECIPES, presets=COMMON_PRESETS) -> tuple[set, dict[str, list[tuple[int, ...]]]]:
+    """(matrix types, decode blocks' format tuples by group name) of the files those mixes make at those
+    geometries, computed from the recipes' rules without writing a file (as decode_formats reads a model)."""
+    from streamer.synth.writer import PRESETS, SynthSpec, typed_tensors
+
+    F = experts.FORMATS
+    qtypes: set = set()
+    combos: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
+    for preset in presets:
+        g = PRESETS[preset]
+        for recipe in recipes:
+            types = {n: t for n, _, t, _ in typed_tensors(SynthSpec(g, recipe=recipe), 151936)}
+            qtypes |= {t for n, t in types.items() if "_norm" not in n and not n.endswith(".bias")}
+            for i in range(g.n_layer):
+                t = {
+                    k.split(".", 2)[2].removesuffix(".weight"): v for k, v in types.items() if k.startswith(f"blk.{i}.")
+                }
+                attn = [t[k] for k in ("attn_q", "attn_k", "attn_v", "attn_output")]
+                if all(q in F for q in attn):
+                    combos["decode"].add(tuple(F[q] for q in attn))
+                if g.n_expert:
+                    r, gu, d = t["ffn_gate_inp"], t["ffn_gate_exps"], t["ffn_down_exps"]
+                    if gu == t["ffn_up_exps"] and gu in F and d in F:
+                        combos["decode-moe"].add((F[r] if r in F else -1, F[gu], F[d]))
+                else:
+                    ffn = [t[k] for k in ("ffn_gate", "ffn_up", "ffn_down")]
+                    if all(q in F for q in ffn):
+                        combos["decode-ffn"].add(tuple(F[q] for q in ffn))
+    return qtypes, {k: sorted(v) for k, v in combos.items()}
 
 
 def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
@@ -309,17 +413,31 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     needs_tiles)."""
     qtypes = {m.qtype for m in model.matrices()}
     int8_serves = set() if int8.ISA is None else qtypes & INT8  # their matmul is the integer kernel
-    out = [SUPPORTED[q].matvec for q in qtypes] + [SUPPORTED[q].matmul for q in qtypes - int8_serves]
-    out.append(SUPPORTED[model.embd.qtype].rows)  # rows: the embedding gather only
-    if int8_serves:
-        out.append(int8.KERNELS[int8.ISA])
+    code = {q: SUPPORTED[q].fmt for q in qtypes | {model.embd.qtype}}  # each format's kernels (specialise.py)
+    out = [SUPPORTED[q].matvec.specialise(code[q]) for q in qtypes]
+    out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
+    out.append(SUPPORTED[model.embd.qtype].rows.specialise(code[model.embd.qtype]))  # the embedding gather only
+    out += [int8.KERNELS[int8.ISA]] if int8_serves else []  # one version for every format (not specialised)
+    combos = decode_formats(model, model.ffn if moe else None)
+    for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
+        out += [k.specialise(*c) for c in combos[name]]
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
         names += ("expert-int8",) if int8_serves else ()
     else:
         names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
         names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
-    out += [d for g in groups() if g.name in names for d in g.kernels]
+    experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
+    for g in groups():
+        if g.name in names:
+            for d in g.kernels:  # the expert kernels for the experts' formats; the decode blocks' tuples are above
+                if not isinstance(d, FormatKernel):
+                    out.append(d)
+                elif g.name in ("experts", "expert-tiles"):
+                    out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q)]
+    if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
+        lanes_k = set(_lanes_kernels(int8.usable_isas()))
+        out = [d for d in out if d not in lanes_k]
     return list(dict.fromkeys(out))
 
 
@@ -330,14 +448,17 @@ def cached(dispatchers) -> bool:
     kernels, and the expert kernels load while the first layer's expert reads are on their way. numba
     internals: anything unexpected answers False (warm up, as before)."""
     try:
-        return all(d._cache._cache_file._load_index() for d in dispatchers)
+        return all(
+            d.in_cache() if isinstance(d, (Specialised, FormatKernel)) else d._cache._cache_file._load_index()
+            for d in dispatchers
+        )
     except Exception:
         return False
 
 
 def loaded(dispatchers) -> list[str]:
     """Names of those dispatchers that have machine code in this process now (compiled or loaded)."""
-    return sorted({d.py_func.__name__ for d in dispatchers if d.signatures})
+    return sorted({d.py_func.__name__ for d in _dispatchers(dispatchers) if d.signatures})
 
 
 def cache_dir() -> str:
@@ -347,7 +468,7 @@ def cache_dir() -> str:
 
 class Report(NamedTuple):
     name: str
-    n_kernels: int
+    n_kernels: int  # compiled versions: a FormatKernel counts once per format tuple it ran (specialise.py)
     compiled: int  # kernels numba had to compile (the others came from its cache, or were already loaded)
     seconds: float
 
@@ -357,25 +478,40 @@ def warmup(
     after: Callable[[Report], None] | None = None,
     only=None,
     qtypes=None,
+    decode_combos=None,
 ) -> list[Report]:
     """Run every group (or those named in `only`; the MoE groups for the formats in `qtypes` only, if given);
     `before` is called with each group as it starts, `after` with its report."""
     reports = []
-    for g in groups(qtypes):
+    for g in groups(qtypes, decode_combos):
         if only is not None and g.name not in only:
             continue
         if before is not None:
             before(g)
-        misses = sum(sum(d.stats.cache_misses.values()) for d in g.kernels)
+        misses = _misses(g.kernels)
         t0 = time.perf_counter()
         g.run()
         dt = time.perf_counter() - t0
-        compiled = sum(sum(d.stats.cache_misses.values()) for d in g.kernels) - misses
-        r = Report(g.name, len(g.kernels), compiled, dt)
+        compiled = _misses(g.kernels) - misses
+        units = sum(len(d.specs) if isinstance(d, FormatKernel) else 1 for d in g.kernels)
+        r = Report(g.name, units, compiled, dt)
         reports.append(r)
         if after is not None:
             after(r)
     return reports
 
 
-__all__ = ["Group", "Report", "cache_dir", "cached", "entry_points", "groups", "loaded", "model_kernels", "warmup"]
+__all__ = [
+    "Group",
+    "Report",
+    "cache_dir",
+    "cached",
+    "common_groups",
+    "compiles",
+    "entry_points",
+    "groups",
+    "loaded",
+    "model_kernels",
+    "recipe_formats",
+    "warmup",
+]

@@ -198,7 +198,7 @@ def _max_rss() -> int:
 
 
 @pytest.fixture(scope="module")
-def harness():
+def harness(files):
     """check(label, path, moe, traced=False, load=load_and_run, **kw) runs one variant: None if it loaded and
     ran, else its StreamerError message; anything else fails the test, naming the variant. Time is bounded by
     SIGALRM. Memory: the process's peak RSS may never grow past MEM_SLACK + 2 x the file size (every variant),
@@ -206,10 +206,9 @@ def harness():
     slows the parser ~10x, so the seeded runs trace a sample)."""
     import numba
 
-    from streamer.warmup import warmup
-
     threads = numba.get_num_threads()
-    warmup()  # every kernel compiled or loaded now: a mutated type must not compile (time, memory) mid-variant
+    for preset, (path, _) in files.items():  # the seed files' kernels compiled or loaded now, not mid-variant (time,
+        load_and_run(path, preset == "tiny-moe")  # memory); each format's are compiled apart (kernels/specialise.py)
     old = signal.signal(signal.SIGALRM, _on_alarm)
     rss = [_max_rss()]
     stats = {"loaded": 0, "rejected": 0, "traced": 0, "worst_s": 0.0, "worst_traced_mb": 0.0}

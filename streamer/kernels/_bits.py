@@ -65,3 +65,22 @@ def f32_to_f16_bits(typingctx, x):
         return builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16))
 
     return types.uint16(x), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """a * b + c in float32, rounded once (llvm.fma): the same bits in every kernel, where a fast-math
+    `c + a * b` is contracted to an FMA, or not, by what LLVM made of the code around it (the weighted sums of
+    expert outputs that the decode and the grouped prefill kernels must agree on bit for bit)."""
+    if not all(isinstance(t, types.Float) for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        vals = [builder.fptrunc(v, f) if v.type != f else v for v in args]
+        fn = builder.module.globals.get("llvm.fma.f32")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(f, [f] * 3), name="llvm.fma.f32")
+        return builder.call(fn, vals)
+
+    return types.float32(a, b, c), codegen

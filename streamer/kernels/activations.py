@@ -8,12 +8,15 @@ x 16383 < 2^31. That is 128x finer than ggml's int8 activations.
 
 import numpy as np
 
-from ._bits import FASTMATH, kernel
+from ._bits import kernel
 
 XQ_MAX = 16383
 
 
-@kernel(fastmath=FASTMATH)
+# No fast-math in these two: the decode and the grouped prefill kernels inline them into different code, and
+# the row dots on their results must agree bit for bit (a reassociated sum, a reciprocal for a division, differ
+# with what LLVM made of the code around them). Once per activation row: their cost does not show.
+@kernel()
 def quantize_groups(x, xq, dx, group):
     """xq[k] = rint(x[k] / dx[g]), dx[g] = max|x in group g| / XQ_MAX."""
     for g in range(x.size // group):
@@ -27,9 +30,9 @@ def quantize_groups(x, xq, dx, group):
             xq[k] = np.int16(np.rint(x[k] * inv))
 
 
-@kernel(fastmath=FASTMATH)
+@kernel()
 def group_sums(x, xs, group):
-    """xs[g] = sum of x over the group-element group g (32: the K-quant min terms; 16: Q2_K's)."""
+    """xs[g] = sum of x over the group-element group g (32: the K-quant min terms; 16: Q2_K's), in order."""
     for g in range(xs.size):
         s = np.float32(0)
         for k in range(group):

@@ -20,7 +20,7 @@ dot.
 import numba
 import numpy as np
 from numba import prange, types
-from numba.extending import overload, register_jitable
+from numba.extending import overload
 
 from ..formats import (
     IQ1_S,
@@ -96,16 +96,20 @@ from .simd_lowbit import (
     q5_1_dot,
 )
 from .simd_vnni import digit32_1, digits32, q4_k_dot2_vnni, q4_k_dot2_vnni1, q4_k_dot_vnni, q4_k_dot_vnni1
+from .specialise import format_kernel
 
 PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
 # Q4_K digit row dot read a 184 MB matrix from RAM 7% faster on one thread than with 4 KiB, as fast as from L3)
 
 
-# Not numba dispatchers of their own: only prepare's and dot's implementations call these (register_jitable).
-_HELPER = {"fastmath": FASTMATH, "error_model": "numpy", "inline": "always"}
+# The helpers below are inlined as numba IR (inline="always") into prepare's, dot's and dot2's implementations,
+# which pass them either the format code argument (one compiled version for every format) or, when the kernel is
+# specialised to a format (specialise.py: the code typed as a literal), that code as a constant: numba's
+# dead-branch pruning then keeps only that format's branch.
+_HELPER = {"fastmath": FASTMATH, "inline": "always"}
 
 
-@register_jitable(**_HELPER)
+@kernel(**_HELPER)
 def prepare_i16(fmt, x, xq, aux):
     """Quantize x for the format's row dot: int16 per 32 or 256 elements, scales in aux[:n/32] (first n/256
     used for super-blocks) and, for super-blocks and the 32-element formats with mins (Q4_1, Q5_1), f32 sums
@@ -125,7 +129,7 @@ def prepare_i16(fmt, x, xq, aux):
     return aux[:ng], aux[ng : 3 * ng]
 
 
-@register_jitable(**_HELPER)
+@kernel(**_HELPER)
 def dot_i16(fmt, w, off, xq, dx, xs, n_in):
     """The row starting at byte `off` of w, dot the prepared x of n_in elements (the common formats first)."""
     if fmt == Q4_K:
@@ -198,6 +202,11 @@ def _one_digit(xq):
     return xq.dtype == types.uint8
 
 
+def _code(fmt):
+    """The format code if fmt is typed as a literal (a kernel specialised to it: specialise.py), else None."""
+    return fmt.literal_value if isinstance(fmt, types.IntegerLiteral) else None
+
+
 _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
 
@@ -210,50 +219,60 @@ def prepare(fmt, x, xq, aux):
     raise NotImplementedError("blocks.prepare runs inside numba kernels only")
 
 
-@overload(prepare, inline="always", jit_options=_OV)
+@kernel(**_HELPER)
+def _prepare8(fmt, x, xq, aux):
+    ng = x.size >> 5
+    if fmt == Q4_K:
+        for g in range(ng):  # vector code (simd_vnni.digits32), x read as C-contiguous
+            digits32(x, xq, aux[:ng], aux[ng : 2 * ng], g)
+        return aux[:ng], aux[ng : 3 * ng]
+    return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+
+@kernel(**_HELPER)
+def _prepare8a(fmt, x, xq, aux):  # x of any layout: a contiguous copy, so the digits are the same bits as impl8's
+    ng = x.size >> 5
+    if fmt == Q4_K:
+        xc = np.ascontiguousarray(x)
+        for g in range(ng):
+            digits32(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
+        return aux[:ng], aux[ng : 3 * ng]
+    return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+
+@kernel(**_HELPER)
+def _prepare1(fmt, x, xq, aux):  # one digit (uint8 buffer): x copied to contiguous if it is not (else a no-op)
+    ng = x.size >> 5
+    if fmt == Q4_K:
+        xc = np.ascontiguousarray(x)
+        for g in range(ng):
+            digit32_1(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
+        return aux[:ng], aux[ng : 3 * ng]
+    return prepare_i16(fmt, x, xq.view(np.int16), aux)
+
+
+@overload(prepare, inline="always", jit_options=_OV, prefer_literal=True)
 def _prepare(fmt, x, xq, aux):
+    F = _code(fmt)
     if not _is_digits(xq):
+        fn = prepare_i16
+    elif _one_digit(xq):
+        fn = _prepare1
+    elif isinstance(x, types.Array) and x.layout == "C":
+        fn = _prepare8
+    else:
+        fn = _prepare8a
+    if F is None:
 
-        def impl16(fmt, x, xq, aux):
-            return prepare_i16(fmt, x, xq, aux)
+        def impl(fmt, x, xq, aux):
+            return fn(fmt, x, xq, aux)
 
-        return impl16
+        return impl
 
-    if _one_digit(xq):
+    def impl_f(fmt, x, xq, aux):  # F: a constant, the other formats' branches pruned
+        return fn(F, x, xq, aux)
 
-        def impl1(fmt, x, xq, aux):  # one digit: x copied to contiguous if it is not (a no-op if it is)
-            ng = x.size >> 5
-            if fmt == Q4_K:
-                xc = np.ascontiguousarray(x)
-                for g in range(ng):
-                    digit32_1(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
-                return aux[:ng], aux[ng : 3 * ng]
-            return prepare_i16(fmt, x, xq.view(np.int16), aux)
-
-        return impl1
-
-    if isinstance(x, types.Array) and x.layout == "C":
-
-        def impl8(fmt, x, xq, aux):
-            ng = x.size >> 5
-            if fmt == Q4_K:
-                for g in range(ng):  # vector code (simd_vnni.digits32), x read as C-contiguous
-                    digits32(x, xq, aux[:ng], aux[ng : 2 * ng], g)
-                return aux[:ng], aux[ng : 3 * ng]
-            return prepare_i16(fmt, x, xq.view(np.int16), aux)
-
-        return impl8
-
-    def impl8a(fmt, x, xq, aux):  # x of any layout: a contiguous copy, so the digits are the same bits as impl8's
-        ng = x.size >> 5
-        if fmt == Q4_K:
-            xc = np.ascontiguousarray(x)
-            for g in range(ng):
-                digits32(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
-            return aux[:ng], aux[ng : 3 * ng]
-        return prepare_i16(fmt, x, xq.view(np.int16), aux)
-
-    return impl8a
+    return impl_f
 
 
 def dot(fmt, w, off, xq, dx, xs, n_in):
@@ -261,37 +280,42 @@ def dot(fmt, w, off, xq, dx, xs, n_in):
     raise NotImplementedError("blocks.dot runs inside numba kernels only")
 
 
-@overload(dot, inline="always", jit_options=_OV)
+@kernel(**_HELPER)
+def _dot8(fmt, w, off, xq, dx, xs, n_in):
+    if fmt == Q4_K:
+        return q4_k_dot_vnni(w, off, xq, dx, xs, n_in >> 8, PF)
+    return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
+
+
+@kernel(**_HELPER)
+def _dot1(fmt, w, off, xq, dx, xs, n_in):
+    if fmt == Q4_K:
+        return q4_k_dot_vnni1(w, off, xq, dx, xs, n_in >> 8, PF)
+    return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
+
+
+@overload(dot, inline="always", jit_options=_OV, prefer_literal=True)
 def _dot(fmt, w, off, xq, dx, xs, n_in):
-    if not _is_digits(xq):
+    F = _code(fmt)
+    fn = (_dot1 if _one_digit(xq) else _dot8) if _is_digits(xq) else dot_i16
+    if F is None:
 
-        def impl16(fmt, w, off, xq, dx, xs, n_in):
-            return dot_i16(fmt, w, off, xq, dx, xs, n_in)
+        def impl(fmt, w, off, xq, dx, xs, n_in):
+            return fn(fmt, w, off, xq, dx, xs, n_in)
 
-        return impl16
+        return impl
 
-    if _one_digit(xq):
+    def impl_f(fmt, w, off, xq, dx, xs, n_in):
+        return fn(F, w, off, xq, dx, xs, n_in)
 
-        def impl1(fmt, w, off, xq, dx, xs, n_in):
-            if fmt == Q4_K:
-                return q4_k_dot_vnni1(w, off, xq, dx, xs, n_in >> 8, PF)
-            return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
-
-        return impl1
-
-    def impl8(fmt, w, off, xq, dx, xs, n_in):
-        if fmt == Q4_K:
-            return q4_k_dot_vnni(w, off, xq, dx, xs, n_in >> 8, PF)
-        return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
-
-    return impl8
+    return impl_f
 
 
-@register_jitable(**_HELPER)
+@kernel(**_HELPER)
 def _rows2(fmt, w, off, stride, xq, dx, xs, n_in):
     """dot_i16 of the rows at off and off + stride, from ONE inlined copy of dot_i16 (a loop, not two calls):
-    its body holds every format's row dot, and a second copy in every kernel that pairs rows cost the first
-    run ~30 s more compiling. Each value is dot_i16's for that row."""
+    its body holds every format's row dot (unless the format is a constant), and a second copy in every kernel
+    that pairs rows cost the first run ~30 s more compiling. Each value is dot_i16's for that row."""
     a = b = np.float32(0.0)
     for k in range(2):
         v = dot_i16(fmt, w, off + k * stride, xq, dx, xs, n_in)
@@ -311,32 +335,42 @@ def dot2(fmt, w, off, stride, xq, dx, xs, n_in):
     raise NotImplementedError("blocks.dot2 runs inside numba kernels only")
 
 
-@overload(dot2, inline="always", jit_options=_OV)
+@kernel(**_HELPER)
+def _dot2_16(fmt, w, off, stride, xq, dx, xs, n_in):
+    if fmt == Q4_K:
+        return q4_k_dot2(w, off, stride, xq, dx, xs, n_in >> 8, PF)
+    return _rows2(fmt, w, off, stride, xq, dx, xs, n_in)
+
+
+@kernel(**_HELPER)
+def _dot2_8(fmt, w, off, stride, xq, dx, xs, n_in):
+    if fmt == Q4_K:
+        return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, PF)
+    return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
+
+
+@kernel(**_HELPER)
+def _dot2_1(fmt, w, off, stride, xq, dx, xs, n_in):
+    if fmt == Q4_K:
+        return q4_k_dot2_vnni1(w, off, stride, xq, dx, xs, n_in >> 8, PF)
+    return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
+
+
+@overload(dot2, inline="always", jit_options=_OV, prefer_literal=True)
 def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
-    if not _is_digits(xq):
+    F = _code(fmt)
+    fn = (_dot2_1 if _one_digit(xq) else _dot2_8) if _is_digits(xq) else _dot2_16
+    if F is None:
 
-        def impl16(fmt, w, off, stride, xq, dx, xs, n_in):
-            if fmt == Q4_K:
-                return q4_k_dot2(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-            return _rows2(fmt, w, off, stride, xq, dx, xs, n_in)
+        def impl(fmt, w, off, stride, xq, dx, xs, n_in):
+            return fn(fmt, w, off, stride, xq, dx, xs, n_in)
 
-        return impl16
+        return impl
 
-    if _one_digit(xq):
+    def impl_f(fmt, w, off, stride, xq, dx, xs, n_in):
+        return fn(F, w, off, stride, xq, dx, xs, n_in)
 
-        def impl1(fmt, w, off, stride, xq, dx, xs, n_in):
-            if fmt == Q4_K:
-                return q4_k_dot2_vnni1(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-            return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
-
-        return impl1
-
-    def impl8(fmt, w, off, stride, xq, dx, xs, n_in):
-        if fmt == Q4_K:
-            return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-        return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
-
-    return impl8
+    return impl_f
 
 
 @kernel(fastmath=FASTMATH, inline="always")
@@ -385,7 +419,7 @@ def deq(fmt, w, off, dst, at, n_in):
         iq1_m_deq(w, off, dst, at, n_in >> 8)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def block_matvec(fmt, w, x, out, xq, aux):
     dx, xs = prepare(fmt, x, xq, aux)
     rb = w.shape[1]
@@ -398,7 +432,7 @@ def block_matvec(fmt, w, x, out, xq, aux):
             out[r] = dot(fmt, w, r * rb, xq, dx, xs, x.size)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def block_matmul(fmt, w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
@@ -411,7 +445,7 @@ def block_matmul(fmt, w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@kernel()
+@format_kernel()
 def block_rows(fmt, w, ids, out):
     K = out.shape[1]
     for i in range(ids.size):

@@ -29,18 +29,47 @@ from .blocks import block_matvec, dot, dot2, prepare
 from .experts import experts_down, experts_matvec
 from .ops import attention, head_norm_rope, head_rope, rmsnorm, swiglu
 from .routing import topk_softmax
+from .specialise import format_kernel
 
 
 @kernel(fastmath=FASTMATH, inline="always")
 def _prepare3(f0, f1, f2, x, xq, aux):
-    """Quantize x for up to three formats into xq/aux rows 0..2; returns the row each format reads."""
+    """Quantize x for up to three formats into xq/aux rows 0..2; returns the row each format reads. One call per
+    distinct format, not a loop over the three: in a kernel specialised to its formats (specialise.py) each call
+    holds one format's code and the tests between the (constant) formats are pruned."""
     s1 = 0 if f1 == f0 else 1
     s2 = 0 if f2 == f0 else (1 if f2 == f1 else 2)
-    fs = (f0, f1, f2)
-    for j in range(3):
-        if j == 0 or (j == 1 and s1 == 1) or (j == 2 and s2 == 2):
-            prepare(fs[j], x, xq[j], aux[j])
+    prepare(f0, x, xq[0], aux[0])
+    if f1 != f0:
+        prepare(f1, x, xq[1], aux[1])
+    if f2 != f0:
+        if f2 != f1:
+            prepare(f2, x, xq[2], aux[2])
     return (0, s1, s2)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _dot2_of(j, f0, f1, f2, w, off, stride, xq, dx, xs, n_in):
+    """blocks.dot2 in format f0, f1 or f2 for j = 0, 1, 2: one inlined copy per distinct (constant) format."""
+    if f1 != f0:
+        if j == 1:
+            return dot2(f1, w, off, stride, xq, dx, xs, n_in)
+    if f2 != f0:
+        if j == 2:
+            return dot2(f2, w, off, stride, xq, dx, xs, n_in)
+    return dot2(f0, w, off, stride, xq, dx, xs, n_in)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _dot_of(j, f0, f1, f2, w, off, xq, dx, xs, n_in):
+    """blocks.dot in format f0, f1 or f2 for j = 0, 1, 2 (as _dot2_of)."""
+    if f1 != f0:
+        if j == 1:
+            return dot(f1, w, off, xq, dx, xs, n_in)
+    if f2 != f0:
+        if j == 2:
+            return dot(f2, w, off, xq, dx, xs, n_in)
+    return dot(f0, w, off, xq, dx, xs, n_in)
 
 
 @kernel(parallel=True, fastmath=FASTMATH, inline="always")
@@ -58,7 +87,7 @@ def _add_matvec(f, w, xq, dx, xs, n_in, y):
             y[r] = y[r] + dot(f, w, r * rb, xq, dx, xs, n_in)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel("fq", "fk", "fv", "fo", parallel=True, fastmath=FASTMATH)
 def attn_block(
     x, h, attn_norm, ffn_norm, eps,
     fq, wq, bq, fk, wk, bk, fv, wv, bv, q_norm, k_norm,
@@ -74,7 +103,6 @@ def attn_block(
     ng = n >> 5
     rmsnorm(x, attn_norm, eps, h)
     slots = _prepare3(fq, fk, fv, h[0], xq, aux)
-    fs = (fq, fk, fv)
     nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
     qkv = qkv_out.reshape(nq + nk + nv)  # q, k, v: views of it
     pq, pk, pv = (nq + 1) >> 1, (nk + 1) >> 1, (nv + 1) >> 1  # each matrix's rows in pairs (blocks.dot2)
@@ -89,9 +117,9 @@ def attn_block(
         s = slots[j]
         rb = w.shape[1]
         if r + 1 < m:
-            qkv[at], qkv[at + 1] = dot2(fs[j], w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+            qkv[at], qkv[at + 1] = _dot2_of(j, fq, fk, fv, w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
         else:
-            qkv[at] = dot(fs[j], w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+            qkv[at] = _dot_of(j, fq, fk, fv, w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
     qf, kf, vf = qkv[:nq], qkv[nq : nq + nk], qkv[nq + nk :]
     if bq.size:
         for r in range(nq):
@@ -123,14 +151,13 @@ def attn_block(
     rmsnorm(x, ffn_norm, eps, h)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel("fg", "fu", "fd", parallel=True, fastmath=FASTMATH)
 def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
     """Dense SwiGLU of one token added into the residual: x += down(silu(gate h) * up h). gu (2, n_ff) scratch,
     xq/aux (3, n_embd)/(3, 3 n_embd/32 + 1), xqa/auxa (n_ff)/(3 n_ff/32 + 1)."""
     n = h.shape[1]
     ng = n >> 5
     slots = _prepare3(fg, fu, fu, h[0], xq, aux)
-    fs = (fg, fu)
     nf = wg.shape[0]
     npair = (nf + 1) >> 1  # each matrix's rows in pairs (blocks.dot2)
     for tt in prange(2 * npair):
@@ -141,9 +168,9 @@ def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
         s = slots[j]
         rb = w.shape[1]
         if r + 1 < nf:
-            gu[j, r], gu[j, r + 1] = dot2(fs[j], w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+            gu[j, r], gu[j, r + 1] = _dot2_of(j, fg, fu, fu, w, r * rb, rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
         else:
-            gu[j, r] = dot(fs[j], w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
+            gu[j, r] = _dot_of(j, fg, fu, fu, w, r * rb, xq[s], aux[s, :ng], aux[s, ng : 3 * ng], n)
     g = gu[0:1]
     swiglu(g, gu[1:2], g)
     a = gu[0]
@@ -151,7 +178,7 @@ def ffn_block(x, h, fg, wg, fu, wu, fd, wd, gu, xq, aux, xqa, auxa):
     _add_matvec(fd, wd, xqa, dx, xs, nf, x[0])
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel("fr", "fgu", "fd", parallel=True, fastmath=FASTMATH)
 def moe_block(
     x, h, fr, wr, logits, xqr, auxr, ids, wts, base, starts, sizes, fgu, rb_gu, fd, rb_d,
     offs, sw, gu, out, xq, aux, xqa, auxa, counts,

@@ -20,7 +20,7 @@ class Kernels(NamedTuple):
     rows: Callable  # (fmt, w, ids, out) -> None
     view: type  # dtype the kernels see the data as
     act_group: int  # matvec quantizes x to int16 per this many elements (0: x used as f32)
-    fmt: int  # the format code the kernels are called with (they serve several formats)
+    fmt: int  # the format code the kernels are called with (they serve several formats, each compiled apart)
 
 
 _FAMILIES = {  # streamer.formats' kernel families: (matvec, matmul, rows, view)
@@ -58,7 +58,22 @@ def _tile_scratch(n_in: int) -> np.ndarray:
 class QMatrix:
     """A 2-D weight of n_out rows x n_in columns in one GGML format, over a zero-copy view."""
 
-    __slots__ = ("name", "qtype", "n_out", "n_in", "nbytes", "_w", "_k", "_fmt", "_mv", "_xq", "_aux", "_i8")
+    __slots__ = (
+        "name",
+        "qtype",
+        "n_out",
+        "n_in",
+        "nbytes",
+        "_w",
+        "_k",
+        "_fmt",
+        "_mv",
+        "_mm",
+        "_rw",
+        "_xq",
+        "_aux",
+        "_i8",
+    )
 
     def __init__(self, data: np.ndarray, qtype: T, n_in: int, name: str = ""):
         try:
@@ -84,7 +99,8 @@ class QMatrix:
         self.name, self.qtype, self.n_in, self._w, self._k = name, qtype, n_in, w, k
         self.n_out = data.shape[0]
         self.nbytes = data.nbytes
-        self._fmt, self._mv = k.fmt, k.matvec
+        self._fmt = k.fmt  # the kernels compiled for this format only (specialise.py)
+        self._mv, self._mm, self._rw = (f.specialise(k.fmt) for f in (k.matvec, k.matmul, k.rows))
         self._xq, self._aux = _act_scratch(n_in, k.matvec is blocks.block_matvec)
         self._i8 = qtype in INT8 and int8.ISA is not None
 
@@ -92,7 +108,7 @@ class QMatrix:
     def block(self) -> tuple[int, np.ndarray] | None:
         """(format code, uint8 rows) for kernels that take blocks.dot's arguments (kernels/decode.py), None if
         the format is not block-quantized."""
-        return (self._fmt, self._w) if self._mv is blocks.block_matvec else None
+        return (self._fmt, self._w) if self._k.matvec is blocks.block_matvec else None
 
     def first_rows(self, n: int) -> "QMatrix":
         """A QMatrix over the first n rows (same bytes, same array type: used to warm kernels up cheaply)."""
@@ -127,7 +143,7 @@ class QMatrix:
         elif self._i8:
             int8.matmul(self._fmt, self._w, X, out)
         else:
-            self._k.matmul(self._fmt, self._w, X, out, _tile_scratch(self.n_in))
+            self._mm(self._fmt, self._w, X, out, _tile_scratch(self.n_in))
         return out
 
     def rows(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -139,7 +155,7 @@ class QMatrix:
             out = np.empty((ids.size, self.n_in), np.float32)
         elif out.shape != (ids.size, self.n_in) or not out.flags.c_contiguous:
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected contiguous ({ids.size}, {self.n_in})")
-        self._k.rows(self._fmt, self._w, ids, out)
+        self._rw(self._fmt, self._w, ids, out)
         return out
 
 

@@ -15,13 +15,14 @@ import numpy as np
 from numba import prange
 
 from ..formats import BLOCK_CODES as FORMATS
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, fma32
 from .blocks import act_buffer, dot, dot2, prepare
+from .specialise import format_kernel
 
 __all__ = ["FORMATS", "ExpertScratch", "experts_down", "experts_matvec"]
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
     """out[i, r] = row r of the matrix starting at byte offs[i] of w, dot x. out is (n_mats, n_rows)."""
     dx, xs = prepare(fmt, x, xq, aux)
@@ -37,7 +38,7 @@ def experts_matvec(fmt, w, offs, row_bytes, x, out, xq, aux):
             out[i, r] = dot(fmt, w, at, xq, dx, xs, x.size)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
     """out[r] += sum over i, in order, of weights[i] * (row r of matrix i) . a[i]; a is (n_mats, n_in)."""
     k, n_in = a.shape
@@ -51,13 +52,14 @@ def experts_down(fmt, w, offs, row_bytes, a, weights, out, xq, aux):
             acc0, acc1 = out[r], out[r + 1]
             for i in range(k):
                 d0, d1 = dot2(fmt, w, offs[i] + r * row_bytes, row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
-                acc0 += weights[i] * d0
-                acc1 += weights[i] * d1
+                acc0 = fma32(weights[i], d0, acc0)  # one rounding, whatever LLVM makes of the code around it
+                acc1 = fma32(weights[i], d1, acc1)
             out[r], out[r + 1] = acc0, acc1
         else:
             acc = out[r]
             for i in range(k):
-                acc += weights[i] * dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+                d = dot(fmt, w, offs[i] + r * row_bytes, xq[i], aux[i, :ng], aux[i, ng : 3 * ng], n_in)
+                acc = fma32(weights[i], d, acc)
             out[r] = acc
 
 

@@ -12,11 +12,12 @@ from numba import prange
 
 from ._bits import FASTMATH, bf16_to_f32, f16_to_f32, kernel
 from .gemm import TILE, gemm_tile
+from .specialise import format_kernel
 
 # ---- F32 -------------------------------------------------------------------------------
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(every=True, parallel=True, fastmath=FASTMATH)
 def f32_matvec(fmt, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -41,7 +42,7 @@ def f32_matvec(fmt, w, x, out, xq, aux):
                 out[rr] = s
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(every=True, parallel=True, fastmath=FASTMATH)
 def f32_matmul(fmt, w, X, out, scratch):
     # No dequantization needed: the tile product reads W's rows in place.
     n_out = w.shape[0]
@@ -50,7 +51,7 @@ def f32_matmul(fmt, w, X, out, scratch):
         gemm_tile(X, w, r0, min(TILE, n_out - r0), out, r0)
 
 
-@kernel()
+@format_kernel(every=True)
 def f32_rows(fmt, w, ids, out):
     for i in range(ids.size):
         out[i, :] = w[ids[i], :]
@@ -64,7 +65,7 @@ def _widen(bf, v):
     return bf16_to_f32(v) if bf else f16_to_f32(v)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel("bf", every=True, parallel=True, fastmath=FASTMATH)
 def half_matvec(bf, w, x, out, xq, aux):
     n_out, n = w.shape
     for g in prange((n_out + 3) >> 2):
@@ -95,7 +96,7 @@ def half_row(bf, w, r, dst, j):
         dst[j, k] = _widen(bf, w[r, k])
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel("bf", every=True, parallel=True, fastmath=FASTMATH)
 def half_matmul(bf, w, X, out, scratch):
     n_out = w.shape[0]
     for t in prange((n_out + TILE - 1) // TILE):
@@ -107,7 +108,7 @@ def half_matmul(bf, w, X, out, scratch):
         gemm_tile(X, buf, 0, nr, out, r0)
 
 
-@kernel()
+@format_kernel("bf", every=True)
 def half_rows(bf, w, ids, out):
     for i in range(ids.size):
         half_row(bf, w, ids[i], out, i)

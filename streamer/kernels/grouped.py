@@ -15,12 +15,13 @@ group in one call) and `scatter_add`.
 import numba
 from numba import prange
 
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, fma32, kernel
 from .blocks import deq, dot, dot2, prepare
 from .gemm import TILE, gemm_tile
+from .specialise import format_kernel
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def prepare_rows(fmt, X, xq, aux):
     """Quantize each row of X (m, n_in) for the format's row dot: xq blocks.act_buffer(n_in, m), aux
     (m, 3 n_in/32 + 1) in blocks.prepare's layout (scales, then sums per 32, or per 16 for Q2_K)."""
@@ -28,7 +29,7 @@ def prepare_rows(fmt, X, xq, aux):
         prepare(fmt, X[t], xq[t], aux[t])
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
     """For expert i of the group (gate at byte offs[0, i] of w, up at offs[1, i]) and each of its pairs p in
     starts[i]..starts[i+1] (token toks[p]): out[0, p] = gate . x, out[1, p] = up . x. out is (2, P, n_rows)."""
@@ -53,7 +54,7 @@ def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
                 out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, out):
     """out[t, r] += sum over pairs q in tstarts[t]..tstarts[t+1] (in that order), with p = perm[q], of
     weights[p] * (row r of the down matrix at byte poffs[p] of w) . a[p]. a (P, n_in) f32; aq, aux scratch."""
@@ -72,19 +73,19 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
                     p = perm[q]
                     d0, d1 = dot2(fmt, w, poffs[p] + r * row_bytes, row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
                                   n_in)  # fmt: skip
-                    acc0 += weights[p] * d0
-                    acc1 += weights[p] * d1
+                    acc0 = fma32(weights[p], d0, acc0)  # as experts_down: one rounding in both
+                    acc1 = fma32(weights[p], d1, acc1)
                 out[t, r], out[t, r + 1] = acc0, acc1
             else:
                 acc = out[t, r]
                 for q in range(tstarts[t], tstarts[t + 1]):
                     p = perm[q]
-                    acc += weights[p] * dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
-                                            n_in)  # fmt: skip
+                    d = dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
+                    acc = fma32(weights[p], d, acc)
                 out[t, r] = acc
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
+@format_kernel(parallel=True, fastmath=FASTMATH)
 def grouped_matmul(fmt, w, offs, row_bytes, X, starts, out, scratch):
     """For part j and expert i of the group (its rows at byte offs[j, i] of w) and its pairs starts[i]..
     starts[i+1] (rows of X): out[j, those] = X[those] @ W_ji^T. As QMatrix.matmul computes it (blocks'

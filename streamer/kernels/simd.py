@@ -85,16 +85,23 @@ class _Emit:
         return self.b.add(self.shuffle(m, u, list(range(0, 32, 2))), self.shuffle(m, u, list(range(1, 32, 2))))
 
     def fma(self, acc, a, b):
-        return self.b.fadd(acc, self.b.fmul(a, b, flags=("fast",)), flags=("fast",))
+        """acc + a * b, fused (llvm.fma): the same rounding wherever LLVM inlines the code. A fast-math fadd(fmul)
+        was contracted, or not, and reassociated by what surrounded it: the same row dot gave other bits in
+        experts_matvec than in grouped_gate_up (tests/test_moe_prefill.py), depending on compile history."""
+        t = acc.type
+        name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+        fn = self.b.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.b.module, ir.FunctionType(t, [t] * 3), name=name)
+        return self.b.call(fn, [a, b, acc])
 
     def hsum(self, v):
-        """Tree sum of a float vector (once per row, so its cost does not matter)."""
+        """Tree sum of a float vector, in exactly this order (no fast-math flags: LLVM may not reassociate it, so
+        it gives the same bits in every kernel it is inlined into; once per row, so its cost does not matter)."""
         n = v.type.count
         while n > 1:
             n //= 2
-            v = self.b.fadd(
-                self.shuffle(v, v, list(range(n))), self.shuffle(v, v, list(range(n, 2 * n))), flags=("fast",)
-            )
+            v = self.b.fadd(self.shuffle(v, v, list(range(n))), self.shuffle(v, v, list(range(n, 2 * n))))
         return self.b.extract_element(v, ir.Constant(I32, 0))
 
     def prefetch(self, base, byte_off):
@@ -180,10 +187,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
             a = accs[r * k : (r + 1) * k]
             v = a[0]
             for u in a[1:n_vec]:
-                v = builder.fadd(v, u, flags=("fast",))
+                v = builder.fadd(v, u)  # strict, as hsum: the same bits in every kernel
             total = e.hsum(v)
             if n_acc == 2:
-                total = builder.fsub(total, e.hsum(a[n_vec]), flags=("fast",))
+                total = builder.fsub(total, e.hsum(a[n_vec]))
             res.append(total)
         if n_rows == 1:
             return res[0]
@@ -248,7 +255,7 @@ def _kquant_mins(e, xsb, b, dmin, mins, acc):
     bb = e.b
     xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
     mf = bb.uitofp(mins, V(F32, 8))
-    return e.fma(acc, bb.fmul(mf, xs8, flags=("fast",)), e.splat(dmin, 8))
+    return e.fma(acc, bb.fmul(mf, xs8), e.splat(dmin, 8))
 
 
 def _q45_k(qs_at, has_qh):

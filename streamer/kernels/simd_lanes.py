@@ -132,7 +132,7 @@ def _row_intrinsic(T, dp, R):
                             for s in range(Tv):
                                 t = dp(e, t, ws[s], xl[s][v])
                             k = i * NV + v
-                            sv = bb.fmul(scl, dxv[v], flags=("fast",))
+                            sv = bb.fmul(scl, dxv[v])
                             acc[k] = e.fma(acc[k], bb.sitofp(t, V(F32, 16)), sv)
                             acc[R * NV + k] = e.fma(acc[R * NV + k], xsv[v], mnv)
                 return acc
@@ -142,10 +142,10 @@ def _row_intrinsic(T, dp, R):
                 with bb.if_then(bb.icmp_signed("<", c(i), nr_)):
                     for v in range(NV):
                         k = i * NV + v
-                        x = bb.fsub(accs[k], accs[R * NV + k], flags=("fast",))
+                        x = bb.fsub(accs[k], accs[R * NV + k])  # strict: no context reorders it
                         width = 1
                         while width < 2 * Cp:  # lane t * 2Cp then holds token t's sum
-                            x = bb.fadd(x, e.shuffle(x, x, [min(L + width, 15) for L in range(16)]), flags=("fast",))
+                            x = bb.fadd(x, e.shuffle(x, x, [min(L + width, 15) for L in range(16)]))
                             width *= 2
                         for t in range(Tv):
                             tok = v * Tv + t

@@ -93,7 +93,7 @@ def _q2_k(e, wb, xqb, dxb, xsb, b, blk, accs):
     acc = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, _dx(e, dxb, b)), 16))
     mins = bb.uitofp(bb.lshr(sc, e.const(I16, 16, 4)), V(F32, 16))
     xs16 = e.load(xsb, bb.mul(b, ir.Constant(I64, 64)), V(F32, 16), 4)
-    return [e.fma(acc, bb.fmul(mins, xs16, flags=("fast",)), e.splat(bb.fsub(ir.Constant(F32, 0.0), dmin), 16))]
+    return [e.fma(acc, bb.fmul(mins, xs16), e.splat(bb.fsub(ir.Constant(F32, 0.0), dmin), 16))]
 
 
 def _deq_q2_k(e, wb, blk, store):
@@ -250,7 +250,7 @@ def _block32(values, has_min):
         acc = e.fma(accs[0], bb.sitofp(e.pairdot(w, xv), V(F32, 16)), e.splat(bb.fmul(d, _dx(e, dxb, b)), 16))
         if has_min:
             mx = bb.fmul(m, e.load(xsb, bb.mul(b, ir.Constant(I64, 4)), F32, 4))
-            acc = bb.fadd(acc, bb.insert_element(ir.Constant(V(F32, 16), [0.0] * 16), mx, I32(0)), flags=("fast",))
+            acc = bb.fadd(acc, bb.insert_element(ir.Constant(V(F32, 16), [0.0] * 16), mx, I32(0)))
         return [acc]
 
     return body

@@ -79,7 +79,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
     xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
     mf = bb.uitofp(mins, V(F32, 8))
-    new.append(e.fma(accs[4], bb.fmul(mf, xs8, flags=("fast",)), e.splat(dmin, 8)))
+    new.append(e.fma(accs[4], bb.fmul(mf, xs8), e.splat(dmin, 8)))
     return new
 
 

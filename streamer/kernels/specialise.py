@@ -1,0 +1,158 @@
+"""Kernels compiled per weight format: a model compiles only the formats it uses.
+
+A kernel that serves many formats takes the format's code as an argument (`fmt`, first by convention) and
+branches on it. Compiled for a runtime code, every format's row dot is in its machine code: 23 formats' worth
+of LLVM work for each kernel, when a model uses one to three. `format_kernel` makes such a kernel a
+FormatKernel: called from Python, each distinct tuple of format codes gets its own numba dispatcher
+(`specialise`), which compiles with those arguments typed as integer literals. A compiler pass then turns the
+literal arguments into constants before numba's dead-branch pruning, so `if fmt == Q4_K:` chains in the kernel
+and in the functions it inlines keep the one branch taken, and blocks.py's overloads (prepare, dot, dot2)
+select the format's code at typing time. The specialisations share the kernel's on-disk cache (numba keys an
+entry on the signature, which holds the literal codes), so a second process loads each from the cache.
+
+Called from another kernel with constant codes (the caller's own literals), the kernel is typed with the
+literal codes too: the callee then compiles (or loads) the same specialisation.
+
+Only the formats real uploads mostly use are compiled apart (SPECIALISED: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, and
+-1, moe_block's float router): a tuple with any other code calls the kernel's every-format version, compiled
+once for all of them. Each specialisation costs a compile of its own (typing, parfors, LLVM's fixed work): the
+test suite runs every one of the 23 formats through every kernel, and one version per format and kernel took it
+far past CI's limit (tests/test_formats.py alone: many minutes), where the every-format version is compiled once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+from numba.core import compiler, errors, ir, sigutils, types
+from numba.core.compiler_machinery import FunctionPass, register_pass
+from numba.core.ir_utils import build_definitions
+from numba.core.registry import CPUDispatcher
+from numba.core.untyped_passes import IRProcessing
+
+from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+
+SPECIALISED = frozenset({Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, -1})  # block format codes compiled apart (and no router)
+
+# numba's pedantic SSA check flags blocks._rows2's loop-carried pair once it is inlined as IR ("variable ... is not
+# in scope"): a note for numba's developers, printed in the middle of a user's first run otherwise.
+warnings.filterwarnings("ignore", category=errors.NumbaIRAssumptionWarning)
+
+
+@register_pass(mutates_CFG=False, analysis_only=False)
+class LiteralArgsToConsts(FunctionPass):
+    """Replace each integer-literal argument's value by an IR constant (before dead-branch pruning)."""
+
+    _name = "stream_run_literal_args_to_consts"
+
+    def __init__(self):
+        FunctionPass.__init__(self)
+
+    def run_pass(self, state):
+        changed = False
+        for blk in state.func_ir.blocks.values():
+            for stmt in blk.body:
+                if isinstance(stmt, ir.Assign) and isinstance(stmt.value, ir.Arg):
+                    ty = state.args[stmt.value.index]
+                    if isinstance(ty, types.IntegerLiteral):
+                        stmt.value = ir.Const(ty.literal_value, stmt.value.loc)
+                        changed = True
+        if changed:
+            state.func_ir._definitions = build_definitions(state.func_ir.blocks)
+        return changed
+
+
+class SpecCompiler(compiler.CompilerBase):
+    """numba's nopython pipeline with LiteralArgsToConsts after the IR is built."""
+
+    def define_pipelines(self):
+        pm = compiler.DefaultPassBuilder.define_nopython_pipeline(self.state)
+        pm.add_pass_after(LiteralArgsToConsts, IRProcessing)
+        pm.finalize()
+        return [pm]
+
+
+class Specialised(CPUDispatcher):
+    """One FormatKernel's dispatcher for fixed format codes: compiles with those arguments typed as literals and
+    is called with the plain ints (their machine-code value is unused)."""
+
+    def __init__(self, parent: FormatKernel, codes: tuple[int, ...]):
+        super().__init__(parent.py_func, locals={}, targetoptions=parent.targetoptions, pipeline_class=SpecCompiler)
+        self.codes = codes
+        self._lits = {i: types.literal(c) for i, c in zip(parent.format_args, codes)}
+        self.enable_caching()
+
+    def compile(self, sig):
+        args, return_type = sigutils.normalize_signature(sig)
+        args = tuple(self._lits.get(i, a) for i, a in enumerate(args))
+        return super().compile(args if return_type is None else return_type(*args))
+
+    def add_overload(self, cres):
+        args = tuple(cres.signature.args)
+        self._insert([types.unliteral(a)._code for a in args], cres.entry_point, cres.objectmode)
+        self.overloads[args] = cres
+
+    def in_cache(self) -> bool:
+        """Whether numba's on-disk cache holds machine code of this specialisation (for some argument types)."""
+        index = self._cache._cache_file._load_index()
+        return any(all(key[0][i] == lit for i, lit in self._lits.items()) for key in index)
+
+
+class FormatKernel(CPUDispatcher):
+    """A numba kernel whose format-code arguments select its compiled code (see the module's docstring). As a
+    global called from other kernels it is an ordinary dispatcher; called from Python it calls
+    specialise(its codes)."""
+
+    def __init__(self, py_func, params: tuple[str, ...], targetoptions: dict, every: bool = False):
+        super().__init__(py_func, locals={}, targetoptions=targetoptions, pipeline_class=SpecCompiler)
+        names = list(inspect.signature(py_func).parameters)
+        self.format_args = tuple(names.index(p) for p in params)
+        self.every = every  # every code compiled apart (the float kernels: one format each), else SPECIALISED's
+        self.specs: dict[tuple[int, ...], Specialised] = {}
+        self.enable_caching()
+
+    def specialise(self, *codes: int) -> Specialised | FormatKernel:
+        """The dispatcher of this kernel for these format codes (one per format argument, in order): their
+        specialisation, or this kernel itself (its every-format version) if a code is not in SPECIALISED."""
+        key = tuple(int(c) for c in codes)
+        spec = self.specs.get(key)
+        if spec is None:
+            if not (self.every or SPECIALISED.issuperset(key)):
+                return self
+            spec = self.specs[key] = Specialised(self, key)
+        return spec
+
+    def __call__(self, *args):
+        spec = self.specs.get(tuple([args[i] for i in self.format_args]))
+        if spec is None:
+            spec = self.specialise(*[args[i] for i in self.format_args])
+            if spec is self:
+                return super().__call__(*args)
+        return spec(*args)
+
+    def in_cache(self) -> bool:
+        """Whether numba's on-disk cache holds machine code of the every-format version (for some argument types)."""
+        index = self._cache._cache_file._load_index()
+        return any(not any(isinstance(key[0][i], types.Literal) for i in self.format_args) for key in index)
+
+    @property
+    def signatures(self) -> list:
+        """The compiled signatures of this kernel and of its specialisations (whose format arguments are literals)."""
+        return [*super().signatures, *(sig for spec in self.specs.values() for sig in spec.signatures)]
+
+    def dispatchers(self) -> list:
+        """This kernel's dispatcher and its specialisations'."""
+        return [self, *self.specs.values()]
+
+
+def format_kernel(*params: str, every: bool = False, **options):
+    """Decorator: a FormatKernel whose format arguments are `params` (default "fmt"), compiled like _bits.kernel
+    (cached, numpy's error model, no GIL) with these numba options; every: each code compiled apart (not only
+    SPECIALISED's)."""
+    targetoptions = {"nopython": True, "error_model": "numpy", "nogil": True, **options}
+
+    def wrap(py_func):
+        return FormatKernel(py_func, params or ("fmt",), targetoptions, every)
+
+    return wrap
