@@ -94,35 +94,46 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
     assert errs["digits"] < 0.7 * errs["int16"], errs
 
 
-def test_quantize_digits_step_and_layout():
-    """Each element's two digits, read back from simd_vnni's layout, give q with |x - q dx| <= dx/2 + 4u|x|, both
-    digits within int8's symmetric range, an all-zero group exactly zero, and f32 sums per group."""
+@pytest.mark.parametrize("digits", [2, 1])
+def test_quantize_digits_step_and_layout(digits):
+    """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
+    4u|x|: two digits (digits32) both within int8's symmetric range and |q| <= XD_MAX, or one (digit32_1, the
+    uint8-typed buffer) with |q| <= 127; every byte written once, an all-zero group exactly zero, and f32 sums per
+    group."""
     from numba import njit
 
-    from streamer.kernels.simd_vnni import digit_offset, digits32
+    from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit32_1, digit_offset, digits32
+
+    quantize = digits32 if digits == 2 else digit32_1
 
     @njit
     def vector(x, xd, dx, xs):
         for g in range(x.size >> 5):
-            digits32(x, xd, dx, xs, g)
+            quantize(x, xd, dx, xs, g)
 
     rng = np.random.default_rng(5)
     n = 1024
     x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
     x[256:288] = 0
-    pos = np.array([512 * (e // 256) + digit_offset(e % 256) for e in range(n)])
-    for fn in (vector,):
-        xd, dx, xs = np.empty(2 * n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
-        fn(x, xd, dx, xs)
+    sb = SB_BYTES if digits == 2 else SB_BYTES1
+    pos = np.array([sb * (e // 256) + digit_offset(e % 256, digits) for e in range(n)])
+    xd, dx, xs = np.empty(digits * n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
+    vector(x, xd if digits == 2 else xd.view(np.uint8), dx, xs)
+    if digits == 2:
+        assert sorted(np.concatenate([pos, pos + 64])) == list(range(2 * n))
         hi, lo = xd[pos].astype(np.int64), xd[pos + 64].astype(np.int64)
         assert np.abs(hi).max() <= 127 and np.abs(lo).max() <= 128
         q = 256 * hi + lo
         assert np.abs(q).max() <= XD_MAX
-        d = np.repeat(dx.astype(np.float64), 32)
-        assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
-        assert np.all(q[256:288] == 0) and dx[8] == 0
-        sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
-        np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
+    else:
+        assert sorted(pos) == list(range(n))
+        q = xd[pos].astype(np.int64)
+        assert np.abs(q).max() <= XD1_MAX
+    d = np.repeat(dx.astype(np.float64), 32)
+    assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
+    assert np.all(q[256:288] == 0) and dx[8] == 0
+    sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
+    np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
 
 
 @needs_vnni
@@ -135,36 +146,6 @@ def test_one_digit_is_within_its_bound_and_coarser_than_two(qtype):
         out, ref = _matvec(kind, qtype, 256, 2048, "normal", 3)
         errs[kind] = np.sqrt(np.mean((out - ref) ** 2))
     assert errs["digit"] > 10 * errs["digits"], errs
-
-
-@needs_vnni
-def test_quantize_one_digit_step_and_layout():
-    """digit32_1: each element's digit, read back from digit_offset1's layout, gives q with |x - q dx| <= dx/2 +
-    4u|x|, |q| <= 127, an all-zero group exactly zero, and f32 sums per group."""
-    from numba import njit
-
-    from streamer.kernels.simd_vnni import SB_BYTES1, digit32_1, digit_offset1
-
-    @njit
-    def vector(x, xd, dx, xs):
-        for g in range(x.size >> 5):
-            digit32_1(x, xd, dx, xs, g)
-
-    rng = np.random.default_rng(6)
-    n = 1024
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
-    x[256:288] = 0
-    pos = np.array([SB_BYTES1 * (e // 256) + digit_offset1(e % 256) for e in range(n)])
-    assert sorted(pos) == list(range(n))  # a permutation: every byte written once
-    xd, dx, xs = np.empty(n, np.uint8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
-    vector(x, xd, dx, xs)
-    q = xd.view(np.int8)[pos].astype(np.int64)
-    assert np.abs(q).max() <= XD1_MAX
-    d = np.repeat(dx.astype(np.float64), 32)
-    assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
-    assert np.all(q[256:288] == 0) and dx[8] == 0
-    sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
-    np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -44,10 +44,11 @@ SB_BYTES = 512  # activation digit bytes per 256-element super-block
 SB_BYTES1 = 256  # ... with one digit per element: [h = 0, 1][nibble n = lo, hi][64 bytes], elements as above
 
 
-def digit_offset(e):
-    """Byte offset, inside its super-block's 512 bytes, of element e's hi digit (its lo digit is 64 further)."""
+def digit_offset(e, digits=2):
+    """Byte offset, inside its super-block's SB_BYTES (two digits) or SB_BYTES1 (one) bytes, of element e's hi
+    digit (its lo digit is 64 further) or its one digit."""
     h, r = divmod(e, 128)
-    return 256 * h + 128 * ((r % 64) // 32) + 32 * (r // 64) + r % 32
+    return digits * (128 * h + 64 * ((r % 64) // 32)) + 32 * (r // 64) + r % 32
 
 
 def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
@@ -129,63 +130,42 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     return q, bb.ashr(bb.sub(q, lo), k8), lo
 
 
-@intrinsic
-def digits32(typingctx, x, xd, dx, xs, g):
-    """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / XD_MAX, xs[g] = sum of x (f32), and q = rint(x /
-    dx[g]) (0 if the group is all zero) as two int8 digits q = 256 hi + lo at simd_vnni's bytes of xd (the layout
-    in the module docstring: sub-block j = g % 8 of super-block g // 8)."""
-    if not (_c_array(x, types.float32) and _c_array(xd, types.int8) and _c_array(dx, types.float32)) or not _c_array(
-        xs, types.float32
-    ):
-        return None
+def _digits_intrinsic(digits):
+    """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / L, xs[g] = sum of x (f32), and q = rint(x / dx[g])
+    (0 if the group is all zero) at digit_offset(e, digits) of xd (sub-block j = g % 8 of super-block g // 8):
+    digits = 2: L = XD_MAX, q = 256 hi + lo as two int8 digits, xd typed int8 (digits32); digits = 1: L = XD1_MAX,
+    q itself, xd typed uint8, the one-digit buffer (digit32_1, STREAM_RUN_ACT=int8)."""
+    xd_type, sb = (types.int8, SB_BYTES) if digits == 2 else (types.uint8, SB_BYTES1)
 
-    def codegen(context, builder, sig, args):
-        from .activations import XD_MAX
+    def typer(typingctx, x, xd, dx, xs, g):
+        if not (_c_array(x, types.float32) and _c_array(xd, xd_type) and _c_array(dx, types.float32)) or not (
+            _c_array(xs, types.float32)
+        ):
+            return None
 
-        e = _Emit(context, builder)
-        bb = builder
-        x_, xd_, dx_, xs_, g_ = args
-        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-        c = lambda k: ir.Constant(I64, k)  # noqa: E731
-        _, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX)
-        j = bb.and_(g_, c(7))
-        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(512)), bb.mul(bb.lshr(j, c(2)), c(256)))
-        at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(128)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
-        bb.store(bb.trunc(hi, V(I8, 32)), e.ptr(xdb, at, V(I8, 32)), align=1)
-        bb.store(bb.trunc(lo, V(I8, 32)), e.ptr(xdb, e.off(at, 64), V(I8, 32)), align=1)
-        return context.get_dummy_value()
+        def codegen(context, builder, sig, args):
+            from .activations import XD1_MAX, XD_MAX
 
-    return types.none(x, xd, dx, xs, types.int64), codegen
+            e = _Emit(context, builder)
+            bb = builder
+            x_, xd_, dx_, xs_, g_ = args
+            xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+            c = lambda k: ir.Constant(I64, k)  # noqa: E731
+            q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX if digits == 2 else XD1_MAX)
+            j = bb.and_(g_, c(7))
+            at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(sb)), bb.mul(bb.lshr(j, c(2)), c(128 * digits)))
+            at = bb.add(
+                at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32)))
+            )
+            for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
+                bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
+            return context.get_dummy_value()
+
+        return types.none(x, xd, dx, xs, types.int64), codegen
+
+    typer.__name__ = typer.__qualname__ = "digits32" if digits == 2 else "digit32_1"  # numba names it so
+    return intrinsic(typer)
 
 
-def digit_offset1(e):
-    """Byte offset, inside its super-block's SB_BYTES1 bytes, of element e's one digit (digit32_1)."""
-    h, r = divmod(e, 128)
-    return 128 * h + 64 * ((r % 64) // 32) + 32 * (r // 64) + r % 32
-
-
-@intrinsic
-def digit32_1(typingctx, x, xd, dx, xs, g):
-    """digits32 with ONE int8 digit per element: dx[g] = max|x| / 127, q = rint(x / dx[g]) in [-127, 127] stored
-    at digit_offset1 of xd (typed uint8: the kernels read it as the one-digit buffer), xs[g] the f32 sum."""
-    if not (_c_array(x, types.float32) and _c_array(xd, types.uint8) and _c_array(dx, types.float32)) or not _c_array(
-        xs, types.float32
-    ):
-        return None
-
-    def codegen(context, builder, sig, args):
-        from .activations import XD1_MAX
-
-        e = _Emit(context, builder)
-        bb = builder
-        x_, xd_, dx_, xs_, g_ = args
-        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-        c = lambda k: ir.Constant(I64, k)  # noqa: E731
-        q, _, _ = group_digits(e, xb, dxb, xsb, g_, XD1_MAX)
-        j = bb.and_(g_, c(7))
-        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(SB_BYTES1)), bb.mul(bb.lshr(j, c(2)), c(128)))
-        at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(64)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
-        bb.store(bb.trunc(q, V(I8, 32)), e.ptr(xdb, at, V(I8, 32)), align=1)
-        return context.get_dummy_value()
-
-    return types.none(x, xd, dx, xs, types.int64), codegen
+digits32 = _digits_intrinsic(2)  # two int8 digits per element (the default decode row dots)
+digit32_1 = _digits_intrinsic(1)  # one digit per element (STREAM_RUN_ACT=int8)
