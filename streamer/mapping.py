@@ -6,6 +6,12 @@ numpy uint8 array spans every shard and a tensor is a byte offset into it, which
 multi-expert kernels take one base array and a byte offset per matrix, and a layer's gate, up and down may
 sit in different shards. The pages are the files' own page cache pages, exactly as with np.memmap (a file
 truncated under us raises SIGBUS on its pages, as before). Linux only, like the O_DIRECT expert reads.
+
+Each file starts at a 2 MiB-aligned address (ALIGN), as the kernel places a plain mmap of a large file: file
+offset and address then agree modulo 2 MiB, so page cache folios of 2 MiB (ext4 and XFS read files into such
+large folios) are mapped whole, by one page-table entry (PMD) each, instead of 512 of 4 KiB. A decode step
+reads 1.75 GB of the 30B-A3B file: 840 TLB entries' worth instead of 430,000 (measured: a decode step 4.9%
+faster, paired steps, with 11 of 17 GB in 2 MiB folios; pagein.py's whole-file page-in reads into them).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+: fault pages in (and map them) now
 PAGE = mmap.PAGESIZE
+ALIGN = 2 * 2**20  # where each file starts in the range: a PMD (huge page) boundary
 
 
 class _Region:
@@ -39,27 +46,31 @@ class _Region:
 
 
 def span(size: int) -> int:
-    """Bytes a file of `size` bytes takes in the range: whole pages."""
-    return -(-size // PAGE) * PAGE
+    """Bytes a file of `size` bytes takes in the range: whole ALIGN units (the next file starts aligned)."""
+    return -(-size // ALIGN) * ALIGN
 
 
 def map_files(fds: list[int], sizes: list[int]) -> tuple[np.ndarray, list[int]]:
-    """(read-only uint8 array over all files, byte offset of each file in it). Raises OSError."""
+    """(read-only uint8 array over all files, byte offset of each file in it; each file starts at an
+    ALIGN-aligned address). Raises OSError."""
     total = sum(span(s) for s in sizes)
-    addr = _libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    addr = _libc.mmap(None, total + ALIGN, _PROT_NONE, flags, -1, 0)  # room to slide to an aligned start
     if addr in (None, _MAP_FAILED):
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
-    region = _Region(addr, total)  # unmapped when the last array over it goes, or right away on an error
+    region = _Region(addr, total + ALIGN)  # unmapped when the last array over it goes, or right away on an error
+    lead = -addr % ALIGN  # unused bytes before the first file
     bases, at = [], 0
     for fd, size in zip(fds, sizes):
-        got = _libc.mmap(addr + at, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-        if got != addr + at:
+        got = _libc.mmap(addr + lead + at, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        if got != addr + lead + at:
             e = ctypes.get_errno()
             raise OSError(e, os.strerror(e))
         bases.append(at)
         at += span(size)
-    return np.asarray(region), bases
+    end = bases[-1] + -(-sizes[-1] // PAGE) * PAGE if sizes else 0  # the last file's last page: no aligning tail
+    return np.asarray(region)[lead : lead + end], bases
 
 
 def madvise(arr: np.ndarray, start: int, length: int, advice: int) -> int:

@@ -15,6 +15,7 @@ from gguf import GGUFReader
 
 from streamer.experts.store import ExpertLayout
 from streamer.gguf_file import GGUFFile
+from streamer.mapping import ALIGN, PAGE
 from streamer.options import StreamOptions
 from streamer.session import open_model
 from streamer.synth.writer import Split, spec_for, write_model
@@ -70,6 +71,12 @@ def test_shards_are_what_gguf_split_writes(models):
         assert set(seen) == set(ref)
         gf = GGUFFile(first)  # ours agrees with gguf-py on where every tensor is
         assert [s.n_tensors for s in gf.shards] == [len(GGUFReader(str(f)).tensors) for f in files]
+        # every shard starts at a 2 MiB-aligned address (its 2 MiB page cache folios map whole), the
+        # mapping ends at the last shard's last page, and each shard's bytes are the file's
+        assert all((gf.mm.ctypes.data + s.base) % ALIGN == 0 for s in gf.shards)
+        assert gf.mm.size == gf.shards[-1].base + -(-gf.shards[-1].size // PAGE) * PAGE
+        for s, f in zip(gf.shards, files):
+            assert gf.mm[s.base : s.base + s.size].tobytes() == f.read_bytes()
         for name, t in gf.tensors.items():
             assert t.shard == seen[name]
             assert np.shares_memory(gf.view(name), gf.mm) and not gf.view(name).flags.writeable
@@ -280,6 +287,7 @@ def test_a_later_shard_truncated_mid_step_is_one_line(models, tmp_path):
 import os
 from streamer.filewatch import install_bus_error_exit
 from streamer.gguf_file import GGUFFile
+from streamer.mapping import ALIGN, PAGE
 gf = GGUFFile({str(files[0])!r})
 install_bus_error_exit({str(files[0])!r} + " (or one of its {len(files)} shards)")
 last = gf.shards[-1]
