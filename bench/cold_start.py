@@ -136,9 +136,10 @@ from streamer.gguf_file import GGUFFile
 from streamer.pagein import PageIn
 from streamer.session import forward_order
 gf = GGUFFile(sys.argv[1])
-p = PageIn(gf.mm, forward_order(gf, [(t.offset, t.nbytes) for t in gf.tensors.values()]))
+p = PageIn(gf.mm, forward_order(gf, [(t.offset, t.nbytes) for t in gf.tensors.values()]), huge=True)  # whole file
 p.run()
-print(json.dumps({"pagein_bytes": p.done, "pagein_s": p.seconds, "pagein_gb_s": p.gb_s}))
+pmd = sum(int(l.split()[1]) * 1024 for l in open("/proc/self/smaps_rollup") if l.startswith("FilePmdMapped:"))
+print(json.dumps({"pagein_bytes": p.done, "pagein_s": p.seconds, "pagein_gb_s": p.gb_s, "pagein_pmd_bytes": pmd}))
 """
 
 
@@ -380,7 +381,7 @@ def main(argv=None) -> int:
                     emit(ttft_record(r, need, n, rnd, disk_gb_s, random_gb_s))
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:
-        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "wall_s", "target_s",
+        keys = ("gb_s", "direct_gb_s", "buffered_gb_s", "random_1mib_gb_s", "pagein_gb_s", "pagein_pmd_bytes", "wall_s", "target_s",
                 "floor_random_s", "needed_bytes", "rusage_read_bytes", "read_over_needed", "oom_killed",
                 "max_usage_bytes")  # fmt: skip
         print(f"  {r['label']:32s} " + " ".join(f"{k}={r[k]:.3g}" if isinstance(r[k], float) else f"{k}={r[k]}"

@@ -86,7 +86,7 @@ def start(argv: list[str]) -> None:
         from streamer.config import ModelConfig
         from streamer.gguf_file import GGUFFile
         from streamer.options import StreamOptions
-        from streamer.session import early_ranges, start_pagein_of
+        from streamer.session import early_plan, start_pagein_of
 
         n_ctx = int(found["n_ctx"]) if "n_ctx" in found else None
         options = StreamOptions.build(
@@ -96,9 +96,9 @@ def start(argv: list[str]) -> None:
         cfg = ModelConfig.from_gguf(gf)
         timing.mark("header")
         _held.update(path=path, gf=gf, cfg=cfg)
-        ranges = early_ranges(gf, cfg, options, n_ctx, rss_margin=RSS_MARGIN)
+        ranges, whole = early_plan(gf, cfg, options, n_ctx, rss_margin=RSS_MARGIN)
         if ranges and gf.mm is not None:
-            _held.update(ranges=ranges, pagein=start_pagein_of(gf, ranges))
+            _held.update(ranges=ranges, pagein=start_pagein_of(gf, ranges, whole))
     except Exception:  # a hint only: the CLI reports whatever is wrong, in its own words
         stop()
         _held.clear()

@@ -219,12 +219,15 @@ def start_pagein(session: Session, budget: int | None, early: PageIn | None = No
     from streamer.pagein import PageIn
 
     ranges = pagein_ranges(session.gf, session.moe, budget)
+    whole = sum(n for _, n in ranges) == sum(t.nbytes for t in session.gf.tensors.values())
     if early is not None:
+        if early.huge and not whole:
+            early.partial()
         have = {(p.offset, p.nbytes) for p in early_tensors(session.gf)}
         early.extend([r for r in ranges if r not in have])
         session.pagein = early
     elif ranges and session.gf.mm is not None:
-        session.pagein = PageIn(session.gf.mm, ranges, step=readahead_step(session.gf)).start()
+        session.pagein = PageIn(session.gf.mm, ranges, step=readahead_step(session.gf), huge=whole).start()
 
 
 def early_tensors(gf: GGUFFile) -> list:
@@ -237,13 +240,21 @@ def early_tensors(gf: GGUFFile) -> list:
 def early_ranges(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0, mapped: int = 0
 ) -> list[tuple[int, int]]:
-    """What open_model may start reading before any kernel loads: early_tensors, in forward order, when the
-    budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds the non-expert
-    weights and one layer's experts (checked with the process as it is now plus rss_margin, smaller than
-    later: a budget the plan refuses later has read nothing), or a model whose weights all fit (dense,
-    --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. mapped: bytes of those
-    weights an early page-in has mapped already (in the RSS as file pages: not the process's own share, as
-    make_plan counts them)."""
+    """What open_model may start reading before any kernel loads: early_plan's ranges."""
+    return early_plan(gf, cfg, options, n_ctx, rss_margin, mapped)[0]
+
+
+def early_plan(
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0, mapped: int = 0
+) -> tuple[list[tuple[int, int]], bool]:
+    """(ranges, whole): what open_model may start reading before any kernel loads, early_tensors in forward
+    order, when the budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds
+    the non-expert weights and one layer's experts (checked with the process as it is now plus rss_margin,
+    smaller than later: a budget the plan refuses later has read nothing), or a model whose weights all fit
+    (dense, --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. whole: the plan
+    keeps every byte of the file resident, so the page-in may read in 2 MiB pages (PageIn's huge mode).
+    mapped: bytes of those weights an early page-in has mapped already (in the RSS as file pages: not the
+    process's own share, as make_plan counts them)."""
     from streamer.budget import default_budget
 
     budget = default_budget() if options.ram_budget is None else options.ram_budget
@@ -262,10 +273,15 @@ def early_ranges(
             rss = mem.rss - min(mapped, getattr(mem, "shared", 0)) + rss_margin
             plan = plan_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
             if plan.expert_cache < cfg.n_expert_used * layout.slot_bytes:
-                return []
+                return [], False
+            whole = plan.fits_resident
+        else:
+            whole = False
     elif sum(t.nbytes for t in gf.tensors.values()) > budget:
-        return []
-    return forward_order(gf, [(t.offset, t.nbytes) for t in tensors])
+        return [], False
+    else:
+        whole = True
+    return forward_order(gf, [(t.offset, t.nbytes) for t in tensors]), whole
 
 
 def start_early_pagein(
@@ -275,21 +291,23 @@ def start_early_pagein(
     caller began before it had the options (the CLI's entry point, cli/early.py): it goes on if it reads
     exactly these ranges, else it is stopped."""
     held = started[1] if started is not None else None
-    ranges = early_ranges(gf, cfg, options, n_ctx, mapped=held.done if held is not None else 0)
+    ranges, whole = early_plan(gf, cfg, options, n_ctx, mapped=held.done if held is not None else 0)
     if held is not None:
         if started[0] == ranges:
+            if held.huge and not whole:
+                held.partial()
             return held
         held.stop()
     if not ranges or gf.mm is None:
         return None
-    return start_pagein_of(gf, ranges)
+    return start_pagein_of(gf, ranges, whole)
 
 
-def start_pagein_of(gf: GGUFFile, ranges) -> PageIn:
-    """A background page-in of `ranges` (in that order), started."""
+def start_pagein_of(gf: GGUFFile, ranges, whole: bool = False) -> PageIn:
+    """A background page-in of `ranges` (in that order), started; whole: the file will be read whole (huge)."""
     from streamer.pagein import PageIn
 
-    p = PageIn(gf.mm, ranges, step=readahead_step(gf)).start()
+    p = PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole).start()
     timing.mark("pagein_start", early_pagein_bytes=p.total)
     return p
 

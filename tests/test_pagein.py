@@ -18,7 +18,7 @@ from gguf import GGUFReader
 from streamer.gguf_file import GGUFFile
 from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
 from streamer.options import StreamOptions
-from streamer.pagein import PageIn, pieces, readahead_bytes
+from streamer.pagein import MADV_HUGEPAGE, MADV_NOHUGEPAGE, PageIn, pieces, readahead_bytes
 from streamer.session import open_model, pagein_ranges
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -84,6 +84,73 @@ def test_reads_are_queued_ahead_then_waited_for_in_order():
         done += n
     assert [d for d, _ in progress] == list(np.cumsum([n for _, n in want]))
     assert progress[-1] == (p.total, p.total) and p.finished
+
+
+def test_huge_mode_advises_the_whole_mapping_once_and_only_populates():
+    calls = []
+
+    def advise(mm, start, n, advice):
+        calls.append((advice, start, n))
+        return 0
+
+    mm = np.zeros(64 * PAGE, np.uint8)
+    ranges = [(0, 10 * PAGE), (30 * PAGE, 20 * PAGE)]
+    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, step=3 * PAGE, advise=advise, huge=True)
+    assert p.run() == p.total == 30 * PAGE
+    # MADV_HUGEPAGE over the whole mapping before the first read (a 2 MiB page maps whole only inside one
+    # VMA), then each piece faulted in, in order: no WILLNEED (it reads into 4 KiB folios)
+    assert calls == [(MADV_HUGEPAGE, 0, mm.size)] + [(MADV_POPULATE_READ, s, n) for s, n in pieces(ranges, 4 * PAGE)]
+    # not the whole file after all: the advice is taken back, and what is added is queued as without huge
+    calls.clear()
+    p.partial()
+    p.extend([(56 * PAGE, 4 * PAGE)])
+    p.run()
+    assert calls == [(MADV_NOHUGEPAGE, 0, mm.size), (mmap.MADV_WILLNEED, 56 * PAGE, 3 * PAGE)] + [
+        (mmap.MADV_WILLNEED, 59 * PAGE, PAGE),
+        (MADV_POPULATE_READ, 56 * PAGE, 4 * PAGE),
+    ]
+    assert not p.huge and p.done == p.total == 34 * PAGE
+
+
+def _pmd_mapped(addr: int, size: int) -> int:
+    """Bytes of [addr, addr + size) mapped by 2 MiB page-table entries (FilePmdMapped of its VMAs)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(v, 16) for v in head.split("-"))
+                inside = a < addr + size and b > addr
+            elif inside and head == "FilePmdMapped:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
+    path = tmp_path / "blob"
+    data = np.random.default_rng(1).integers(0, 256, 24 * MiB + 3 * PAGE, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    if not evicted(path):
+        pytest.skip("this filesystem keeps files in the page cache (tmpfs): nothing to page in")
+    fd = os.open(path, os.O_RDONLY)
+    mm, _ = map_files([fd], [data.size])
+    os.close(fd)
+    madvise(mm, 0, mm.size, mmap.MADV_RANDOM)  # as expert ranges are: huge mode reads them in 2 MiB pages too
+    p = PageIn(mm, [(0, data.size)], huge=True)
+    p.run()
+    assert resident_pages(mm).all() and np.array_equal(mm, data)
+    got = _pmd_mapped(mm.ctypes.data, mm.size)
+    if got == 0:  # no 2 MiB file pages on this kernel or filesystem? A plain mmap of the file tells
+        cgroup.evict(path)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as plain:
+            view = np.frombuffer(plain, np.uint8)
+            madvise(view, 0, view.size, MADV_HUGEPAGE)
+            madvise(view, 0, view.size, MADV_POPULATE_READ)
+            control = _pmd_mapped(view.ctypes.data, view.size)
+            del view
+        if control == 0:
+            pytest.skip("the kernel maps no 2 MiB pages of this filesystem's files (THP off, or no large folios)")
+    assert got >= 20 * MiB  # all but the 2 MiB pages at the file's end
 
 
 @pytest.mark.parametrize(
@@ -250,9 +317,12 @@ def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=4 * slot)) as s:
         p = s.populate()
         assert _covered(p.pieces) == nonexpert_pages and p.done == p.total
-    # everything fits: the early page-in goes on with the experts and the embedding table, each page once
+        assert not p.huge  # a part of the file: no 2 MiB pages, whose faults would read past the ranges
+    # everything fits: the early page-in goes on with the experts and the embedding table, each page once,
+    # the whole file in 2 MiB pages
     with open_model(path, StreamOptions(learn=False, ram_budget=4 * 2**30)) as s:
         p = s.populate()
         want = pagein_ranges(s.gf, s.moe, 4 * 2**30)
         assert p.total == len(_covered(want)) * PAGE == p.done
         assert _covered(p.pieces) == _covered(want)
+        assert p.huge and _covered(want) == _covered([(s, n) for s, n, _, _ in ts])  # every tensor
