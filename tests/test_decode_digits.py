@@ -97,19 +97,17 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
 @pytest.mark.parametrize("digits", [2, 1])
 def test_quantize_digits_step_and_layout(digits):
     """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
-    4u|x|: two digits (digits32) both within int8's symmetric range and |q| <= XD_MAX, or one (digit32_1, the
-    uint8-typed buffer) with |q| <= 127; every byte written once, an all-zero group exactly zero, and f32 sums per
-    group."""
+    4u|x|: simd_vnni.digits32 into an int8 buffer, two digits both within int8's symmetric range and
+    |q| <= XD_MAX, or into a uint8-typed one, one digit with |q| <= 127; every byte written once, an all-zero group
+    exactly zero, and f32 sums per group."""
     from numba import njit
 
-    from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit32_1, digit_offset, digits32
-
-    quantize = digits32 if digits == 2 else digit32_1
+    from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit_offset, digits32
 
     @njit
     def vector(x, xd, dx, xs):
         for g in range(x.size >> 5):
-            quantize(x, xd, dx, xs, g)
+            digits32(x, xd, dx, xs, g)
 
     rng = np.random.default_rng(5)
     n = 1024

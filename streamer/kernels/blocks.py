@@ -95,7 +95,7 @@ from .simd_lowbit import (
     q5_1_deq,
     q5_1_dot,
 )
-from .simd_vnni import digit32_1, digits32, q4_k_dot2_vnni, q4_k_dot2_vnni1, q4_k_dot_vnni, q4_k_dot_vnni1
+from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot2_vnni1, q4_k_dot_vnni, q4_k_dot_vnni1
 from .specialise import format_kernel
 
 PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
@@ -223,7 +223,7 @@ def prepare(fmt, x, xq, aux):
 def _prepare8(fmt, x, xq, aux):
     ng = x.size >> 5
     if fmt == Q4_K:
-        for g in range(ng):  # vector code (simd_vnni.digits32), x read as C-contiguous
+        for g in range(ng):  # vector code (simd_vnni.digits32: one or two digits by xq's type), x C-contiguous
             digits32(x, xq, aux[:ng], aux[ng : 2 * ng], g)
         return aux[:ng], aux[ng : 3 * ng]
     return prepare_i16(fmt, x, xq.view(np.int16), aux)
@@ -240,24 +240,11 @@ def _prepare8a(fmt, x, xq, aux):  # x of any layout: a contiguous copy, so the d
     return prepare_i16(fmt, x, xq.view(np.int16), aux)
 
 
-@kernel(**_HELPER)
-def _prepare1(fmt, x, xq, aux):  # one digit (uint8 buffer): x copied to contiguous if it is not (else a no-op)
-    ng = x.size >> 5
-    if fmt == Q4_K:
-        xc = np.ascontiguousarray(x)
-        for g in range(ng):
-            digit32_1(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
-        return aux[:ng], aux[ng : 3 * ng]
-    return prepare_i16(fmt, x, xq.view(np.int16), aux)
-
-
 @overload(prepare, inline="always", jit_options=_OV, prefer_literal=True)
 def _prepare(fmt, x, xq, aux):
     F = _code(fmt)
     if not _is_digits(xq):
         fn = prepare_i16
-    elif _one_digit(xq):
-        fn = _prepare1
     elif isinstance(x, types.Array) and x.layout == "C":
         fn = _prepare8
     else:

@@ -20,7 +20,7 @@ activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16
 mins use exact f32 sums of x per 32, as simd.py's dot does.
 
 One digit (STREAM_RUN_ACT=int8, as prefill's int8.DIGITS == 1; ggml's q8 grid, here per 32 elements):
-q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digit32_1's bytes (SB_BYTES1 per
+q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digits32's one-digit bytes (SB_BYTES1 per
 super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The bound
 above holds with the grid (32, 127): 257x coarser activations, outside the model tests' 1% of the largest
 logit against the float64 forward (tests/test_moe.py's Q4_K case), hence opt-in. The buffer's bytes are
@@ -52,7 +52,7 @@ def digit_offset(e, digits=2):
 
 
 def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
-    # digits = 1: x as one int8 digit per element (digit32_1's layout: SB_BYTES1 per super-block), one vpdpbusd
+    # digits = 1: x as one int8 digit per element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd
     # per 64 weights instead of two and a shift
     # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
     # of sub-block 2c + 1 (high nibble)
@@ -130,42 +130,37 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     return q, bb.ashr(bb.sub(q, lo), k8), lo
 
 
-def _digits_intrinsic(digits):
+@intrinsic
+def digits32(typingctx, x, xd, dx, xs, g):
     """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / L, xs[g] = sum of x (f32), and q = rint(x / dx[g])
-    (0 if the group is all zero) at digit_offset(e, digits) of xd (sub-block j = g % 8 of super-block g // 8):
-    digits = 2: L = XD_MAX, q = 256 hi + lo as two int8 digits, xd typed int8 (digits32); digits = 1: L = XD1_MAX,
-    q itself, xd typed uint8, the one-digit buffer (digit32_1, STREAM_RUN_ACT=int8)."""
-    xd_type, sb = (types.int8, SB_BYTES) if digits == 2 else (types.uint8, SB_BYTES1)
+    (0 if the group is all zero) at digit_offset(e, digits) of xd (sub-block j = g % 8 of super-block g // 8).
+    xd's type decides how many digits, when the kernel is compiled: int8, two (L = XD_MAX, q = 256 hi + lo, the
+    default decode row dots); uint8, one (L = XD1_MAX, q itself: the one-digit buffer, STREAM_RUN_ACT=int8)."""
+    if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
+        return None
+    if _c_array(xd, types.int8):
+        digits, sb = 2, SB_BYTES
+    elif _c_array(xd, types.uint8):
+        digits, sb = 1, SB_BYTES1
+    else:
+        return None
 
-    def typer(typingctx, x, xd, dx, xs, g):
-        if not (_c_array(x, types.float32) and _c_array(xd, xd_type) and _c_array(dx, types.float32)) or not (
-            _c_array(xs, types.float32)
-        ):
-            return None
+    def codegen(context, builder, sig, args):
+        from .activations import XD1_MAX, XD_MAX
 
-        def codegen(context, builder, sig, args):
-            from .activations import XD1_MAX, XD_MAX
+        e = _Emit(context, builder)
+        bb = builder
+        x_, xd_, dx_, xs_, g_ = args
+        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+        c = lambda k: ir.Constant(I64, k)  # noqa: E731
+        q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX if digits == 2 else XD1_MAX)
+        j = bb.and_(g_, c(7))
+        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(sb)), bb.mul(bb.lshr(j, c(2)), c(128 * digits)))
+        at = bb.add(
+            at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32)))
+        )
+        for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
+            bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
+        return context.get_dummy_value()
 
-            e = _Emit(context, builder)
-            bb = builder
-            x_, xd_, dx_, xs_, g_ = args
-            xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-            c = lambda k: ir.Constant(I64, k)  # noqa: E731
-            q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX if digits == 2 else XD1_MAX)
-            j = bb.and_(g_, c(7))
-            at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(sb)), bb.mul(bb.lshr(j, c(2)), c(128 * digits)))
-            at = bb.add(
-                at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32)))
-            )
-            for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
-                bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
-            return context.get_dummy_value()
-
-        return types.none(x, xd, dx, xs, types.int64), codegen
-
-    typer.__name__ = typer.__qualname__ = "digits32" if digits == 2 else "digit32_1"  # numba names it so
-    return intrinsic(typer)
-
-
-digits32 = _digits_intrinsic(2)  # two int8 digits per element (the default decode row dots)
-digit32_1 = _digits_intrinsic(1)  # one digit per element (STREAM_RUN_ACT=int8)
+    return types.none(x, xd, dx, xs, types.int64), codegen
