@@ -10,8 +10,9 @@ truncated under us raises SIGBUS on its pages, as before). Linux only, like the 
 Each file starts at a 2 MiB-aligned address (ALIGN), as the kernel places a plain mmap of a large file: file
 offset and address then agree modulo 2 MiB, so page cache folios of 2 MiB (ext4 and XFS read files into such
 large folios) are mapped whole, by one page-table entry (PMD) each, instead of 512 of 4 KiB. A decode step
-reads 1.75 GB of the 30B-A3B file: 840 TLB entries' worth instead of 430,000 (measured: a decode step 4.9%
-faster, paired steps, with 11 of 17 GB in 2 MiB folios; pagein.py's whole-file page-in reads into them).
+reads 1.75 GB of the 30B-A3B file: 840 TLB entries' worth instead of 430,000 (measured by bench/mapping_ab.py,
+paired steps: a decode step 4.0-4.9% faster with 11 of 17 GB in 2 MiB folios, 7.2% with 16 GB; pagein.py's
+whole-file page-in reads into them).
 """
 
 from __future__ import annotations

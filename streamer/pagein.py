@@ -15,15 +15,15 @@ those faults find the pages already being read and only wait.
 
 Huge mode (huge=True: the caller reads the whole file, so reading past a range costs nothing): the mapping
 gets MADV_HUGEPAGE (all of it at once: a 2 MiB page is mapped whole only inside one VMA) and each piece is
-faulted in by MADV_POPULATE_READ alone, no WILLNEED. A fault there reads the 2 MiB
-around it into one 2 MiB page cache folio (filesystems with large folios: ext4, XFS), which mapping.py's
-aligned mapping then maps by one page-table entry: fewer TLB misses in every decode step after. MADV_WILLNEED
-reads into 4 KiB folios whatever the advice, so it is left out, and the faults' own readahead (2-4 MiB at a
-time) keeps fewer reads in flight: on the 17 GB 30B-A3B file, cold, alternating with the WILLNEED page-in over
-an evening, 1.61-2.12 GB/s against 1.84-2.13, about 0.9x its rate, with 16.0 GB then mapped by 2 MiB entries
-against none, for a decode step 4-7% faster ever after (mapping.py). Three helper threads faulting pieces in
-ahead (8 or 64 MiB at a time) were no faster (0.76-0.95x). Not for a part of the file: a fault near a range's end would read up to 4 MiB
-past it, which no budget counted.
+faulted in by MADV_POPULATE_READ alone, no WILLNEED. A fault there reads the 2 MiB around it into one 2 MiB
+page cache folio (filesystems with large folios: ext4, XFS), which mapping.py's aligned mapping then maps by
+one page-table entry: fewer TLB misses in every decode step after. MADV_WILLNEED reads into 4 KiB folios
+whatever the advice, so it is left out, and the faults' own readahead (2-4 MiB at a time) keeps fewer reads in
+flight: on the 17 GB 30B-A3B file, cold, alternating with the WILLNEED page-in over an evening, 1.61-2.12 GB/s
+against 1.84-2.13, about 0.9x its rate, with 16.0 GB then mapped by 2 MiB entries against none, for a decode
+step 4-7% faster ever after (mapping.py). Three helper threads faulting pieces in ahead (8 or 64 MiB at a
+time) were no faster (0.76-0.95x). Not for a part of the file: a fault near a range's end would read up to
+4 MiB past it, which no budget counted.
 
 Only the given ranges are read (widened to whole pages): what the RAM budget allows is the caller's choice
 (session.pagein_ranges). A PageIn runs in the caller's thread (run) or in a background thread (start), with
