@@ -217,21 +217,23 @@ def test_row_pairs_equal_single_rows(qtype, kind):
     way in every path), whichever rows are paired, and is within the oracle's bound."""
     from numba import njit
 
+    code = FORMATS[qtype].code  # a constant inside the kernels below: they compile this format's code only, as
+    # the model's specialised kernels do (a runtime code compiles all 23 formats': 10-20 s per case)
+
     @njit
     def one_by_one(fmt, w, x, out, xq, aux):
-        dx, xs = blocks.prepare(fmt, x, xq, aux)
+        dx, xs = blocks.prepare(code, x, xq, aux)
         for r in range(w.shape[0]):
-            out[r] = blocks.dot(fmt, w, r * w.shape[1], xq, dx, xs, x.size)
+            out[r] = blocks.dot(code, w, r * w.shape[1], xq, dx, xs, x.size)
 
     @njit
     def shifted_pairs(fmt, w, x, out, xq, aux):  # row 0 alone, then (1, 2), (3, 4), ...
-        dx, xs = blocks.prepare(fmt, x, xq, aux)
+        dx, xs = blocks.prepare(code, x, xq, aux)
         rb = w.shape[1]
-        out[0] = blocks.dot(fmt, w, 0, xq, dx, xs, x.size)
+        out[0] = blocks.dot(code, w, 0, xq, dx, xs, x.size)
         for r in range(1, w.shape[0] - 1, 2):
-            out[r], out[r + 1] = blocks.dot2(fmt, w, r * rb, rb, xq, dx, xs, x.size)
+            out[r], out[r + 1] = blocks.dot2(code, w, r * rb, rb, xq, dx, xs, x.size)
 
-    code = FORMATS[qtype].code
     for n_out, n_in, seed in [(9, 768, 1), (6, 2048, 2), (2, 256, 3)]:
         out, ref = _matvec(kind, qtype, n_out, n_in, "normal", seed)
         rng = np.random.default_rng(seed)
