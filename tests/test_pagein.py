@@ -54,17 +54,23 @@ def test_pieces_widen_merge_split_in_order():
     assert pieces([(0, P), (P, P), (2 * P - 1, 2)], chunk=8 * P) == [(0, 3 * P)]  # touching ranges merge
 
 
-def test_reads_are_queued_ahead_then_waited_for_in_order():
+def _recorded(**kw):
+    """(PageIn over 64 pages of two ranges, in pieces of 4 pages, 8 ahead, WILLNEED steps of 3, its advice calls
+    recorded as (advice, start, length); the list; the ranges)."""
     calls = []
 
     def advise(mm, start, n, advice):
         calls.append((advice, start, n))
         return 0
 
-    mm = np.zeros(64 * PAGE, np.uint8)
     ranges = [(0, 10 * PAGE), (30 * PAGE, 20 * PAGE)]
+    mm = np.zeros(64 * PAGE, np.uint8)
+    return PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, step=3 * PAGE, advise=advise, **kw), calls, ranges
+
+
+def test_reads_are_queued_ahead_then_waited_for_in_order():
+    p, calls, ranges = _recorded()
     progress = []
-    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, step=3 * PAGE, advise=advise)
     assert p.run(lambda done, total: progress.append((done, total))) == p.total == 30 * PAGE
     want = pieces(ranges, 4 * PAGE)
     queued = [(s, n) for a, s, n in calls if a == mmap.MADV_WILLNEED]
@@ -87,15 +93,8 @@ def test_reads_are_queued_ahead_then_waited_for_in_order():
 
 
 def test_huge_mode_advises_the_whole_mapping_once_and_only_populates():
-    calls = []
-
-    def advise(mm, start, n, advice):
-        calls.append((advice, start, n))
-        return 0
-
-    mm = np.zeros(64 * PAGE, np.uint8)
-    ranges = [(0, 10 * PAGE), (30 * PAGE, 20 * PAGE)]
-    p = PageIn(mm, ranges, chunk=4 * PAGE, ahead=8 * PAGE, step=3 * PAGE, advise=advise, huge=True)
+    p, calls, ranges = _recorded(huge=True)
+    mm = p.mm
     assert p.run() == p.total == 30 * PAGE
     # MADV_HUGEPAGE over the whole mapping before the first read (a 2 MiB page maps whole only inside one
     # VMA), then each piece faulted in, in order: no WILLNEED (it reads into 4 KiB folios)
@@ -126,15 +125,22 @@ def _pmd_mapped(addr: int, size: int) -> int:
     return total
 
 
-def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
-    path = tmp_path / "blob"
-    data = np.random.default_rng(1).integers(0, 256, 24 * MiB + 3 * PAGE, dtype=np.uint8)
+def _cold_mapped(path, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(random bytes written to path, evicted from the page cache, and map_files' mapping of it); skips where
+    the filesystem keeps files in the page cache."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
     path.write_bytes(data.tobytes())
     if not evicted(path):
         pytest.skip("this filesystem keeps files in the page cache (tmpfs): nothing to page in")
     fd = os.open(path, os.O_RDONLY)
     mm, _ = map_files([fd], [data.size])
     os.close(fd)
+    return data, mm
+
+
+def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
+    path = tmp_path / "blob"
+    data, mm = _cold_mapped(path, 24 * MiB + 3 * PAGE, 1)
     madvise(mm, 0, mm.size, mmap.MADV_RANDOM)  # as expert ranges are: huge mode reads them in 2 MiB pages too
     p = PageIn(mm, [(0, data.size)], huge=True)
     p.run()
@@ -163,13 +169,7 @@ def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
 )
 def test_exactly_the_ranges_come_into_the_page_cache(tmp_path, populate, advice):
     path = tmp_path / "blob"
-    data = np.random.default_rng(0).integers(0, 256, 48 * MiB, dtype=np.uint8)
-    path.write_bytes(data.tobytes())
-    if not evicted(path):
-        pytest.skip("this filesystem keeps files in the page cache (tmpfs): nothing to page in")
-    fd = os.open(path, os.O_RDONLY)
-    mm, _ = map_files([fd], [data.size])
-    os.close(fd)
+    data, mm = _cold_mapped(path, 48 * MiB, 0)
     madvise(mm, 0, mm.size, advice)
 
     def advise(arr, start, n, what):
