@@ -221,13 +221,13 @@ def test_row_pairs_equal_single_rows(qtype, kind):
     # the model's specialised kernels do (a runtime code compiles all 23 formats': 10-20 s per case)
 
     @njit
-    def one_by_one(fmt, w, x, out, xq, aux):
+    def one_by_one(w, x, out, xq, aux):
         dx, xs = blocks.prepare(code, x, xq, aux)
         for r in range(w.shape[0]):
             out[r] = blocks.dot(code, w, r * w.shape[1], xq, dx, xs, x.size)
 
     @njit
-    def shifted_pairs(fmt, w, x, out, xq, aux):  # row 0 alone, then (1, 2), (3, 4), ...
+    def shifted_pairs(w, x, out, xq, aux):  # row 0 alone, then (1, 2), (3, 4), ...
         dx, xs = blocks.prepare(code, x, xq, aux)
         rb = w.shape[1]
         out[0] = blocks.dot(code, w, 0, xq, dx, xs, x.size)
@@ -242,11 +242,11 @@ def test_row_pairs_equal_single_rows(qtype, kind):
         x = _x(rng, n_in)
         aux = np.empty(3 * (n_in // 32) + 1, np.float32)
         single = np.full(n_out, np.nan, np.float32)
-        one_by_one(code, w, x, single, _buffer(kind, n_in), aux)
+        one_by_one(w, x, single, _buffer(kind, n_in), aux)
         scale = np.abs(single).max()
         np.testing.assert_allclose(out, single, rtol=0, atol=2e-6 * scale)
         if n_out % 2:
             shifted = np.full(n_out, np.nan, np.float32)
-            shifted_pairs(code, w, x, shifted, _buffer(kind, n_in), aux)
+            shifted_pairs(w, x, shifted, _buffer(kind, n_in), aux)
             np.testing.assert_allclose(shifted, single, rtol=0, atol=2e-6 * scale)
             assert np.all(np.abs(shifted - ref) <= np.abs(out - ref) + 4e-6 * scale)
