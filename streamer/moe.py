@@ -371,7 +371,7 @@ class MoEFFN:
         gu = np.empty((2, P, n_ff), np.float32)
         gu_offs = offs[: 2 * g].reshape(2, g)
         grouped_gate_up(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
-        a = ops.swiglu(gu[0], gu[1], gu[0])
+        a = ops.swiglu_rows(gu[0], gu[1], gu[0])
         perm, tstarts = _by_token(toks, out.shape[0])
         poffs = np.repeat(offs[2 * g :], np.diff(starts))
         aq = act_buffer(n_ff, P)
@@ -404,7 +404,7 @@ class MoEFFN:
             grouped_matmul(
                 plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, x, rstarts, gu, self._tiles(x.shape[1])
             )
-        a = ops.swiglu(gu[0], gu[1], gu[0])  # zero on the padding rows
+        a = ops.swiglu_rows(gu[0], gu[1], gu[0])  # zero on the padding rows
         y = np.empty((1, R, h.shape[1]), np.float32)
         if _int8_serves(plan.down_format):
             aq = int8.quantize(plan.down_format, a)
@@ -425,7 +425,7 @@ class MoEFFN:
         P, isa = len(toks), lanes.best_isa(int8.ISA)  # the AMX tiles where the CPU has them
         gu = np.empty((2, P, n_ff), np.float32)
         lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
-        a = ops.swiglu(gu[0], gu[1], gu[0])
+        a = ops.swiglu_rows(gu[0], gu[1], gu[0])
         y = np.empty((1, P, out.shape[1]), np.float32)
         aq = int8.quantize(plan.down_format, a)
         lanes.grouped(base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, np.arange(P), starts, y, isa)

