@@ -119,7 +119,7 @@ def instrument(session) -> None:
     from streamer.kernels import lanes
 
     lanes.grouped = timed_kernel(lanes.grouped, "lanes.grouped", True)  # the few-token Q4_K experts (with packing)
-    for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu"):
+    for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu", "swiglu_rows"):
         fn = getattr(ops, name)
         setattr(ops, name, timed_kernel(fn, name, is_parallel(fn)))
     mods = [moe_mod] + [m for m in (sys.modules.get("streamer.moe_prefill"),) if m is not None]
