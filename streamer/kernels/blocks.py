@@ -95,7 +95,7 @@ from .simd_lowbit import (
     q5_1_deq,
     q5_1_dot,
 )
-from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot2_vnni1, q4_k_dot_vnni, q4_k_dot_vnni1
+from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot_vnni
 from .specialise import format_kernel
 
 PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
@@ -198,10 +198,6 @@ def _is_digits(xq):
     return isinstance(xq, types.Array) and xq.dtype in (types.int8, types.uint8)
 
 
-def _one_digit(xq):
-    return xq.dtype == types.uint8
-
-
 def _code(fmt):
     """The format code if fmt is typed as a literal (a kernel specialised to it: specialise.py), else None."""
     return fmt.literal_value if isinstance(fmt, types.IntegerLiteral) else None
@@ -274,17 +270,10 @@ def _dot8(fmt, w, off, xq, dx, xs, n_in):
     return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
 
 
-@kernel(**_HELPER)
-def _dot1(fmt, w, off, xq, dx, xs, n_in):
-    if fmt == Q4_K:
-        return q4_k_dot_vnni1(w, off, xq, dx, xs, n_in >> 8, PF)
-    return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
-
-
 @overload(dot, inline="always", jit_options=_OV, prefer_literal=True)
 def _dot(fmt, w, off, xq, dx, xs, n_in):
     F = _code(fmt)
-    fn = (_dot1 if _one_digit(xq) else _dot8) if _is_digits(xq) else dot_i16
+    fn = _dot8 if _is_digits(xq) else dot_i16  # _dot8: one or two digits by xq's dtype
     if F is None:
 
         def impl(fmt, w, off, xq, dx, xs, n_in):
@@ -336,17 +325,10 @@ def _dot2_8(fmt, w, off, stride, xq, dx, xs, n_in):
     return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
 
 
-@kernel(**_HELPER)
-def _dot2_1(fmt, w, off, stride, xq, dx, xs, n_in):
-    if fmt == Q4_K:
-        return q4_k_dot2_vnni1(w, off, stride, xq, dx, xs, n_in >> 8, PF)
-    return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
-
-
 @overload(dot2, inline="always", jit_options=_OV, prefer_literal=True)
 def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
     F = _code(fmt)
-    fn = (_dot2_1 if _one_digit(xq) else _dot2_8) if _is_digits(xq) else _dot2_16
+    fn = _dot2_8 if _is_digits(xq) else _dot2_16
     if F is None:
 
         def impl(fmt, w, off, stride, xq, dx, xs, n_in):

@@ -84,12 +84,11 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
     return new
 
 
-q4_k_dot_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4)  # 4 scale-lane accumulators + mins
-q4_k_dot2_vnni = _row_intrinsic(144, _q4_k_vnni_body, 2, types.int8, 4, n_rows=2)  # two rows per call
-# One digit per element (the buffer's bytes typed uint8, holding int8 digits: the dtype tells the kernels apart)
-_one = partial(_q4_k_vnni_body, digits=1)
-q4_k_dot_vnni1 = _row_intrinsic(144, _one, 2, types.uint8, 4)
-q4_k_dot2_vnni1 = _row_intrinsic(144, _one, 2, types.uint8, 4, n_rows=2)
+# xq's dtype picks the body: int8 = two digits per element; uint8 = one (the buffer's bytes typed uint8, holding
+# int8 digits: the dtype tells the kernels apart). 4 scale-lane accumulators + the mins.
+_BODIES = {types.int8: _q4_k_vnni_body, types.uint8: partial(_q4_k_vnni_body, digits=1)}
+q4_k_dot_vnni = _row_intrinsic(144, _BODIES, 2, n_vec=4)
+q4_k_dot2_vnni = _row_intrinsic(144, _BODIES, 2, n_vec=4, n_rows=2)  # two rows per call
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
