@@ -2,7 +2,7 @@
 """The MoE prefill's expert products at one layer of the 30B-A3B geometry: lanes.grouped (weights read once per
 row, the tokens in lanes) against int8.grouped_matmul (unpacked weight tiles), alternating rounds.
 
-    python bench/lanes_bench.py [--tokens 128] [--threads 2] [--rounds 5] [--min 4] [--max 16]
+    python bench/lanes_bench.py [--tokens 128] [--threads 2] [--rounds 5] [--min 4] [--max 16] [--split-ab]
 
 A random top-8 routing of --tokens tokens over 128 experts; the experts with --min..--max tokens are computed
 (gate + up: 768 x 2048 each; down: 2048 x 768; all Q4_K, random valid blocks, 340 MB: read from RAM). Prints
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--max", type=int, default=16)
     ap.add_argument("--isa", default=int8.usable_isas()[-1])
     ap.add_argument("--lanes-isa", action="append", help="also time lanes.grouped with this ISA (repeat; e.g. amx)")
+    ap.add_argument("--split-ab", action="store_true", help="also time lanes.grouped without lanes.SPLIT's two passes")
     args = ap.parse_args()
     set_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -95,6 +96,19 @@ def main() -> None:
             lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, np.empty((1, P, d), np.float32), isa)
 
         fns[f"lanes/{isa} gate+up"], fns[f"lanes/{isa} down"] = gu, dn
+    if args.split_ab:  # the same lanes calls with every expert in one pass (lanes.SPLIT off), alternating
+
+        def unsplit(fn):
+            def run():
+                keep, lanes.SPLIT = lanes.SPLIT, (1, 0)
+                try:
+                    fn()
+                finally:
+                    lanes.SPLIT = keep
+
+            return run
+
+        fns["lanes 1-pass gate+up"], fns["lanes 1-pass down"] = unsplit(lanes_gu), unsplit(lanes_dn)
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
@@ -107,6 +121,8 @@ def main() -> None:
         print(f"{name:14} {t * 1e3:8.2f} ms")
     for kind in ("gate+up", "down"):
         print(f"lanes / tiles {kind}: {best[f'tiles {kind}'] / best[f'lanes {kind}']:.2f}x faster")
+        if args.split_ab:
+            print(f"lanes split / 1-pass {kind}: {best[f'lanes 1-pass {kind}'] / best[f'lanes {kind}']:.2f}x faster")
         for isa in args.lanes_isa or []:
             print(f"lanes/{isa} / lanes {kind}: {best[f'lanes {kind}'] / best[f'lanes/{isa} {kind}']:.2f}x faster")
 

@@ -235,6 +235,7 @@ def best_isa(isa: str | None) -> str | None:
 # Cost of a work item (a block of rows) in units of one row dotted with one lane vector's worth of tokens, beyond
 # the lanes themselves: the row's scale setup and weight loads (simd_lanes: per super-block, shared by the lanes).
 ROW_COST = 2.0
+SPLIT = (9, 12)  # experts with this many tokens take two passes (split_lanes)
 
 
 def _aligned(n: int, dtype) -> np.ndarray:
@@ -265,6 +266,8 @@ def grouped(
     if isa == "amx":
         _grouped_amx(w, offs, row_bytes, act, rows, starts, out, cnt)
         return
+    offs, starts = split_lanes(offs, starts)
+    cnt = np.diff(starts)
     ts = lanes_t(cnt)
     V = ts // np.minimum(ts, 8)
     xoffs = np.concatenate(([0], np.cumsum(ng * 64 * ts)[:-1])).astype(np.int64)  # 2K bytes per token lane
@@ -276,6 +279,20 @@ def grouped(
     pack(act.xq, act.dx, act.xs, rows, starts, ts, xoffs, loffs, xt, dl, sl)
     bounds = _bounds(np.where(cnt > 0, ts + ROW_COST, 0.0), parts, n_out)  # lane vectors, + the row's own work
     GROUPED[isa](w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out)
+
+
+def split_lanes(offs: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Experts with SPLIT[0]..SPLIT[1] tokens as two passes over their rows, 8 tokens and the rest (an expert's
+    column of offs repeated, its range of starts cut after 8 tokens): T = 16 lanes would compute 4-7 lanes of
+    zeros, two passes compute T = 8 and T = 2 or 4 lanes and set up each row's scales twice. Whether a token's
+    lanes are split, and where it lands, depends only on its expert's count and its rank there, as T does."""
+    cnt = np.diff(starts)
+    two = (cnt >= SPLIT[0]) & (cnt <= SPLIT[1])
+    if not two.any():
+        return offs, starts
+    idx = np.repeat(np.arange(cnt.size), 1 + two)
+    second = np.concatenate(([False], idx[1:] == idx[:-1]))
+    return offs[:, idx], np.append(starts[idx] + 8 * second, starts[-1])
 
 
 def _bounds(cost: np.ndarray, parts: int, n_out: int) -> np.ndarray:
