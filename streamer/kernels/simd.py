@@ -143,9 +143,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
     if n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
     (simd_vnni.py). body_fn may instead map activation dtypes to bodies: the intrinsic then takes any of them,
-    and xq's dtype picks the body when it is compiled (simd_vnni.py: int8 = two digits, uint8 = one). n_rows = 2: `(w, off, stride, xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and
-    off + stride in one loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and
-    2048 inputs); each row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
+    and xq's dtype picks the body when it is compiled (simd_vnni.py: int8 = two digits, uint8 = one).
+    n_rows = 2: `(w, off, stride, xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and off + stride in one
+    loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and 2048 inputs); each
+    row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
     accumulators otherwise in either version: a row agrees with the one-row result to float32 rounding, and
     callers keep the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, r < n_rows, an
     n_rows-tuple. block_stride: bytes from one block of a row to its next (default block_bytes: rows as in the
