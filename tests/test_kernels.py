@@ -348,7 +348,8 @@ def test_mxfp4_against_the_format_definition(regime):
 
 def test_exp32_and_swiglu_against_float64():
     """ops.exp32 (a polynomial, so that swiglu and the softmax vectorise) within float32's epsilon of float64's
-    exp over its whole range, and swiglu (and swiglu_rows, bit for bit) within a few epsilons of silu(g) * u."""
+    exp over its whole range, and swiglu (and swiglu_rows, bit for bit, in place or not) within a few epsilons of
+    silu(g) * u."""
     from numba import njit
 
     from streamer.kernels import ops
@@ -375,3 +376,7 @@ def test_exp32_and_swiglu_against_float64():
     out = ops.swiglu(g, u, np.empty_like(g))
     assert np.all(np.abs(out - ref) <= 6 * U * np.abs(ref) + 1e-37), np.max(np.abs(out - ref) / np.abs(ref))
     np.testing.assert_array_equal(ops.swiglu_rows(g, u, np.empty_like(g)), out)
+    for inplace in (ops.swiglu, ops.swiglu_rows):  # over gate or up, as the callers do: the same bits
+        gg, uu = g.copy(), u.copy()
+        np.testing.assert_array_equal(inplace(gg, u, gg), out)
+        np.testing.assert_array_equal(inplace(g, uu, uu), out)
