@@ -115,5 +115,6 @@ def test_split_lanes_cuts_9_to_12_token_experts_after_8():
     o, s = lanes.split_lanes(offs, starts)
     assert o.tolist() == [[10, 20, 20, 30, 30, 40, 50], [11, 21, 21, 31, 31, 41, 51]]
     assert s.tolist() == [0, 3, 11, 12, 20, 24, 37, 45]
+    assert o.flags.c_contiguous and o.dtype == offs.dtype and s.dtype == starts.dtype  # the kernel's one version
     o, s = lanes.split_lanes(offs[:, :1], starts[:2])
     assert o.tolist() == [[10], [11]] and s.tolist() == [0, 3]

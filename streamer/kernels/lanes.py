@@ -292,7 +292,8 @@ def split_lanes(offs: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.nd
         return offs, starts
     idx = np.repeat(np.arange(cnt.size), 1 + two)
     second = np.concatenate(([False], idx[1:] == idx[:-1]))
-    return offs[:, idx], np.append(starts[idx] + 8 * second, starts[-1])
+    # C order, as the offsets the caller passes (numpy's offs[:, idx] is F order: another compiled version)
+    return np.ascontiguousarray(offs[:, idx]), np.append(starts[idx] + 8 * second, starts[-1])
 
 
 def _bounds(cost: np.ndarray, parts: int, n_out: int) -> np.ndarray:
