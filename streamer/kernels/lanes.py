@@ -1,7 +1,8 @@
 """The MoE prefill's experts with a few tokens each (Q4_K): simd_lanes.py's row kernel, many experts per call.
 
 pack lays each expert's quantized activation rows (int8.quantize's, picked by row index) out in simd_lanes.py's
-lanes of T tokens (the expert's count rounded up to 2, 4, 8 or 16: lanes_t); grouped computes, for every part j
+lanes of T tokens (the expert's count rounded up to 2, 4, 8 or 16: lanes_t; an expert with 9-12 tokens runs as
+two passes, 8 tokens and the rest: split_lanes); grouped computes, for every part j
 (gate and up, or the down alone) and expert i of a group, out[j, starts[i] + t] = W_ji . x_t for the expert's
 tokens, in one parallel call over (part, expert, block of rows), the work split between the threads by its cost.
 The error bound is simd_lanes.py's. Where the CPU has AMX-INT8 tiles (Intel, Sapphire Rapids on), best_isa picks

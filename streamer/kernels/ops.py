@@ -17,7 +17,7 @@ def exp32(x):
     Intel's SVML): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts, by llvm.fma so that fast-math
     cannot merge them), e**r by Cephes' expf polynomial, times 2**n from the exponent bits. x is clamped to
     [-87, 88] (a normal float32 result). Relative error <= 8.3e-8 there, under float32's epsilon (float64 oracle,
-    tests/test_kernels.py); swiglu runs about 7x faster than with np.exp."""
+    tests/test_kernels.py); swiglu in place runs about 5x faster than with np.exp (1024 x 768: 0.44 ms, was 2.4)."""
     x = min(max(x, np.float32(-87.0)), np.float32(88.0))
     n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
     r = fma32(n, np.float32(-0.693359375), x)

@@ -26,7 +26,8 @@ simd_i8.py's tile kernel's; only the f32 summation order differs:
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
 with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py checks it against
 gguf-py in float64). A token's result depends on its own lanes only, and on T (the summation order): the caller
-picks T from the expert's token count alone, so it is the same for every cache state (streamed == resident).
+picks T from the expert's token count alone (and the token's rank in it, where lanes.split_lanes makes two
+passes), so it is the same for every cache state (streamed == resident).
 
 Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py).
 """
