@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from cachetools import LRUCache
 
-from streamer.experts.store import aligned_empty
+from streamer.experts.store import arena_empty
 
 
 class Entry:
@@ -95,7 +95,7 @@ class ExpertCache:
         assert n_slots >= 1
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         if allocate:
-            self.arena = aligned_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
+            self.arena = arena_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
             self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
             self.flat.flags.writeable = False
         self.free = list(range(n_slots - 1, -1, -1))
