@@ -319,6 +319,11 @@ def main(argv=None) -> int:
         "--stream-run", default=shutil.which("stream-run") or str(Path(sys.executable).parent / "stream-run")
     )
     ap.add_argument("--ab", help="ttft: a second stream-run executable, run alternately with --stream-run ('(B)')")
+    ap.add_argument(
+        "--pause", type=float, default=0.0,
+        help="ttft: seconds idle before each run (a VM's host takes back memory freed seconds ago, and a run "
+             "that gets memory the last one freed faults it in faster: a pause gives every run the same start)",
+    )  # fmt: skip
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--json", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -377,6 +382,7 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 for tag, exe in runs if rnd % 2 == 0 else runs[::-1]:  # alternate which goes first
                     cmd = ttft_cmd(args, model, ids, exe)
+                    time.sleep(args.pause)
                     r = timed(f"stream-run ttft {n}{tag}", cmd, model, cap=args.cap, breakdown=True)
                     emit(ttft_record(r, need, n, rnd, disk_gb_s, random_gb_s))
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)

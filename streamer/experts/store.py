@@ -160,7 +160,7 @@ def arena_empty(nbytes: int) -> np.ndarray:
     the host has taken back (virtio-balloon's free page reporting: this machine) those faults ran at 0.14-0.50
     GB/s against 1.0-1.2 for 4 KiB ones, slower than the disk: the reader threads sat in the faults while the
     disk idled (`bench/arena_pages.py`: filling a cold arena from the file 0.58 GB/s against 0.85; a cold
-    `run -n 32` under an 8 GiB budget 1.6-1.8x faster end to end). The price, once the arena is filled: more
+    `run -n 32` under an 8 GiB budget 1.5-1.8x faster end to end). The price, once the arena is filled: more
     TLB misses in the decode kernels reading experts from it, 5-10% on those kernels (`--kernels`)."""
     m = mmap.mmap(-1, max(nbytes, 1))
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
