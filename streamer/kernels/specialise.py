@@ -29,6 +29,7 @@ import inspect
 import warnings
 
 from numba.core import compiler, errors, ir, sigutils, types
+from numba.core.compiler_lock import global_compiler_lock
 from numba.core.compiler_machinery import FunctionPass, register_pass
 from numba.core.ir_utils import build_definitions
 from numba.core.registry import CPUDispatcher
@@ -82,14 +83,17 @@ class Specialised(CPUDispatcher):
 
     def __init__(self, parent: FormatKernel, codes: tuple[int, ...]):
         super().__init__(parent.py_func, locals={}, targetoptions=parent.targetoptions, pipeline_class=SpecCompiler)
-        self.codes = codes
+        self.parent, self.codes = parent, codes
         self._lits = {i: types.literal(c) for i, c in zip(parent.format_args, codes)}
         self.enable_caching()
 
     def compile(self, sig):
         args, return_type = sigutils.normalize_signature(sig)
         args = tuple(self._lits.get(i, a) for i, a in enumerate(args))
-        return super().compile(args if return_type is None else return_type(*args))
+        with global_compiler_lock:
+            if _share(self.parent, self, args):
+                return self.overloads[args].entry_point
+            return super().compile(args if return_type is None else return_type(*args))
 
     def add_overload(self, cres):
         args = tuple(cres.signature.args)
@@ -134,6 +138,20 @@ class FormatKernel(CPUDispatcher):
                 return super().__call__(*args)
         return spec(*args)
 
+    def compile(self, sig):
+        """numba's compile, but a call from another kernel typed with literal codes takes the machine code their
+        specialisation already has for these exact types (the Python-facing and the callee versions are one
+        compile: without this the second dispatcher loaded a copy from numba's cache)."""
+        args, _ = sigutils.normalize_signature(sig)
+        args = tuple(args)
+        with global_compiler_lock:
+            lits = [args[i] for i in self.format_args]
+            if all(isinstance(a, types.IntegerLiteral) for a in lits):
+                spec = self.specs.get(tuple(a.literal_value for a in lits))
+                if spec is not None and _share(spec, self, args):
+                    return self.overloads[args].entry_point
+            return super().compile(sig)
+
     def in_cache(self) -> bool:
         """Whether numba's on-disk cache holds machine code of the every-format version (for some argument types)."""
         index = self._cache._cache_file._load_index()
@@ -141,12 +159,26 @@ class FormatKernel(CPUDispatcher):
 
     @property
     def signatures(self) -> list:
-        """The compiled signatures of this kernel and of its specialisations (whose format arguments are literals)."""
-        return [*super().signatures, *(sig for spec in self.specs.values() for sig in spec.signatures)]
+        """The compiled signatures of this kernel and of its specialisations (whose format arguments are literals),
+        each once (a version shared by the kernel and a specialisation is one compile)."""
+        sigs = [*super().signatures, *(sig for spec in self.specs.values() for sig in spec.signatures)]
+        return list(dict.fromkeys(sigs))
 
     def dispatchers(self) -> list:
         """This kernel's dispatcher and its specialisations'."""
         return [self, *self.specs.values()]
+
+
+def _share(src: CPUDispatcher, dst: CPUDispatcher, args: tuple) -> bool:
+    """Give dst src's compiled version for exactly these argument types, if src has one; whether dst has it now.
+    Only an exact match: a dispatcher would otherwise serve other argument types by conversion."""
+    if args in dst.overloads:
+        return True
+    cres = src.overloads.get(args)
+    if cres is None:
+        return False
+    dst.add_overload(cres)
+    return True
 
 
 def format_kernel(*params: str, every: bool = False, **options):
