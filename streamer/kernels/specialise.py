@@ -11,7 +11,8 @@ select the format's code at typing time. The specialisations share the kernel's 
 entry on the signature, which holds the literal codes), so a second process loads each from the cache.
 
 Called from another kernel with constant codes (the caller's own literals), the kernel is typed with the
-literal codes too: the callee then compiles (or loads) the same specialisation.
+literal codes too, and takes the specialisation's compiled version for those exact argument types (or the
+specialisation takes the callee's, whichever came first): one compile, one version.
 
 Only the formats of the commonest uploads are compiled apart (SPECIALISED: Q8_0, the packaged demo's and Q8_0
 files'; Q4_K and Q6_K, which make up Q4_K_M and Q6_K files; and -1, moe_block's float router): a tuple with any
