@@ -105,17 +105,19 @@ def _vm_flags(addr: int) -> list[str]:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
 def test_the_arena_is_page_aligned_in_small_pages():
-    """O_DIRECT reads land in the arena (4 KiB alignment), and its mapping is advised MADV_NOHUGEPAGE (the
-    kernel's "nh" flag): a 2 MiB page's first fault ran 2-6x slower than 4 KiB faults on a VM that lent its
-    free memory back (store.arena_empty)."""
+    """O_DIRECT reads land in the arena (4 KiB alignment), and its mapping is private (no "sh" flag: not
+    tmpfs pages, whose faults and teardown were slower) and advised MADV_NOHUGEPAGE (the kernel's "nh" flag): a
+    2 MiB page's first fault ran 2-6x slower than 4 KiB faults on a VM that lent its free memory back
+    (store.arena_empty)."""
     from streamer.experts.cache import ExpertCache
 
     cache = ExpertCache(n_slots=24, slot_bytes=3 * 2**20)
     assert cache.arena.shape == (24, 3 * 2**20) and cache.arena.ctypes.data % 4096 == 0
     cache.arena[:, ::4096] = 7  # writable, every page
     assert int(cache.flat[::4096].sum()) == 7 * 24 * 3 * 2**20 // 4096 and not cache.flat.flags.writeable
-    assert "nh" in _vm_flags(cache.arena.ctypes.data)
-    assert "nh" in _vm_flags(cache.arena.ctypes.data + cache.arena.nbytes - 1)
+    for addr in (cache.arena.ctypes.data, cache.arena.ctypes.data + cache.arena.nbytes - 1):
+        flags = _vm_flags(addr)
+        assert "nh" in flags and "sh" not in flags, flags
 
 
 def test_flat_histogram_pins_nothing():
