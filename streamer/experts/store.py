@@ -157,11 +157,12 @@ def arena_empty(nbytes: int) -> np.ndarray:
     """A uint8 buffer for the expert cache's arena: a private anonymous mapping (page-aligned, as O_DIRECT wants;
     zero pages until written) advised MADV_NOHUGEPAGE, so it is faulted in 4 KiB pages. numpy advises 2 MiB pages
     for an array this large, and a 2 MiB page is zeroed whole at its first fault. On a VM whose free memory
-    the host has taken back (virtio-balloon's free page reporting: this machine) those faults ran at 0.14-0.50
-    GB/s against 1.0-1.2 for 4 KiB ones, slower than the disk: the reader threads sat in the faults while the
-    disk idled (`bench/arena_pages.py`: filling a cold arena from the file 0.58 GB/s against 0.85; a cold
-    `run -n 32` under an 8 GiB budget 1.5-1.8x faster end to end). The price, once the arena is filled: more
-    TLB misses in the decode kernels reading experts from it, 5-10% on those kernels (`--kernels`)."""
+    the host has taken back (virtio-balloon's free page reporting: this machine) those faults ran at 0.14-0.63
+    GB/s against 1.5-2.3 for 4 KiB ones, slower than the disk: the reader threads sat in the faults while the
+    disk idled (`bench/arena_pages.py`: filling a cold arena from the file 0.73 GB/s against 1.00; the cold time
+    to first token 0.44x). The price, once the arena is filled: more TLB misses in the decode kernels reading
+    experts from it, 0-11% on those kernels (`--kernels`, medians of three runs), and about 0.07 s per GiB to
+    free it at exit."""
     m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not Python's default MAP_SHARED (tmpfs pages)
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if advice is not None:
