@@ -120,6 +120,15 @@ def test_the_arena_is_page_aligned_in_small_pages():
         assert "nh" in flags and "sh" not in flags, flags
 
 
+def test_an_arena_too_large_to_map_is_a_memory_error():
+    """The CLI turns MemoryError into one line that suggests a smaller budget (np.empty raised it; mmap's
+    ENOMEM would have been a bare OSError)."""
+    from streamer.experts.store import arena_empty
+
+    with pytest.raises(MemoryError, match="expert cache"):
+        arena_empty(1 << 62)
+
+
 def test_flat_histogram_pins_nothing():
     from streamer.experts.usage import choose_pins
 

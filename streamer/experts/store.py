@@ -10,6 +10,7 @@ so the page cache does not keep a second copy of what our cache holds.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -163,7 +164,12 @@ def arena_empty(nbytes: int) -> np.ndarray:
     to first token 0.44x). The price, once the arena is filled: more TLB misses in the decode kernels reading
     experts from it, 0-11% on those kernels (`--kernels`, medians of three runs), and about 0.07 s per GiB to
     free it at exit."""
-    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not Python's default MAP_SHARED (tmpfs pages)
+    try:
+        m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not Python's default MAP_SHARED (tmpfs pages)
+    except OSError as e:  # as np.empty would: the CLI's one line for MemoryError suggests a smaller budget
+        if e.errno == errno.ENOMEM:
+            raise MemoryError(f"cannot map {nbytes} bytes for the expert cache") from None
+        raise
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if advice is not None:
         m.madvise(advice)
