@@ -107,7 +107,7 @@ def _vm_flags(addr: int) -> list[str]:
 def test_the_arena_is_page_aligned_in_small_pages():
     """O_DIRECT reads land in the arena (4 KiB alignment), and its mapping is private (no "sh" flag: not
     tmpfs pages, whose faults and teardown were slower) and advised MADV_NOHUGEPAGE (the kernel's "nh" flag): a
-    2 MiB page's first fault ran 2-6x slower than 4 KiB faults on a VM that lent its free memory back
+    2 MiB page's first fault ran 2-8x slower than 4 KiB faults on a VM that lent its free memory back
     (store.arena_empty)."""
     from streamer.experts.cache import ExpertCache
 
