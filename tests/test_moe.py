@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 from invariants import assert_cache_consistent
+from procfs import vma_fields
 from reference import Reference
 
 from streamer.errors import StreamerError
@@ -91,16 +92,9 @@ def test_pinning_keeps_hot_experts_and_stays_identical(synth_model, tmp_path):
 
 
 def _vm_flags(addr: int) -> list[str]:
-    """VmFlags of the mapping holding address addr (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {addr:#x}")
+    """VmFlags of the mapping holding address addr."""
+    (vma,) = vma_fields(addr)
+    return vma["VmFlags"].split()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from procfs import vma_fields
 
 from streamer.gguf_file import GGUFFile
 from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
@@ -113,16 +114,7 @@ def test_huge_mode_advises_the_whole_mapping_once_and_only_populates():
 
 def _pmd_mapped(addr: int, size: int) -> int:
     """Bytes of [addr, addr + size) mapped by 2 MiB page-table entries (FilePmdMapped of its VMAs)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(v, 16) for v in head.split("-"))
-                inside = a < addr + size and b > addr
-            elif inside and head == "FilePmdMapped:":
-                total += int(line.split()[1]) * 1024
-    return total
+    return sum(int(v["FilePmdMapped"].split()[0]) * 1024 for v in vma_fields(addr, size) if "FilePmdMapped" in v)
 
 
 def _cold_mapped(path, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
