@@ -31,7 +31,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import cgroup  # noqa: E402  (bench/cgroup.py: evict)
+import cgroup  # noqa: E402  (bench/cgroup.py: evict_all)
 
 from streamer.config import ModelConfig  # noqa: E402
 from streamer.experts.store import ExpertLayout, ExpertReader, aligned_empty, arena_empty  # noqa: E402
@@ -52,8 +52,7 @@ def fill_gb_s(make, gf, layout: ExpertLayout, nbytes: int, readers: int, seed: i
     arena = make(n * layout.slot_bytes).reshape(n, layout.slot_bytes)
     rng = np.random.default_rng(seed)
     keys = [(int(rng.integers(layout.n_layer)), int(rng.integers(layout.n_expert))) for _ in range(n)]
-    for path, _ in gf.files:
-        cgroup.evict(path)
+    cgroup.evict_all(path for path, _ in gf.files)
     reader = ExpertReader(gf.files, layout)
     try:
         t = time.perf_counter()
