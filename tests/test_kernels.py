@@ -380,3 +380,62 @@ def test_exp32_and_swiglu_against_float64():
         gg, uu = g.copy(), u.copy()
         np.testing.assert_array_equal(inplace(gg, u, gg), out)
         np.testing.assert_array_equal(inplace(g, uu, uu), out)
+
+
+def _attention_f64(q, kc, vc, pos0, scale):
+    """Causal GQA in float64 from the same float32 q and float16 cache: (out, sum_j p_j |v_j|, the largest
+    |score| error any float32 summation order may make, the widest score range per row)."""
+    m, nh, hd = q.shape
+    group = nh // kc.shape[0]
+    K, V = kc.view(np.float16).astype(np.float64), vc.view(np.float16).astype(np.float64)
+    out, mag = np.zeros(q.shape), np.zeros(q.shape)
+    ds = spread = 0.0
+    for i in range(m):
+        n = pos0 + i + 1
+        for h in range(nh):
+            g, qh = h // group, q[i, h].astype(np.float64)
+            s = K[g, :n] @ qh * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, h], mag[i, h] = p @ V[g, :n], p @ np.abs(V[g, :n])
+            ds = max(ds, _gamma(hd + 1) * float(np.max(np.abs(K[g, :n]) @ np.abs(qh))) * scale)
+            spread = max(spread, float(s.max() - s.min()))
+    return out, mag, ds, spread
+
+
+def _gamma(n):
+    return n * U / (1 - n * U)
+
+
+# (n_head, n_kv, head_dim): query heads per KV head 8, 2, 7 and 1 (score blocks of 4, 2, 1 heads); head_dim
+# 128 and 64 (value blocks of 64 columns), 80 and 48 (blocks of 16 after or instead), 72 (the plain loops)
+ATTN_SHAPES = [(32, 4, 128), (4, 2, 64), (7, 1, 80), (3, 3, 48), (4, 2, 72)]
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=[f"{h}h{k}kv{d}" for h, k, d in ATTN_SHAPES])
+def test_attention_against_float64(shape):
+    """ops.attention against float64 softmax(q.K) V from the same float16 cache, within the bound of its float32
+    arithmetic: each score off by at most gamma_{hd+1} scale sum_d |q_d k_d| (any-order sum), the softmax's
+    exp32, subtraction and scaling a few u relative (u times the score range for the subtraction), and the value
+    sum gamma_{n+2} relative to sum_j p_j |v_j|. Decode (one token) at positions around the score blocks' edges
+    (fewer cached positions than a block, exactly one, one more), and a prefill chunk. Each token of a chunk gets
+    the same bits as when it is decoded alone at its position."""
+    from streamer.kernels import ops
+
+    nh, nkv, hd = shape
+    rng = np.random.default_rng(hd + nh)
+    n_ctx = 160
+    kc = (rng.standard_normal((nkv, n_ctx, hd)) * 2).astype(np.float16).view(np.uint16)
+    vc = rng.standard_normal((nkv, n_ctx, hd)).astype(np.float16).view(np.uint16)
+    scale = np.float32(1 / np.sqrt(hd))
+    for m, pos0 in [(1, 0), (1, 2), (1, 3), (1, 15), (1, 16), (1, 130), (1, 159), (21, 7)]:
+        q = (rng.standard_normal((m, nh, hd)) * 2).astype(np.float32)
+        got = ops.attention(q, kc, vc, pos0, scale, np.empty_like(q))
+        ref, mag, ds, spread = _attention_f64(q, kc, vc, pos0, scale)
+        bound = (2 * ds + (spread + 6) * U) * mag + _gamma(pos0 + m + 2) * mag
+        err = np.abs(got - ref)
+        assert np.all(err <= bound), (m, pos0, float(np.max(err / bound)))
+        if m > 1:
+            for i in range(m):
+                alone = ops.attention(q[i : i + 1], kc, vc, pos0 + i, scale, np.empty_like(q[:1]))
+                np.testing.assert_array_equal(alone[0], got[i])
