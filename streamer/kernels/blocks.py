@@ -342,6 +342,44 @@ def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
     return impl_f
 
 
+def dot2_pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+    """dot2, with Q4_K's prefetches `pf` bytes ahead of each block read instead of PF (the same arithmetic, the
+    same bits): a caller reading matrices one after another points them into the next matrix near the end of
+    one (kernels/experts.py). Other formats: dot2."""
+    raise NotImplementedError("blocks.dot2_pf runs inside numba kernels only")
+
+
+@kernel(**_HELPER)
+def _dot2_8pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+    if fmt == Q4_K:
+        return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, pf)
+    return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
+
+
+@kernel(**_HELPER)
+def _dot2_16pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+    if fmt == Q4_K:
+        return q4_k_dot2(w, off, stride, xq, dx, xs, n_in >> 8, pf)
+    return _rows2(fmt, w, off, stride, xq, dx, xs, n_in)
+
+
+@overload(dot2_pf, inline="always", jit_options=_OV, prefer_literal=True)
+def _dot2_pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+    F = _code(fmt)
+    fn = _dot2_8pf if _is_digits(xq) else _dot2_16pf
+    if F is None:
+
+        def impl(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+            return fn(fmt, w, off, stride, xq, dx, xs, n_in, pf)
+
+        return impl
+
+    def impl_f(fmt, w, off, stride, xq, dx, xs, n_in, pf):
+        return fn(F, w, off, stride, xq, dx, xs, n_in, pf)
+
+    return impl_f
+
+
 @kernel(fastmath=FASTMATH, inline="always")
 def deq(fmt, w, off, dst, at, n_in):
     """Dequantize the row starting at byte `off` of w into n_in f32 elements of dst (C-contiguous), from flat
