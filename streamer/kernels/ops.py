@@ -106,25 +106,31 @@ def _scores(H, q, qo, kc, ko, s, j, n, hd, scale):
 
 
 @kernel(fastmath=True, inline="always")
+def _value_block(H, wide, s, n, vc, vo, hd, out, oo):
+    """out rows oo.. (H heads), 64 columns if wide else 16, = s (H, n) . those columns of V rows vo..."""
+    if wide:
+        if H == 4:
+            pv4x4(s, 0, n, vc, vo, n, hd, out, oo)
+        elif H == 2:
+            pv2x4(s, 0, n, vc, vo, n, hd, out, oo)
+        else:
+            pv1x4(s, 0, n, vc, vo, n, hd, out, oo)
+    elif H == 4:
+        pv4x1(s, 0, n, vc, vo, n, hd, out, oo)
+    elif H == 2:
+        pv2x1(s, 0, n, vc, vo, n, hd, out, oo)
+    else:
+        pv1x1(s, 0, n, vc, vo, n, hd, out, oo)
+
+
+@kernel(fastmath=True, inline="always")
 def _values(H, s, n, vc, vo, hd, out, oo):
     """out rows oo.. (H heads) = s (H, n) . V rows vo.., in blocks of 64 columns, then 16."""
     k = 0
-    while k + 64 <= hd:
-        if H == 4:
-            pv4x4(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        elif H == 2:
-            pv2x4(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        else:
-            pv1x4(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        k += 64
     while k < hd:
-        if H == 4:
-            pv4x1(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        elif H == 2:
-            pv2x1(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        else:
-            pv1x1(s, 0, n, vc, vo + k, n, hd, out, oo + k)
-        k += 16
+        wide = k + 64 <= hd
+        _value_block(H, wide, s, n, vc, vo + k, hd, out, oo + k)
+        k += 64 if wide else 16
 
 
 @kernel(fastmath=True, parallel=True)
