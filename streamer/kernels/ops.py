@@ -96,6 +96,16 @@ def rope_tables(n_ctx: int, head_dim: int, theta: float) -> tuple[np.ndarray, np
 
 
 @kernel(fastmath=True, inline="always")
+def _score(q, i, h, kc, g, j):
+    """q[i, h] . kc[g, j] (float16 bits widened) in a plain loop: the attention's scores where no block of
+    simd_attn.py serves."""
+    acc = np.float32(0.0)
+    for d in range(q.shape[2]):
+        acc += q[i, h, d] * f16_to_f32(kc[g, j, d])
+    return acc
+
+
+@kernel(fastmath=True, inline="always")
 def _scores(H, q, qo, kc, ko, s, j, n, hd, scale):
     if H == 4:
         qk4(q, qo, kc, ko, s, j, n, hd, scale)
@@ -168,10 +178,7 @@ def attention(q, kc, vc, pos0, scale, out):
         else:
             for j in range(n):
                 for hh in range(H):
-                    acc = np.float32(0.0)
-                    for d in range(hd):
-                        acc += q[i, h0 + hh, d] * f16_to_f32(kc[g, j, d])
-                    s[hh, j] = acc * scale
+                    s[hh, j] = _score(q, i, h0 + hh, kc, g, j) * scale
         for hh in range(H):
             mx = np.float32(-np.inf)
             for j in range(n):
@@ -201,10 +208,7 @@ def _attention_loops(q, kc, vc, pos0, scale, out):
         s = np.empty(n, dtype=np.float32)
         mx = np.float32(-np.inf)
         for j in range(n):
-            acc = np.float32(0.0)
-            for d in range(hd):
-                acc += q[i, h, d] * f16_to_f32(kc[g, j, d])
-            acc *= scale
+            acc = _score(q, i, h, kc, g, j) * scale
             s[j] = acc
             mx = max(mx, acc)
         tot = 0.0
