@@ -5,12 +5,22 @@ ceiling on 1 and 2 threads, and hence the tok/s no decoder reading those weights
     python bench/decode_roofline.py /work/models/qwen3-30b-a3b-Q4_K.gguf [--tok-s NAME=15.7 ...]
 
 Bytes per token: every non-expert matrix once (attention q/k/v/o, norms, the router, the output head, one
-embedding row) plus, for a MoE, expert_used_count experts x (gate, up, down) per layer. The ceiling: a numba
-parallel reduction (a xor of 64-bit words, nothing to compute) over the model's own mapping (its page cache,
-no copy), read in pieces the size of one layer's expert reads or of the whole step, best and median of
-repeated passes; and the same reduction over the step's actual tensor ranges (8 random experts per layer,
-attention, router, head), in decode order, one parallel region per tensor as the decoders run them.
+embedding row) plus, for a MoE, expert_used_count experts x (gate, up, down) per layer. The ceiling: numba
+parallel reductions (nothing to compute) over the model's own mapping (its page cache, no copy), read in
+pieces the size of one layer's expert reads or of the whole step, best and median of repeated passes; and the
+same reductions over the step's actual tensor ranges (8 random experts per layer, attention, router, head), in
+decode order: one parallel region per tensor, or one region for the whole step (each thread reads its share of
+every range in turn: no launch, join or idle thread between tensors). Two readers: a plain sum of 64-bit words
+(auto-vectorised, no software prefetch: what the hardware prefetchers alone give a sequential read) and a xor
+of 64-byte lines with a software prefetch --pf bytes ahead (as the row dots prefetch). Until the eleventh
+session the plain reader was a scalar xor loop, compute-bound at ~5 GB/s a thread: its rows then measured the
+loop, not the memory.
 --tok-s NAME=X (repeatable) prints X's effective read rate (bytes per token x X) and its share of the ceiling.
+--decode ROUNDS: this machine's 2-thread bandwidth swings (30 to 50 GB/s within a minute on the KVM guest of
+the tenth and eleventh sessions), so a ceiling measured apart says little about a decode measured later. This
+opens the model resident, in this process, and alternates rounds of stream-run's decode (--tg steps after a
+--pp-token prompt; median step) with rounds of the one-region read of the same number of steps' ranges
+(median), and prints the decode step as a share of the read.
 """
 
 from __future__ import annotations
@@ -73,26 +83,50 @@ def _xor_ranges_pf(w, starts, sizes, nth, pf):
     return acc
 
 
+@njit(cache=True, nogil=True)
+def _sum(a):
+    """Sum of the int64 words of a contiguous slice: LLVM vectorises it (64-byte loads, several accumulators)."""
+    s = 0
+    for j in range(a.size):
+        s += a[j]
+    return s
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _xor_ranges(w, starts, sizes, nth):
-    """xor of the 64-bit words of each range (bytes starts[i] .. + sizes[i], 8-aligned), one parallel region per
-    range, the range split into nth contiguous pieces (as a matvec splits rows)."""
-    acc = np.uint64(0)
+def _sum_ranges(w, starts, sizes, nth):
+    """Plain sum of the 64-bit words of each range (bytes starts[i] .. + sizes[i], 8-aligned), one parallel region
+    per range, the range split into nth contiguous pieces (as a matvec splits rows)."""
+    acc = 0
     for i in range(starts.size):
         n = sizes[i] >> 3
         s0 = starts[i] >> 3
         part = (n + nth - 1) // nth
-        part_x = np.zeros(nth, np.uint64)
+        part_x = np.zeros(nth, np.int64)
         for t in prange(nth):
             a = s0 + t * part
             b = min(s0 + n, a + part)
-            x = np.uint64(0)
-            for j in range(a, b):
-                x ^= w[j]
-            part_x[t] = x
-        for t in range(nth):
-            acc ^= part_x[t]
+            if b > a:
+                part_x[t] = _sum(w[a:b])
+        acc += part_x.sum()
     return acc
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _sum_step(w, starts, sizes, nth):
+    """_sum_ranges in ONE parallel region: thread t reads its t-th piece of every range, the ranges in order."""
+    part_x = np.zeros(nth, np.int64)
+    for t in prange(nth):
+        x = 0
+        for i in range(starts.size):
+            n = sizes[i] >> 3
+            s0 = starts[i] >> 3
+            part = (n + nth - 1) // nth
+            a = s0 + t * part
+            b = min(s0 + n, a + part)
+            if b > a:
+                x += _sum(w[a:b])
+        part_x[t] = x
+    return part_x.sum()
 
 
 def step_ranges(g: GGUFFile, rng: np.random.Generator):
@@ -163,9 +197,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pf", type=int, default=8192, help="software prefetch distance (bytes) of the pf variant")
     ap.add_argument("--tok-s", action="append", default=[], help="NAME=tok/s measured elsewhere")
+    ap.add_argument(
+        "--decode", type=int, default=0, metavar="ROUNDS", help="alternate stream-run's decode with the read"
+    )
+    ap.add_argument("--pp", type=int, default=128, help="--decode: prompt tokens before the timed steps")
+    ap.add_argument("--tg", type=int, default=32, help="--decode: timed decode steps per round")
     args = ap.parse_args()
     g = GGUFFile(args.model)
-    w = g.mm[: g.mm.size // 8 * 8].view(np.uint64)
+    w = g.mm[: g.mm.size // 8 * 8].view(np.int64)
     ranges, kinds = step_ranges(g, np.random.default_rng(args.seed))
     per_tok = sum(kinds.values())
     print(f"{args.model}: {per_tok / 1e6:.1f} MB of weights per decode step ({len(ranges)} ranges)")
@@ -184,30 +223,85 @@ def main() -> None:
         for nth in sorted({1, nthreads}):
             numba.set_num_threads(nth)
             nb = piece * n_pieces
-            best, med = timeit(partial(_xor_ranges, w, starts, sizes, nth), args.reps)
+            best, med = timeit(partial(_sum_ranges, w, starts, sizes, nth), args.reps)
             results[(f"contiguous, {piece_mb:.1f} MB regions", nth)] = (nb / best / 1e9, nb / med / 1e9)
             best, med = timeit(partial(_xor_ranges_pf, g.mm, starts, sizes, nth, args.pf), args.reps)
             results[(f"contiguous, {piece_mb:.1f} MB regions, pf", nth)] = (nb / best / 1e9, nb / med / 1e9)
     starts, sizes = _aligned(ranges)
     for nth in sorted({1, nthreads}):
         numba.set_num_threads(nth)
-        best, med = timeit(partial(_xor_ranges, w, starts, sizes, nth), args.reps)
+        best, med = timeit(partial(_sum_ranges, w, starts, sizes, nth), args.reps)
         results[("the step's ranges, one region each", nth)] = (sizes.sum() / best / 1e9, sizes.sum() / med / 1e9)
+        best, med = timeit(partial(_sum_step, w, starts, sizes, nth), args.reps)
+        results[("the step's ranges, one region in all", nth)] = (sizes.sum() / best / 1e9, sizes.sum() / med / 1e9)
         best, med = timeit(partial(_xor_ranges_pf, g.mm, starts, sizes, nth, args.pf), args.reps)
         results[("the step's ranges, one region each, pf", nth)] = (sizes.sum() / best / 1e9, sizes.sum() / med / 1e9)
-    print("\nread ceiling (GB/s best / median; tok/s at that rate):")
+    print(
+        "\nread ceiling (GB/s best / median; tok/s at that rate; pf: xor of lines + software prefetch, else a plain sum):"
+    )
     for (what, nth), (gb_best, gb_med) in results.items():
         print(
-            f"  {what:38s} {nth} thr  {gb_best:5.1f} / {gb_med:5.1f} GB/s"
+            f"  {what:40s} {nth} thr  {gb_best:5.1f} / {gb_med:5.1f} GB/s"
             f"  -> {gb_best * 1e9 / per_tok:5.1f} / {gb_med * 1e9 / per_tok:5.1f} tok/s"
         )
     ceiling = max(v[0] for (_, nth), v in results.items() if nth == nthreads)
+    if args.decode:
+        decode_beside_read(args, g, w, per_tok, nthreads)
     for spec in args.tok_s:
         name, val = spec.split("=")
         rate = float(val) * per_tok / 1e9
         print(
             f"{name}: {float(val):.2f} tok/s = {rate:.1f} GB/s effective, {100 * rate / ceiling:.0f}% of {ceiling:.1f}"
         )
+
+
+def decode_beside_read(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int) -> None:
+    """Alternating rounds in one process: stream-run's resident decode steps, and the one-region read of as many
+    steps' ranges (random experts; the same bytes per step as the decode)."""
+    from streamer.options import StreamOptions
+    from streamer.session import open_model
+
+    s = open_model(g, StreamOptions.build(None, stream=False), n_ctx=args.pp + args.tg + 8, threads=nth)
+    s.populate()
+    m = s.model
+    rng = np.random.default_rng(args.seed + 1)
+    steps = [_aligned(step_ranges(g, rng)[0]) for _ in range(args.tg)]
+    prompt = np.arange(1000, 1000 + args.pp)
+
+    def decode() -> float:
+        cache = m.new_cache()
+        m.forward(prompt, cache)
+        ts = []
+        for _ in range(args.tg):
+            t0 = time.perf_counter()
+            m.forward(np.array([5]), cache)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    def read() -> float:
+        ts = []
+        for starts, sizes in steps:
+            t0 = time.perf_counter()
+            _sum_step(w, starts, sizes, nth)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    decode(), read()  # compile, warm
+    res = {"decode": [], "read": []}
+    print(f"\nstream-run's decode beside the read of its bytes ({nth} threads, pp {args.pp}, {args.tg} steps a round):")
+    for r in range(args.decode):
+        for name, fn in (("decode", decode), ("read", read)) if r % 2 == 0 else (("read", read), ("decode", decode)):
+            res[name].append(fn())
+        d, rd = res["decode"][-1], res["read"][-1]
+        print(
+            f"  round {r + 1}: decode step {d * 1e3:6.2f} ms, read {rd * 1e3:6.2f} ms ({per_tok / rd / 1e9:4.1f} GB/s)"
+        )
+    d, rd = statistics.median(res["decode"]), statistics.median(res["read"])
+    share = statistics.median(a / b for a, b in zip(res["read"], res["decode"]))
+    print(
+        f"medians: decode step {d * 1e3:.2f} ms ({1 / d:.2f} tok/s), read {rd * 1e3:.2f} ms ({per_tok / rd / 1e9:.1f} GB/s);"
+        f" the decode runs at {100 * share:.0f}% of the read's speed (median of rounds)"
+    )
 
 
 if __name__ == "__main__":
