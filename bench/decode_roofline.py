@@ -65,17 +65,24 @@ def _xor_lines(typingctx, w, start, n_lines, pf):
     return types.uint64(w, types.int64, types.int64, types.int64), codegen
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _piece(n, t, nth):
+    """[a, b): thread t's piece of n units split into nth contiguous pieces (as a matvec splits rows)."""
+    part = (n + nth - 1) // nth
+    a = t * part
+    return a, min(n, a + part)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _xor_ranges_pf(w, starts, sizes, nth, pf):
-    """_xor_ranges with 64-byte vector loads and software prefetch (starts 64-aligned, sizes multiples of 64)."""
+    """xor of each range's 64-byte lines with vector loads and software prefetch (starts 64-aligned, sizes
+    multiples of 64), one parallel region per range, split as _piece splits it."""
     acc = np.uint64(0)
     for i in range(starts.size):
         n = sizes[i] >> 6
-        part = (n + nth - 1) // nth
         part_x = np.zeros(nth, np.uint64)
         for t in prange(nth):
-            a = t * part
-            b = min(n, a + part)
+            a, b = _piece(n, t, nth)
             if b > a:
                 part_x[t] = _xor_lines(w, starts[i] + 64 * a, b - a, pf)
         for t in range(nth):
@@ -92,39 +99,34 @@ def _sum(a):
     return s
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _sum_piece(w, start, size, t, nth):
+    """_sum of thread t's piece (_piece) of the 64-bit words of bytes start .. start + size (8-aligned)."""
+    a, b = _piece(size >> 3, t, nth)
+    s0 = start >> 3
+    return _sum(w[s0 + a : s0 + b]) if b > a else 0
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _sum_ranges(w, starts, sizes, nth):
-    """Plain sum of the 64-bit words of each range (bytes starts[i] .. + sizes[i], 8-aligned), one parallel region
-    per range, the range split into nth contiguous pieces (as a matvec splits rows)."""
+    """Plain sum of the 64-bit words of each range, one parallel region per range (_sum_piece per thread)."""
     acc = 0
     for i in range(starts.size):
-        n = sizes[i] >> 3
-        s0 = starts[i] >> 3
-        part = (n + nth - 1) // nth
         part_x = np.zeros(nth, np.int64)
         for t in prange(nth):
-            a = s0 + t * part
-            b = min(s0 + n, a + part)
-            if b > a:
-                part_x[t] = _sum(w[a:b])
+            part_x[t] = _sum_piece(w, starts[i], sizes[i], t, nth)
         acc += part_x.sum()
     return acc
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _sum_step(w, starts, sizes, nth):
-    """_sum_ranges in ONE parallel region: thread t reads its t-th piece of every range, the ranges in order."""
+    """_sum_ranges in ONE parallel region: thread t reads its piece of every range, the ranges in order."""
     part_x = np.zeros(nth, np.int64)
     for t in prange(nth):
         x = 0
         for i in range(starts.size):
-            n = sizes[i] >> 3
-            s0 = starts[i] >> 3
-            part = (n + nth - 1) // nth
-            a = s0 + t * part
-            b = min(s0 + n, a + part)
-            if b > a:
-                x += _sum(w[a:b])
+            x += _sum_piece(w, starts[i], sizes[i], t, nth)
         part_x[t] = x
     return part_x.sum()
 
