@@ -94,12 +94,9 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
     assert errs["digits"] < 0.7 * errs["int16"], errs
 
 
-@pytest.mark.parametrize("digits", [2, 1])
-def test_quantize_digits_step_and_layout(digits):
-    """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
-    4u|x|: simd_vnni.digits32 into an int8 buffer, two digits both within int8's symmetric range and
-    |q| <= XD_MAX, or into a uint8-typed one, one digit with |q| <= 127; every byte written once, an all-zero group
-    exactly zero, and f32 sums per group."""
+def _digits(x, digits):
+    """simd_vnni.digits32 on every group of x: (each element's byte position in its layout, the digit bytes (int8),
+    dx, xs)."""
     from numba import njit
 
     from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit_offset, digits32
@@ -109,14 +106,25 @@ def test_quantize_digits_step_and_layout(digits):
         for g in range(x.size >> 5):
             digits32(x, xd, dx, xs, g)
 
-    rng = np.random.default_rng(5)
-    n = 1024
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
-    x[256:288] = 0
+    n = x.size
     sb = SB_BYTES if digits == 2 else SB_BYTES1
     pos = np.array([sb * (e // 256) + digit_offset(e % 256, digits) for e in range(n)])
     xd, dx, xs = np.empty(digits * n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
     vector(x, xd if digits == 2 else xd.view(np.uint8), dx, xs)
+    return pos, xd, dx, xs
+
+
+@pytest.mark.parametrize("digits", [2, 1])
+def test_quantize_digits_step_and_layout(digits):
+    """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
+    4u|x|: simd_vnni.digits32 into an int8 buffer, two digits both within int8's symmetric range and
+    |q| <= XD_MAX, or into a uint8-typed one, one digit with |q| <= 127; every byte written once, an all-zero group
+    exactly zero, and f32 sums per group."""
+    rng = np.random.default_rng(5)
+    n = 1024
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+    x[256:288] = 0
+    pos, xd, dx, xs = _digits(x, digits)
     if digits == 2:
         assert sorted(np.concatenate([pos, pos + 64])) == list(range(2 * n))
         hi, lo = xd[pos].astype(np.int64), xd[pos + 64].astype(np.int64)
@@ -130,8 +138,31 @@ def test_quantize_digits_step_and_layout(digits):
     d = np.repeat(dx.astype(np.float64), 32)
     assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
     assert np.all(q[256:288] == 0) and dx[8] == 0
+    if digits == 1:  # the sums of the rounded x (ggml's bsums), for the mins: float(sum q) dx, one rounding
+        assert np.array_equal(xs, q.reshape(-1, 32).sum(axis=1).astype(np.float32) * dx)
+        return
     sums = x.astype(np.float64).reshape(-1, 32).sum(axis=1)
     np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
+def test_one_digit_is_exact_for_its_own_rounded_x(qtype):
+    """One digit: the row dot is W . xh to float32 rounding, xh = q dx the activations as digits32 rounded them
+    (the mins take the sums of xh, as ggml's bsums; with the exact sums of x it missed this bound 6.6x)."""
+    rng = np.random.default_rng(22)
+    n_out, n_in = 64, 2048
+    data, raw = make_weight(qtype, n_out, n_in, rng)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
+    x = _x(rng, n_in)
+    pos, xd, dx, _ = _digits(x, 1)
+    xh = xd[pos] * np.repeat(dx.astype(np.float64), 32)
+    out = np.empty(n_out, np.float32)
+    aux = np.empty(3 * (n_in // 32) + 1, np.float32)
+    blocks.block_matvec(FORMATS[qtype].code, QMatrix(data, qtype, n_in)._w, x, out, _buffer("digit", n_in), aux)
+    err = np.abs(out - deq @ xh)
+    tol = _tolerance(qtype, raw, deq, xh[None])[0]
+    assert np.all(err <= tol), f"worst err/tol {np.max(err / tol):.3g}"
 
 
 @needs_vnni

@@ -61,6 +61,30 @@ def test_int8_matmul_extreme_scales(qtype, isa, digits, regime):
     _case(qtype, 37, 512, 6, regime, 11, isa, digits)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+def test_one_digit_is_exact_for_its_own_rounded_x(qtype, isa):
+    """With one digit, the product is W . xh to float32 rounding, xh = q dx the activations as quantize rounded them
+    (the K-quant mins take the sums of xh, as ggml's bsums, not of x: the exact sums would add dmin m (sum x -
+    sum xh) per sub-block, the error of an uncentred weight, and miss this bound)."""
+    rng = np.random.default_rng(21)
+    n_out, n_in, m = 40, 2048, 5
+    data, raw = make_weight(qtype, n_out, n_in, rng)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in).astype(np.float64)
+    X = rng.standard_normal((m, n_in)).astype(np.float32)
+    X[1] *= np.float32(1e3)
+    code = _code(qtype)
+    act = int8.quantize(code, X, digits=1)
+    g = int8.group_of(code)
+    xh = act.xq[:m].astype(np.float64) * np.repeat(act.dx[:m].astype(np.float64), g, axis=1)
+    assert np.all(np.abs(xh - X) <= np.repeat(act.dx[:m], g, axis=1) / 2 * (1 + 1e-6) + 1e-30)
+    out = np.empty((m, n_out), np.float32)
+    int8.matmul(code, QMatrix(data, qtype, n_in)._w, X, out, isa, 1)
+    err = np.abs(out - xh @ deq.T)
+    tol = _tolerance(qtype, raw, deq, xh)
+    assert np.all(err <= tol), f"{qtype.name} {isa}: worst err/tol {np.max(err / tol):.3g}"
+
+
 def test_two_digits_are_finer_than_one():
     """The default (int16 as two int8 digits) is far more accurate than ggml's int8 activations."""
     from gguf import GGMLQuantizationType as T

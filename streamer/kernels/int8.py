@@ -78,7 +78,8 @@ def _offset(fmt):
 @kernel(parallel=True, fastmath=FASTMATH)
 def quantize_act(X, group, off, digits, xq, dx, xs, xc):
     """Per row i and group g of X: q = rint(x / dx) in [-L, L], dx = max|x| / L (L = LEVELS[digits]), xs = sum
-    of x (f32), xc = -off * sum(q) (the int32 correction of the weight offset). With 2 digits, q = 256 hi + lo
+    of x (f32; with one digit, of the rounded x: float(sum q) * dx, for the K-quant mins as ggml's bsums), xc =
+    -off * sum(q) (the int32 correction of the weight offset). With 2 digits, q = 256 hi + lo
     (hi, lo int8) is stored per 4 elements as their 4 hi bytes, then their 4 lo bytes."""
     levels = np.float32(127 * 256 + 127) if digits == 2 else np.float32(127)
     m, K = X.shape
@@ -109,7 +110,7 @@ def quantize_act(X, group, off, digits, xq, dx, xs, xc):
                     xq[i, k] = q
                 s += q
                 f += X[i, k]
-            xs[i, g] = f
+            xs[i, g] = f if digits == 2 else np.float32(s) * dx[i, g]
             xc[i, g] = -off * s
 
 

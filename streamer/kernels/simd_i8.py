@@ -11,11 +11,13 @@ x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantiz
 digits, q = 256 hi + lo (XA_MAX = 127 * 256 + 127 = 32639): two vpdpbusd per 4 elements give sum(u * hi)
 and sum(u * lo), combined exactly as 256 * the first + the second. (One digit, opt-in with
 STREAM_RUN_ACT=int8, is ggml's q8_0 activation, q int8 itself, XA_MAX = 127: about twice as fast, but 257x
-coarser; on the tiny test models it missed tests/test_model.py's 1e-2 max-error bound against the float64
-forward (1.2-2.6%), so it is not the default.)
+coarser; on the tiny test models it misses tests/test_model.py's 1e-2 max-error bound against the float64
+forward (0.7-1.2% by format; the float64 forward with its inputs rounded to that grid errs as much), so it is
+not the default. Its K-quant mins take the sums of the rounded x, as ggml's q8_K bsums: with the exact sums
+Q4_K and Q5_K erred 2.3% and 3.6% there.)
 For each token and group the int32 sum  sum(u * q) - OFF * sum(q)  is exact (|sum| < 2^30), and one f32
 step
-    acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the exact f32 sum of x over the group ]
+    acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the f32 sum of x over the group ]
 folds it in. So the error beyond f32 rounding is the activation step only: |x - q*dx| <= dx/2 + 4u|x|
 (f32 rounding of x/dx), dx/2 = max|x in group| / 65278, 2x finer than the int16 matvec (activations.py).
 The bound per output (tests/test_int8.py, tests/test_kernels.py check it against gguf-py in float64):
@@ -404,7 +406,7 @@ def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
         return None
 
     def codegen(context, builder, sig, args):
-        from .simd_vnni import group_digits
+        from .simd_vnni import group_digits, int_sum
 
         e = _Emit(context, builder)
         bb = builder
@@ -416,12 +418,7 @@ def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
         mask = [(4 * (p // 8) + p % 8) if p % 8 < 4 else (32 + 4 * (p // 8) + p % 8 - 4) for p in range(64)]
         both = e.shuffle(bb.trunc(hi, V(I8, 32)), bb.trunc(lo, V(I8, 32)), mask)
         bb.store(both, e.ptr(xqb, bb.mul(g_, c(64)), V(I8, 64)), align=1)
-        s = q
-        n = 32
-        while n > 1:
-            n //= 2
-            s = bb.add(e.shuffle(s, s, list(range(n))), e.shuffle(s, s, list(range(n, 2 * n))))
-        qsum = bb.extract_element(s, I32(0))
+        qsum = int_sum(e, q)
         bb.store(bb.mul(bb.neg(bb.trunc(off_, I32)), qsum), e.ptr(xcb, gi, I32), align=4)
         return context.get_dummy_value()
 

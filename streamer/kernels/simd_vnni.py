@@ -17,13 +17,16 @@ and the fma chain and the final tree sum add the usual f32 summation error. Per 
     |out - W.x| <= sum_k A_k (dx_j(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
 n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_kernels.py's formula with the
 activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16 path's (256, 16383)). The
-mins use exact f32 sums of x per 32, as simd.py's dot does.
+mins use exact f32 sums of x per 32, as simd.py's dot does (two digits; one digit below).
 
 One digit (STREAM_RUN_ACT=int8, as prefill's int8.DIGITS == 1; ggml's q8 grid, here per 32 elements):
 q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digits32's one-digit bytes (SB_BYTES1 per
-super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The bound
-above holds with the grid (32, 127): 257x coarser activations, outside the model tests' 1% of the largest
-logit against the float64 forward (tests/test_moe.py's Q4_K case), hence opt-in. The buffer's bytes are
+super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The mins
+then take float(sum q) dx_j, the sum of the rounded x (ggml's bsums), so the product is W . (q dx) to f32
+rounding (tests/test_decode_digits.py). The bound above holds with the grid (32, 127): 257x coarser
+activations, outside the model tests' 1% of the largest logit against the float64 forward (tests/test_moe.py's
+Q4_K case: 0.8-1.7% by position, 5.4% where an expert choice flips; the float64 forward with its inputs rounded to this
+grid: 0.7-1.5%, the same flip), hence opt-in. The buffer's bytes are
 typed uint8 to tell the kernels apart (blocks.act_buffer).
 
 Only int8.py's host_isa() == "vnni" selects these (in Python, never inside a cached kernel: the intrinsic
@@ -104,10 +107,23 @@ def _vcall(e, name, v):
     return e.b.call(fn, [v])
 
 
+def int_sum(e, v):
+    """The sum of an integer vector's lanes (a tree: exact while it fits)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = e.b.add(e.shuffle(v, v, list(range(n))), e.shuffle(v, v, list(range(n, 2 * n))))
+    return e.b.extract_element(v, I32(0))
+
+
 def group_digits(e, xb, dxb, xsb, g, levels):
-    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g] = sum of x (f32, a tree sum), and
-    (q, hi, lo): q = rint(x / dx[g]) as <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in
-    [-128, 127]. Shared by digits32 (here) and simd_i8.digits_i8, which store the digits in their layouts."""
+    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as
+    <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32,
+    a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
+    dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
+    float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
+    offset by their min, which at 127 levels doubled the model's error (tests/test_int8.py). Shared by digits32
+    (here) and simd_i8.digits_i8, which store the digits in their layouts."""
     bb = e.b
     c = lambda k: ir.Constant(I64, k)  # noqa: E731
     v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
@@ -120,10 +136,14 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     amax = bb.extract_element(a, I32(0))
     lv = ir.Constant(F32, float(levels))
     gi = bb.mul(g, c(4))
-    bb.store(bb.fdiv(amax, lv), e.ptr(dxb, gi, F32), align=4)
-    bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
+    dx = bb.fdiv(amax, lv)
+    bb.store(dx, e.ptr(dxb, gi, F32), align=4)
     inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
     q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
+    if levels == 127:  # one digit: the sum of the rounded x (an exact int32 sum, one f32 rounding)
+        bb.store(bb.fmul(bb.sitofp(int_sum(e, q), F32), dx), e.ptr(xsb, gi, F32), align=4)
+    else:
+        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
     k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
     lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
     return q, bb.ashr(bb.sub(q, lo), k8), lo
