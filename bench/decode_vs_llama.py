@@ -14,6 +14,12 @@ repacking holds a second copy of the weights in anonymous memory, which on a mac
 model's size in RAM pushes part of the file out of the page cache, so without it the run after llama.cpp's
 pages the file back in while it is timed (seen on the 17 GB 30B-A3B file on a 24 GiB machine: decode 9.8 vs
 14.6 tok/s for the same build).
+--fresh drops the file from the page cache (posix_fadvise DONTNEED) and reads it back before every run, so
+every run starts from the same cache, all of it in 2 MiB folios (--rewarm reads back only what llama.cpp's
+run pushed out, and Linux may hold that in small folios: 10.0 of 17.4 GB in 2 MiB folios once). It does not
+favour stream-run: on this KVM guest its runs were slower after a fresh read (bench/RESULTS.md, twelfth
+session), so --rewarm stays the protocol. Both print the read's seconds and the page cache's 2 MiB folios
+(FileHugePages) after it.
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
 llama.cpp and against the first build. Only the standard library: runs under any Python.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,14 +55,25 @@ def run_stream(exe: str, a) -> tuple[float, float]:
     return r["pp_tok_s"], r["tg_tok_s"]
 
 
-def rewarm(path: str) -> float:
-    """Read the file through the page cache (as `cat FILE > /dev/null`); seconds taken."""
+def rewarm(path: str, drop: bool = False) -> float:
+    """Read the file through the page cache (as `cat FILE > /dev/null`), first dropping it from the cache if
+    drop; seconds taken."""
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
+        if drop:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         buf = bytearray(16 << 20)
         while f.readinto(buf):
             pass
     return time.perf_counter() - t
+
+
+def file_huge_gb() -> float:
+    """The page cache's bytes in 2 MiB folios (FileHugePages), GB; nan where /proc/meminfo has no such line."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("FileHugePages:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
 
 
 def run_llama(a) -> tuple[float, float]:
@@ -87,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-discard", action="store_true", help="keep the first round")
     ap.add_argument("--rewarm", action="store_true", help="read the model into the page cache before every run")
+    ap.add_argument(
+        "--fresh", action="store_true", help="drop the model from the page cache and read it back before every run"
+    )
     a = ap.parse_args(argv)
     builds = []
     for s in a.stream_run:
@@ -110,8 +131,10 @@ def main(argv=None) -> int:
     for r in range(total):
         order = variants if r % 2 == 0 else variants[::-1]
         for name, fn in order:
-            if a.rewarm:
-                print(f"  page cache re-read in {rewarm(a.model):.1f} s", flush=True)
+            if a.rewarm or a.fresh:
+                took = rewarm(a.model, drop=a.fresh)
+                what = "dropped and read" if a.fresh else "re-read"
+                print(f"  page cache {what} in {took:.1f} s, {file_huge_gb():.1f} GB in 2 MiB folios", flush=True)
             pp, tg = fn()
             keep = a.no_discard or r > 0
             print(
