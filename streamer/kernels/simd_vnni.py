@@ -122,7 +122,8 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
     dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
     float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
-    offset by their min, which at 127 levels doubled the model's error (tests/test_int8.py). Shared by digits32
+    offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, twelfth
+    session; tests/test_int8.py and test_decode_digits.py check the bound). Shared by digits32
     (here) and simd_i8.digits_i8, which store the digits in their layouts."""
     bb = e.b
     c = lambda k: ir.Constant(I64, k)  # noqa: E731
@@ -140,7 +141,7 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     bb.store(dx, e.ptr(dxb, gi, F32), align=4)
     inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
     q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
-    if levels == 127:  # one digit: the sum of the rounded x (an exact int32 sum, one f32 rounding)
+    if levels == 127:  # one digit (XD1_MAX): the sum of the rounded x (an exact int32 sum, one f32 rounding)
         bb.store(bb.fmul(bb.sitofp(int_sum(e, q), F32), dx), e.ptr(xsb, gi, F32), align=4)
     else:
         bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
