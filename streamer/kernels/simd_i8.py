@@ -35,6 +35,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .activations import XD_MAX
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
 
 ROWS = 32  # weight rows per tile: two 16-lane halves
@@ -413,7 +414,7 @@ def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
         x_, xq_, dx_, xs_, xc_, g_, off_ = args
         xb, xqb, dxb, xsb, xcb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xq_, dx_, xs_, xc_)))
         c = lambda k: ir.Constant(I64, k)  # noqa: E731
-        q, hi, lo = group_digits(e, xb, dxb, xsb, g_, 127 * 256 + 127)
+        q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX)
         gi = bb.mul(g_, c(4))
         mask = [(4 * (p // 8) + p % 8) if p % 8 < 4 else (32 + 4 * (p // 8) + p % 8 - 4) for p in range(64)]
         both = e.shuffle(bb.trunc(hi, V(I8, 32)), bb.trunc(lo, V(I8, 32)), mask)

@@ -40,6 +40,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .activations import XD1_MAX, XD_MAX
 from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
 from .simd_i8 import _dp_vnni
 
@@ -141,7 +142,7 @@ def group_digits(e, xb, dxb, xsb, g, levels):
     bb.store(dx, e.ptr(dxb, gi, F32), align=4)
     inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
     q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
-    if levels == 127:  # one digit (XD1_MAX): the sum of the rounded x (an exact int32 sum, one f32 rounding)
+    if levels == XD1_MAX:  # one digit: the sum of the rounded x (an exact int32 sum, one f32 rounding)
         bb.store(bb.fmul(bb.sitofp(int_sum(e, q), F32), dx), e.ptr(xsb, gi, F32), align=4)
     else:
         bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
@@ -166,8 +167,6 @@ def digits32(typingctx, x, xd, dx, xs, g):
         return None
 
     def codegen(context, builder, sig, args):
-        from .activations import XD1_MAX, XD_MAX
-
         e = _Emit(context, builder)
         bb = builder
         x_, xd_, dx_, xs_, g_ = args
