@@ -21,11 +21,15 @@ the tenth and eleventh sessions), so a ceiling measured apart says little about 
 opens the model resident, in this process, and alternates rounds of stream-run's decode (--tg steps after a
 --pp-token prompt; median step) with rounds of the one-region read of the same number of steps' ranges
 (median), and prints the decode step as a share of the read.
+--read-only STEPS: only the one-region read of STEPS random steps' ranges (after one warm pass), printed as one
+JSON line {"bytes_per_token", "read_gb_s" (median step), "read_gb_s_best"}: bench/decode_vs_llama.py --read runs
+it right after every decode it times, to pair each engine's decode with the machine's bandwidth of that moment.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from functools import partial
@@ -204,11 +208,15 @@ def main() -> None:
     )
     ap.add_argument("--pp", type=int, default=128, help="--decode: prompt tokens before the timed steps")
     ap.add_argument("--tg", type=int, default=32, help="--decode: timed decode steps per round")
+    ap.add_argument("--read-only", type=int, default=0, metavar="STEPS", help="only the step read, as JSON")
     args = ap.parse_args()
     g = GGUFFile(args.model)
     w = g.mm[: g.mm.size // 8 * 8].view(np.int64)
     ranges, kinds = step_ranges(g, np.random.default_rng(args.seed))
     per_tok = sum(kinds.values())
+    if args.read_only:
+        read_only(args, g, w, per_tok, numba.config.NUMBA_NUM_THREADS)
+        return
     print(f"{args.model}: {per_tok / 1e6:.1f} MB of weights per decode step ({len(ranges)} ranges)")
     for kind, n in kinds.items():
         print(f"  {kind:18s} {n / 1e6:9.1f} MB  {100 * n / per_tok:5.1f}%")
@@ -255,6 +263,30 @@ def main() -> None:
         print(
             f"{name}: {float(val):.2f} tok/s = {rate:.1f} GB/s effective, {100 * rate / ceiling:.0f}% of {ceiling:.1f}"
         )
+
+
+def read_only(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int) -> None:
+    """One JSON line: the one-region read of args.read_only random steps' ranges, median and best per step, after
+    a first pass over them all (a fresh process would otherwise time its page faults)."""
+    rng = np.random.default_rng(args.seed + 1)
+    steps = [_aligned(step_ranges(g, rng)[0]) for _ in range(args.read_only)]
+    for starts, sizes in steps:  # a warm pass: the kernel's cache load, and this process's page-table entries
+        _sum_step(w, starts, sizes, nth)
+    ts = []
+    for starts, sizes in steps:
+        t0 = time.perf_counter()
+        _sum_step(w, starts, sizes, nth)
+        ts.append(time.perf_counter() - t0)
+    gb = [per_tok / t / 1e9 for t in ts]
+    print(
+        json.dumps(
+            {
+                "bytes_per_token": per_tok,
+                "read_gb_s": round(statistics.median(gb), 2),
+                "read_gb_s_best": round(max(gb), 2),
+            }
+        )
+    )
 
 
 def decode_beside_read(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int) -> None:

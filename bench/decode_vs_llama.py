@@ -20,6 +20,12 @@ run pushed out, and Linux may hold that in small folios: 10.0 of 17.4 GB in 2 Mi
 favour stream-run: on this KVM guest its runs were slower after a fresh read (bench/RESULTS.md, twelfth
 session), so --rewarm stays the protocol. Both print the read's seconds and the page cache's 2 MiB folios
 (FileHugePages) after it.
+--read PYTHON runs bench/decode_roofline.py --read-only under PYTHON (one with numba and stream-run installed)
+right after every timed run: the one-region read of 16 decode steps' weight bytes, so each decode is paired with
+the memory bandwidth of its moment (on the KVM guest of the sixth to twelfth sessions it flips between ~30 and
+~50 GB/s within a minute). Each run then also prints its decode as a share of that read (tok/s x bytes per
+token / read GB/s), and the summary splits the rounds at --slow-gb-s: where the read is slow every decoder of
+the same bytes is near memory-bound, and the ratio between them is bounded by their shares of the read.
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
 llama.cpp and against the first build. Only the standard library: runs under any Python.
 """
@@ -76,6 +82,16 @@ def file_huge_gb() -> float:
     return float("nan")
 
 
+def read_after(a) -> tuple[float, int]:
+    """(read GB/s, weight bytes per decode step) of decode_roofline.py --read-only 16, under a.read."""
+    cmd = [a.read, str(HERE / "decode_roofline.py"), a.model, "--read-only", "16"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
+    if p.returncode:
+        raise RuntimeError(f"decode_roofline.py --read-only: exit {p.returncode}: {p.stderr.strip()[-500:]}")
+    r = _last_json(p.stdout)
+    return r["read_gb_s"], r["bytes_per_token"]
+
+
 def run_llama(a) -> tuple[float, float]:
     cmd = [a.llama_python, str(HERE / "llama_run.py"), a.model, "--threads", str(a.threads), "--pp", str(a.pp)]
     cmd += ["--tg", str(a.tg)] + (["--no-repack"] if a.no_repack else [])
@@ -108,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fresh", action="store_true", help="drop the model from the page cache and read it back before every run"
     )
+    ap.add_argument("--read", metavar="PYTHON", help="after every run, time a read of the step's bytes under PYTHON")
+    ap.add_argument("--slow-gb-s", type=float, default=36.0, help="--read: reads below this are the slow phase")
     a = ap.parse_args(argv)
     builds = []
     for s in a.stream_run:
@@ -127,6 +145,7 @@ def main(argv=None) -> int:
     if not a.no_llama:
         variants.append((llama, lambda: run_llama(a)))
     res: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}
+    reads: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}  # (read GB/s, share of it)
     total = a.rounds + (0 if a.no_discard else 1)
     for r in range(total):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -137,10 +156,14 @@ def main(argv=None) -> int:
                 print(f"  page cache {what} in {took:.1f} s, {file_huge_gb():.1f} GB in 2 MiB folios", flush=True)
             pp, tg = fn()
             keep = a.no_discard or r > 0
-            print(
-                f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s",
-                flush=True,
-            )
+            line = f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
+            if a.read:
+                gbs, per_tok = read_after(a)
+                share = tg * per_tok / 1e9 / gbs
+                line += f"  read after {gbs:5.1f} GB/s, decode at {100 * share:3.0f}% of it"
+                if keep:
+                    reads[name].append((gbs, share))
+            print(line, flush=True)
             if keep:
                 res[name].append((pp, tg))
     med = {n: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for n, v in res.items()}
@@ -154,7 +177,26 @@ def main(argv=None) -> int:
             if llama in med:
                 line += f"  decode {tg / med[llama][1]:.3f}x / prefill {pp / med[llama][0]:.3f}x {llama}"
         print(line)
+    if a.read:
+        print_phases(res, reads, a.slow_gb_s, llama if llama in res else None)
     return 0
+
+
+def print_phases(res, reads, slow: float, llama) -> None:
+    """Per variant and phase (read < slow GB/s, or not): runs, median read, median decode and its share of the
+    read, and the decode's ratio to llama.cpp's median in the same phase."""
+    print(f"\ndecode beside the read after it (slow phase: read < {slow:g} GB/s):")
+    rows = {}
+    for n in res:
+        for (_, tg), (gbs, sh) in zip(res[n], reads[n]):
+            rows.setdefault((n, "slow" if gbs < slow else "fast"), []).append((tg, gbs, sh))
+    med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
+    for (n, phase), (tg, gbs, sh) in med.items():
+        line = f"  {n:24s} {phase}: {len(rows[n, phase]):2d} runs, read {gbs:5.1f} GB/s, decode {tg:6.2f} tok/s"
+        line += f" = {100 * sh:3.0f}% of it"
+        if llama and n != llama and (llama, phase) in med:
+            line += f"  {tg / med[llama, phase][0]:.3f}x {llama}"
+        print(line)
 
 
 if __name__ == "__main__":
