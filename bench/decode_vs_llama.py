@@ -26,6 +26,7 @@ the memory bandwidth of its moment (on the KVM guest of the sixth to twelfth ses
 ~50 GB/s within a minute). Each run then also prints its decode as a share of that read (tok/s x bytes per
 token / read GB/s), and the summary splits the rounds at --slow-gb-s: where the read is slow every decoder of
 the same bytes is near memory-bound, and the ratio between them is bounded by their shares of the read.
+Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others).
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
 llama.cpp and against the first build. Only the standard library: runs under any Python.
 """
@@ -58,6 +59,11 @@ def run_stream(exe: str, a) -> tuple[float, float]:
     if p.returncode:
         raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
     r = _last_json(p.stdout)
+    q = r.get("tg_step_ms")  # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
+    if q:
+        print(
+            f"  steps {q['min']:.1f} / {q['median']:.1f} / {q['p90']:.1f} / {q['max']:.1f} ms (min / median / p90 / max)"
+        )
     return r["pp_tok_s"], r["tg_tok_s"]
 
 
@@ -90,6 +96,16 @@ def read_after(a) -> tuple[float, int]:
         raise RuntimeError(f"decode_roofline.py --read-only: exit {p.returncode}: {p.stderr.strip()[-500:]}")
     r = _last_json(p.stdout)
     return r["read_gb_s"], r["bytes_per_token"]
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs from /proc/stat: steal is time the hypervisor ran something else while
+    a vCPU had work; (0, 0) where there is no such file."""
+    try:
+        f = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return f[7], sum(f)
 
 
 def run_llama(a) -> tuple[float, float]:
@@ -154,9 +170,12 @@ def main(argv=None) -> int:
                 took = rewarm(a.model, drop=a.fresh)
                 what = "dropped and read" if a.fresh else "re-read"
                 print(f"  page cache {what} in {took:.1f} s, {file_huge_gb():.1f} GB in 2 MiB folios", flush=True)
+            j0 = cpu_jiffies()
             pp, tg = fn()
+            j1 = cpu_jiffies()
             keep = a.no_discard or r > 0
             line = f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
+            line += f"  steal {100 * (j1[0] - j0[0]) / max(1, j1[1] - j0[1]):4.1f}%"
             if a.read:
                 gbs, per_tok = read_after(a)
                 share = tg * per_tok / 1e9 / gbs

@@ -59,11 +59,14 @@ def run_bench(
     if prof is not None:
         prof.reset()
     tokens = [int(np.argmax(logits))]
+    steps = np.empty(max(tg - 1, 0))  # each decode step's seconds, the token's argmax included
     t0 = time.perf_counter()
     for i in range(tg - 1):
+        ts = time.perf_counter()
         nxt = tokens[-1] if feed is None else int(feed[i])
         logits = model.forward(np.array([nxt], dtype=np.int64), cache)
         tokens.append(int(np.argmax(logits)))
+        steps[i] = time.perf_counter() - ts
     t_tg = time.perf_counter() - t0
     tg_report = prof.report() if prof is not None else None
     tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
@@ -83,6 +86,8 @@ def run_bench(
         "pagein_disk_gb_s": pagein_disk / pagein_s / 1e9 if pagein_s > 0 else 0.0,
         "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
         "tg_tok_s": tg_tok_s,
+        # the decode steps' spread: min, median, 90th percentile and max, ms (a slow run uniformly slow, or stalled)
+        "tg_step_ms": step_quantiles(steps),
         "weight_bytes_per_token": wbytes,
         "weight_gb_s": wbytes * tg_tok_s / 1e9,
         "disk_read_bytes": disk,
@@ -100,6 +105,14 @@ def run_bench(
     }
 
 
+def step_quantiles(steps: np.ndarray) -> dict | None:
+    """{min, median, p90, max} of the step times in ms, or None without a step."""
+    if not steps.size:
+        return None
+    q = np.quantile(steps * 1e3, [0.0, 0.5, 0.9, 1.0])
+    return {k: round(float(v), 3) for k, v in zip(("min", "median", "p90", "max"), q)}
+
+
 def format_bench(r: dict) -> str:
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
@@ -111,7 +124,14 @@ def format_bench(r: dict) -> str:
             f"disk in {r['pagein_s']:.2f} s, {r['pagein_disk_gb_s']:.2f} GB/s)",
             f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
             f"decode   {r['tg']} tokens{' (random inputs)' if r['random_decode'] else ''}: {r['tg_tok_s']:.2f} tok/s "
-            f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)",
+            f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)"
+            + (
+                ", steps {min:.1f} / {median:.1f} / {p90:.1f} / {max:.1f} ms (min / median / p90 / max)".format(
+                    **r["tg_step_ms"]
+                )
+                if r["tg_step_ms"]
+                else ""
+            ),
             f"disk     {r['disk_read_bytes'] / 2**20:.1f} MiB read (process counters, prefill + decode)"
             + (f", {r['disk_per_expert_byte']:.3f}x the expert bytes requested" if r["disk_per_expert_byte"] else ""),
             f"experts  hit rate {pct(r['expert_hit_rate'])}, prefetched {pct(r['prefetched_rate'])}, demand reads "

@@ -91,6 +91,23 @@ def test_bench_json_is_one_line_with_the_keys(synth_model):
     ):
         assert k in d
     assert len(d["tokens"]) == 4 and d["pp_tok_s"] > 0 and d["tg_tok_s"] > 0
+    # the 3 decode steps' spread: ordered, and the mean step that tg_tok_s implies lies inside it (the loop's own
+    # overhead outside the steps is microseconds)
+    q = d["tg_step_ms"]
+    assert 0 < q["min"] <= q["median"] <= q["p90"] <= q["max"]
+    assert q["min"] <= 1e3 / d["tg_tok_s"] <= q["max"] + 0.05
+
+
+def test_bench_text_shows_the_step_spread_and_one_token_has_none(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    r = invoke("bench", path, "--pp", "4", "--tg", "3")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"steps [\d.]+ / [\d.]+ / [\d.]+ / [\d.]+ ms \(min / median / p90 / max\)", r.stdout), r.stdout
+    r = invoke("bench", path, "--pp", "4", "--tg", "1", "--json")  # no decode step after the prefill's token
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tg_step_ms"] is None
+    r = invoke("bench", path, "--pp", "4", "--tg", "1")
+    assert r.exit_code == 0 and "decode   1 tokens" in r.stdout and "steps" not in r.stdout, r.output
 
 
 def test_profile_table_and_json(synth_model, tmp_path):
