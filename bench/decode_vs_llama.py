@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -155,6 +156,12 @@ def main(argv=None) -> int:
         builds.append((name, path))
     if not builds:
         print("error: give at least one --stream-run NAME=PATH", file=sys.stderr)
+        return 2
+    if not a.no_llama and not shutil.which(a.llama_python):
+        print(f"error: --llama-python wants a Python with llama-cpp-python, got {a.llama_python!r}", file=sys.stderr)
+        return 2
+    if a.read and not shutil.which(a.read):
+        print(f"error: --read wants a Python with stream-run installed, got {a.read!r}", file=sys.stderr)
         return 2
     if not Path(a.model).is_file():
         print(f"error: no such model file: {a.model}", file=sys.stderr)
