@@ -29,7 +29,8 @@ the same bytes is near memory-bound, and the ratio between them is bounded by th
 in the thirteenth session (bench/RESULTS.md): over 28 runs of each engine the read after a run did not predict
 its decode (correlation 0.14 for stream-run, -0.05 for llama.cpp), so the split says little on this VM; the
 per-run step spread (stream-run's) and steal are the other clues printed.
-Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others).
+Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others) and,
+for stream-run, its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms).
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
 llama.cpp and against the first build. Only the standard library: runs under any Python.
 """
@@ -57,18 +58,14 @@ def _last_json(text: str) -> dict:
     raise ValueError("no JSON line in the output")
 
 
-def run_stream(exe: str, a) -> tuple[float, float]:
+def run_stream(exe: str, a) -> tuple[float, float, dict | None]:
     cmd = [exe, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
     if p.returncode:
         raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
     r = _last_json(p.stdout)
-    q = r.get("tg_step_ms")  # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
-    if q:
-        print(
-            f"  steps {q['min']:.1f} / {q['median']:.1f} / {q['p90']:.1f} / {q['max']:.1f} ms (min / median / p90 / max)"
-        )
-    return r["pp_tok_s"], r["tg_tok_s"]
+    # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
+    return r["pp_tok_s"], r["tg_tok_s"], r.get("tg_step_ms")
 
 
 def rewarm(path: str, drop: bool = False) -> float:
@@ -112,14 +109,14 @@ def cpu_jiffies() -> tuple[int, int]:
     return f[7], sum(f)
 
 
-def run_llama(a) -> tuple[float, float]:
+def run_llama(a) -> tuple[float, float, None]:
     cmd = [a.llama_python, str(HERE / "llama_run.py"), a.model, "--threads", str(a.threads), "--pp", str(a.pp)]
     cmd += ["--tg", str(a.tg)] + (["--no-repack"] if a.no_repack else [])
     p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
     if p.returncode:
         raise RuntimeError(f"llama_run.py: exit {p.returncode}: {p.stderr.strip()[-500:]}")
     r = _last_json(p.stdout)
-    return r["pp_tok_s"], r["tg_tok_s"]
+    return r["pp_tok_s"], r["tg_tok_s"], None
 
 
 def main(argv=None) -> int:
@@ -181,11 +178,13 @@ def main(argv=None) -> int:
                 what = "dropped and read" if a.fresh else "re-read"
                 print(f"  page cache {what} in {took:.1f} s, {file_huge_gb():.1f} GB in 2 MiB folios", flush=True)
             j0 = cpu_jiffies()
-            pp, tg = fn()
+            pp, tg, steps = fn()
             j1 = cpu_jiffies()
             keep = a.no_discard or r > 0
             line = f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
             line += f"  steal {100 * (j1[0] - j0[0]) / max(1, j1[1] - j0[1]):4.1f}%"
+            if steps:
+                line += "  steps {min:.1f} / {median:.1f} / {p90:.1f} / {max:.1f} ms".format(**steps)
             if a.read:
                 gbs, per_tok = read_after(a)
                 share = tg * per_tok / 1e9 / gbs
