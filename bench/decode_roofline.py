@@ -265,19 +265,28 @@ def main() -> None:
         )
 
 
-def read_only(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int) -> None:
-    """One JSON line: the one-region read of args.read_only random steps' ranges, median and best per step, after
-    a first pass over them all (a fresh process would otherwise time its page faults)."""
-    rng = np.random.default_rng(args.seed + 1)
-    steps = [_aligned(step_ranges(g, rng)[0]) for _ in range(args.read_only)]
-    for starts, sizes in steps:  # a warm pass: the kernel's cache load, and this process's page-table entries
-        _sum_step(w, starts, sizes, nth)
+def random_steps(g: GGUFFile, n: int, seed: int) -> list:
+    """The aligned (starts, sizes) ranges of n decode steps, each with its own random experts."""
+    rng = np.random.default_rng(seed)
+    return [_aligned(step_ranges(g, rng)[0]) for _ in range(n)]
+
+
+def read_steps(w: np.ndarray, steps: list, nth: int) -> list[float]:
+    """Seconds of the one-region read (_sum_step) of each step's ranges, in turn."""
     ts = []
     for starts, sizes in steps:
         t0 = time.perf_counter()
         _sum_step(w, starts, sizes, nth)
         ts.append(time.perf_counter() - t0)
-    gb = [per_tok / t / 1e9 for t in ts]
+    return ts
+
+
+def read_only(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int) -> None:
+    """One JSON line: the one-region read of args.read_only random steps' ranges, median and best per step, after
+    a first pass over them all (a fresh process would otherwise time its page faults)."""
+    steps = random_steps(g, args.read_only, args.seed + 1)
+    read_steps(w, steps, nth)  # a warm pass: the kernel's cache load, and this process's page-table entries
+    gb = [per_tok / t / 1e9 for t in read_steps(w, steps, nth)]
     print(
         json.dumps(
             {
@@ -298,8 +307,7 @@ def decode_beside_read(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int)
     s = open_model(g, StreamOptions.build(None, stream=False), n_ctx=args.pp + args.tg + 8, threads=nth)
     s.populate()
     m = s.model
-    rng = np.random.default_rng(args.seed + 1)
-    steps = [_aligned(step_ranges(g, rng)[0]) for _ in range(args.tg)]
+    steps = random_steps(g, args.tg, args.seed + 1)
     prompt = np.arange(1000, 1000 + args.pp)
 
     def decode() -> float:
@@ -313,12 +321,7 @@ def decode_beside_read(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int)
         return statistics.median(ts)
 
     def read() -> float:
-        ts = []
-        for starts, sizes in steps:
-            t0 = time.perf_counter()
-            _sum_step(w, starts, sizes, nth)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return statistics.median(read_steps(w, steps, nth))
 
     decode(), read()  # compile, warm
     res = {"decode": [], "read": []}

@@ -58,12 +58,17 @@ def _last_json(text: str) -> dict:
     raise ValueError("no JSON line in the output")
 
 
-def run_stream(exe: str, a) -> tuple[float, float, dict | None]:
-    cmd = [exe, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
+def _run_json(cmd: list[str], what: str) -> dict:
+    """Run cmd (from /tmp) and return the last JSON line of its output; RuntimeError naming `what` if it fails."""
     p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
     if p.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
-    r = _last_json(p.stdout)
+        raise RuntimeError(f"{what}: exit {p.returncode}: {p.stderr.strip()[-500:]}")
+    return _last_json(p.stdout)
+
+
+def run_stream(exe: str, a) -> tuple[float, float, dict | None]:
+    cmd = [exe, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
+    r = _run_json(cmd, " ".join(cmd))
     # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
     return r["pp_tok_s"], r["tg_tok_s"], r.get("tg_step_ms")
 
@@ -91,11 +96,9 @@ def file_huge_gb() -> float:
 
 def read_after(a) -> tuple[float, int]:
     """(read GB/s, weight bytes per decode step) of decode_roofline.py --read-only 16, under a.read."""
-    cmd = [a.read, str(HERE / "decode_roofline.py"), a.model, "--read-only", "16"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
-    if p.returncode:
-        raise RuntimeError(f"decode_roofline.py --read-only: exit {p.returncode}: {p.stderr.strip()[-500:]}")
-    r = _last_json(p.stdout)
+    r = _run_json(
+        [a.read, str(HERE / "decode_roofline.py"), a.model, "--read-only", "16"], "decode_roofline.py --read-only"
+    )
     return r["read_gb_s"], r["bytes_per_token"]
 
 
@@ -112,10 +115,7 @@ def cpu_jiffies() -> tuple[int, int]:
 def run_llama(a) -> tuple[float, float, None]:
     cmd = [a.llama_python, str(HERE / "llama_run.py"), a.model, "--threads", str(a.threads), "--pp", str(a.pp)]
     cmd += ["--tg", str(a.tg)] + (["--no-repack"] if a.no_repack else [])
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
-    if p.returncode:
-        raise RuntimeError(f"llama_run.py: exit {p.returncode}: {p.stderr.strip()[-500:]}")
-    r = _last_json(p.stdout)
+    r = _run_json(cmd, "llama_run.py")
     return r["pp_tok_s"], r["tg_tok_s"], None
 
 
