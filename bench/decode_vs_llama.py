@@ -30,7 +30,8 @@ in the thirteenth session (bench/RESULTS.md): over 28 runs of each engine the re
 its decode (correlation 0.14 for stream-run, -0.05 for llama.cpp), so the split says little on this VM; the
 per-run step spread (stream-run's) and steal are the other clues printed.
 Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others) and,
-for stream-run, its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms).
+its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms; llama_run.py times each step the
+same way).
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
 llama.cpp and against the first build. Only the standard library: runs under any Python.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -67,7 +69,10 @@ def _run_json(cmd: list[str], what: str) -> dict:
 
 
 def run_stream(exe: str, a) -> tuple[float, float, dict | None]:
-    cmd = [exe, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
+    """exe: a stream-run executable, then any flags of its bench (shell words: "PATH --no-mmap")."""
+    path, *flags = shlex.split(exe)
+    cmd = [path, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
+    cmd += flags
     r = _run_json(cmd, " ".join(cmd))
     # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
     return r["pp_tok_s"], r["tg_tok_s"], r.get("tg_step_ms")
@@ -112,11 +117,11 @@ def cpu_jiffies() -> tuple[int, int]:
     return f[7], sum(f)
 
 
-def run_llama(a) -> tuple[float, float, None]:
+def run_llama(a) -> tuple[float, float, dict | None]:
     cmd = [a.llama_python, str(HERE / "llama_run.py"), a.model, "--threads", str(a.threads), "--pp", str(a.pp)]
     cmd += ["--tg", str(a.tg)] + (["--no-repack"] if a.no_repack else [])
     r = _run_json(cmd, "llama_run.py")
-    return r["pp_tok_s"], r["tg_tok_s"], None
+    return r["pp_tok_s"], r["tg_tok_s"], r.get("tg_step_ms")
 
 
 def main(argv=None) -> int:
@@ -127,7 +132,8 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="a stream-run executable to time (repeatable; the first is the baseline)",
+        help="a stream-run executable to time, optionally with flags for its bench, as one argument "
+        "(main='/opt/dev/bin/stream-run --no-mmap'; repeatable; the first is the baseline)",
     )
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--no-llama", action="store_true")
@@ -147,8 +153,11 @@ def main(argv=None) -> int:
     builds = []
     for s in a.stream_run:
         name, sep, path = s.partition("=")
-        if not sep or not name or not path:
+        if not sep or not name or not path.strip():
             print(f"error: --stream-run wants NAME=PATH, got {s!r}", file=sys.stderr)
+            return 2
+        if not shutil.which(shlex.split(path)[0]):
+            print(f"error: --stream-run {name}: no such executable: {shlex.split(path)[0]}", file=sys.stderr)
             return 2
         builds.append((name, path))
     if not builds:

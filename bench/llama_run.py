@@ -143,6 +143,14 @@ def argmax_last(m) -> int:
     return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),))))
 
 
+def step_quantiles(steps: list[float]) -> dict | None:
+    """{min, median, p90, max} of the step times in ms (stream-run bench's tg_step_ms), or None without a step."""
+    if not steps:
+        return None
+    q = np.quantile(np.array(steps) * 1e3, [0.0, 0.5, 0.9, 1.0])
+    return {k: round(float(v), 3) for k, v in zip(("min", "median", "p90", "max"), q)}
+
+
 def read_bytes(proc) -> int:
     return int(proc.io_counters().read_bytes)
 
@@ -232,9 +240,12 @@ def main(argv=None) -> int:
             res["ttft_prompt_tokens"] = len(prompt)
         rb_pp = read_bytes(proc)
         toks = [tok]
+        steps = []  # each decode step's seconds, as stream-run bench's tg_step_ms
         for _ in range(args.tg - 1):  # the first of the tg tokens came from the prefill's logits
+            ts = time.perf_counter()
             m.eval([tok])
             tok = argmax_last(m)
+            steps.append(time.perf_counter() - ts)
             toks.append(tok)
         t3 = time.perf_counter()
         rb_tg = read_bytes(proc)
@@ -250,6 +261,7 @@ def main(argv=None) -> int:
             tg_s=t3 - t2,
             tg_decode_steps=n_dec,
             tg_tok_s=(n_dec / (t3 - t2)) if n_dec else None,
+            tg_step_ms=step_quantiles(steps),
             tokens=toks,
             read_bytes_load=rb_load - rb0,
             read_bytes_warmup=rb_warm - rb_load,
