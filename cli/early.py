@@ -35,7 +35,7 @@ _VALUE = {
     "--ctx-size": "n_ctx",
 }
 _FLAG = {"--no-stream": ("stream", False)}
-_NEVER = ("-h", "--help")
+_NEVER = ("-h", "--help", "--no-mmap")  # --no-mmap: the model is read whole into memory, not paged in
 
 _held: dict = {}  # "path", "gf", "cfg", "ranges", "pagein": what start() opened and started
 

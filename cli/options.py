@@ -80,6 +80,18 @@ STREAM_FLAGS = {
         ],
         True,
     ),
+    "mmap": (
+        Annotated[
+            bool,
+            typer.Option(
+                " /--no-mmap",
+                help="Read the whole model into memory at load, as llama.cpp's --no-mmap, instead of using the "
+                "file's pages in place (implies --no-stream; the model must fit the RAM budget).",
+                show_default=False,
+            ),
+        ],
+        True,
+    ),
     "expert_top_p": (
         Annotated[
             Optional[float],

@@ -487,9 +487,22 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[t.qtype]
         return raw.reshape(*t.shape[:-1], t.shape[-1] // block * type_size)
 
+    in_memory = False  # read_into_memory replaced the mapping by a copy in the process's memory
+
+    def read_into_memory(self, direct: bool | None = None, progress=None) -> None:
+        """--no-mmap: replace the mapping by a copy of every file in the process's own memory, same layout
+        (streamer/inram.py). Call it before taking any tensor view: views taken after it are into the copy."""
+        from streamer.inram import read_into_memory
+
+        shards = [(s.path, s.base, s.size) for s in self.shards]
+        self.mm = read_into_memory(shards, self.mm.size, direct, progress)
+        self._buf = memoryview(self.mm)  # the mapping goes when nothing else holds it (metadata arrays may)
+        self.in_memory = True
+
     def advise(self, ranges, advice: int) -> None:
-        """madvise byte ranges (offset, length) of the mapping, e.g. mmap.MADV_WILLNEED: a hint only."""
-        if self.mm is None:
+        """madvise byte ranges (offset, length) of the mapping, e.g. mmap.MADV_WILLNEED: a hint only (none on
+        a copy in memory)."""
+        if self.mm is None or self.in_memory:
             return
         for start, n in ranges:
             madvise(self.mm, start, n, advice)

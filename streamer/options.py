@@ -42,6 +42,7 @@ class StreamOptions:
 
     ram_budget: int | None = None  # bytes for everything resident (a size string is parsed); None: a default share
     stream: bool = True  # False: all experts used in place from the mapping (--no-stream)
+    mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
     expert_top_p: float = 1.0  # per token, drop routed experts beyond this cumulative weight (1.0: off)
     prefetch: bool = True  # router-lookahead expert prefetch
     learn: bool = True  # load and save the learned expert-usage file
@@ -58,6 +59,8 @@ class StreamOptions:
         if self.io not in set(IoMode):
             raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
         object.__setattr__(self, "io", IoMode(self.io))
+        if not self.mmap:  # every expert is in the copy: nothing to stream
+            object.__setattr__(self, "stream", False)
         checks = (
             (self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),
             (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too

@@ -339,6 +339,28 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
         )
 
 
+def read_model_into_memory(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> None:
+    """--no-mmap: check that the whole file, the KV cache and the scratch fit the RAM budget (one error line
+    before any read if not: this memory cannot be paged out), then read the file into the process's memory
+    (GGUFFile.read_into_memory), showing progress when it is slow."""
+    from streamer.budget import default_budget, scratch_bytes
+    from streamer.errors import StreamerError
+    from streamer.io import human
+
+    budget = default_budget() if options.ram_budget is None else options.ram_budget
+    rest = cfg.kv_bytes_per_token * cfg.context(n_ctx) + scratch_bytes(cfg)
+    if gf.size + rest > budget:
+        which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
+        raise StreamerError(
+            f"--no-mmap reads the whole model into memory: {human(gf.size)} plus {human(rest)} for the KV cache "
+            f"and scratch, more than {which}; drop --no-mmap to use the file in place"
+            + (" and stream its experts" if cfg.is_moe else "")
+        )
+    with notice_if_slow(f"reading {human(gf.size)} into memory (--no-mmap)..."):
+        gf.read_into_memory(options.io.direct)
+    timing.mark("in_memory")
+
+
 def open_model(
     path: str | os.PathLike | GGUFFile,
     options: StreamOptions = StreamOptions(),
@@ -364,7 +386,13 @@ def open_model(
         from streamer.errors import StreamerError
 
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
-    early = start_early_pagein(gf, cfg, options, n_ctx, started_pagein)  # before the kernels load
+    if options.mmap:
+        early = start_early_pagein(gf, cfg, options, n_ctx, started_pagein)  # before the kernels load
+    else:
+        if started_pagein is not None:
+            started_pagein[1].stop()
+        read_model_into_memory(gf, cfg, options, n_ctx)
+        early = None
     try:
         return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels)
     except BaseException:
@@ -387,10 +415,12 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
         moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
     elif options.ram_budget is not None:
         warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
-    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=FileWatch([s.path for s in gf.shards]))
+    watch = None if gf.in_memory else FileWatch([s.path for s in gf.shards])  # a copy: the file may change
+    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=watch)
     session = Session(gf, cfg, model, moe, tokenizer)
-    advise_pages(gf)
-    start_pagein(session, options.ram_budget, early)
+    if not gf.in_memory:
+        advise_pages(gf)
+        start_pagein(session, options.ram_budget, early)
     timing.mark("model_built")
     from streamer.warmup import cached, decode_formats, model_kernels, warmup
 

@@ -1,0 +1,102 @@
+"""--no-mmap: the model's bytes read into the process's own memory, as llama.cpp's --no-mmap does, instead of
+used in place from the file's page cache pages.
+
+The copy has the mapping's layout (each shard at the same base), so every tensor view, expert offset and kernel
+is unchanged and the logits are the same bits. It is anonymous memory in 4 KiB pages (store.arena_empty: on a VM
+whose host takes freed memory back, 2 MiB pages fault in slower than the disk reads). The reads are O_DIRECT
+(--io auto or direct), so the page cache does not hold a second copy while the process holds the first; with
+--io buffered, or where the filesystem refuses O_DIRECT, plain reads drop the pages they read behind them
+(POSIX_FADV_DONTNEED). The last bytes of a file past its last 4 KiB boundary are read plainly.
+
+On this project's KVM guest, faulting fresh memory in was the cost, not the disk: O_DIRECT into it, one thread,
+0.67 GB/s (16 GiB in 48 s, 44 s of it system time). READERS threads each take CHUNK bytes at a time, fault the
+chunk in first (MADV_POPULATE_WRITE, one call) and then read it: 1.42 GB/s in the same test
+(/work/scratch/s14/fill2.py, 4 GiB of the 30B-A3B file into fresh memory).
+
+Why at all: on the same guest the decode steps reading the page cache's pages stalled in stretches (some steps
+2-5x the median) where the same bytes in anonymous 4 KiB pages, or llama.cpp's own copy, did not
+(bench/RESULTS.md, fourteenth session). The price is the read at load: the whole file, every run.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from streamer.errors import StreamerError
+from streamer.experts.store import ALIGN, arena_empty
+from streamer.mapping import madvise
+
+CHUNK = 64 * 2**20  # bytes per read
+READERS = 2
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the pages in now (an error elsewhere: the read faults them)
+
+
+def read_into_memory(shards, size: int, direct: bool | None = None, progress=None) -> np.ndarray:
+    """A uint8 array of `size` bytes holding each shard's file at its base. shards: (path, base, nbytes) per
+    file; direct: True O_DIRECT (an error if refused), False plain reads, None O_DIRECT where allowed.
+    progress(done, total) after every read."""
+    out = arena_empty(size, "the model (--no-mmap)")
+    fds: list[int] = []
+    try:
+        jobs = []  # (descriptor, plain, path, offset in the file, bytes, offset in out)
+        for path, base, n in shards:
+            fd, dfd = _open(path, direct, out[base : base + n], fds)
+            aligned = n // ALIGN * ALIGN if dfd >= 0 else 0
+            jobs += [(dfd, False, path, at, min(CHUNK, aligned - at), base + at) for at in range(0, aligned, CHUNK)]
+            jobs += [(fd, True, path, at, min(CHUNK, n - at), base + at) for at in range(aligned, n, CHUNK)]
+        total = sum(n for _, _, n in shards)
+        mv = memoryview(out)
+        with ThreadPoolExecutor(READERS, thread_name_prefix="stream-run no-mmap") as pool:
+            pending = {pool.submit(_read, out, mv, *job) for job in jobs}
+            done = 0
+            try:
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for f in finished:
+                        done += f.result()  # the first error is raised here
+                        if progress is not None:
+                            progress(done, total)
+            except BaseException:  # an error or Ctrl-C: the reads not started are dropped, running ones end
+                for f in pending:
+                    f.cancel()
+                raise
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _open(path: str, direct: bool | None, dst: np.ndarray, fds: list[int]) -> tuple[int, int]:
+    """(plain descriptor, O_DIRECT descriptor or -1), both appended to fds."""
+    fd = os.open(path, os.O_RDONLY)
+    fds.append(fd)
+    dfd = -1
+    if direct is not False and hasattr(os, "O_DIRECT") and dst.size >= ALIGN:
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            fds.append(dfd)
+            os.preadv(dfd, [memoryview(dst[:ALIGN])], 0)  # refused here (EINVAL) where unsupported
+        except OSError:
+            dfd = -1
+    if direct is True and dfd < 0:
+        raise StreamerError(f"{path}: the filesystem refuses O_DIRECT reads (try --io buffered)")
+    return fd, dfd
+
+
+def _read(out: np.ndarray, mv: memoryview, fd: int, plain: bool, path: str, at: int, n: int, dst: int) -> int:
+    madvise(out, dst, n, MADV_POPULATE_WRITE)
+    got = 0
+    while got < n:
+        try:
+            k = os.preadv(fd, [mv[dst + got : dst + n]], at + got)
+        except OSError as e:
+            raise StreamerError(f"I/O error reading {path}: {e.strerror or e}") from None
+        if k <= 0:
+            raise StreamerError(f"{path}: short read at byte {at + got} (file truncated?)")
+        got += k
+    if plain:
+        os.posix_fadvise(fd, at, n, os.POSIX_FADV_DONTNEED)
+    return n
