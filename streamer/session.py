@@ -339,10 +339,13 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
         )
 
 
-def read_model_into_memory(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> None:
+def read_model_into_memory(
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, progress=None
+) -> None:
     """--no-mmap: check that the whole file, the KV cache and the scratch fit the RAM budget (one error line
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
-    (GGUFFile.read_into_memory), showing progress when it is slow."""
+    (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
+    slow."""
     from streamer.budget import default_budget, scratch_bytes
     from streamer.errors import StreamerError
     from streamer.io import human
@@ -356,8 +359,11 @@ def read_model_into_memory(gf: GGUFFile, cfg: ModelConfig, options: StreamOption
             f"and scratch, more than {which}; drop --no-mmap to use the file in place"
             + (" and stream its experts" if cfg.is_moe else "")
         )
-    with notice_if_slow(f"reading {human(gf.size)} into memory (--no-mmap)..."):
-        gf.read_into_memory(options.io.direct)
+    if progress is not None:
+        gf.read_into_memory(options.io.direct, progress)
+    else:
+        with notice_if_slow(f"reading {human(gf.size)} into memory (--no-mmap)..."):
+            gf.read_into_memory(options.io.direct)
     timing.mark("in_memory")
 
 
@@ -370,6 +376,7 @@ def open_model(
     trace=None,
     lazy_kernels: bool = False,
     started_pagein=None,
+    load_progress=None,
 ) -> Session:
     """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
     the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
@@ -378,7 +385,8 @@ def open_model(
     first token: the kernels a short prompt does not use never load); else, or when anything must compile,
     run them all once now (benchmarks and the server: no load or compile time inside what they time).
     started_pagein: (ranges, PageIn) of a page-in the caller started before it had the options (the CLI's
-    entry point): continued if the budget check here asks for the same ranges, else stopped."""
+    entry point): continued if the budget check here asks for the same ranges, else stopped. load_progress:
+    progress(done, total) of --no-mmap's read, in bytes."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     timing.mark("header")
@@ -391,7 +399,7 @@ def open_model(
     else:
         if started_pagein is not None:
             started_pagein[1].stop()
-        read_model_into_memory(gf, cfg, options, n_ctx)
+        read_model_into_memory(gf, cfg, options, n_ctx, load_progress)
         early = None
     try:
         return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels)

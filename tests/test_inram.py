@@ -71,6 +71,15 @@ def test_dense_logits_are_the_mapping_s_bits(synth_model):
     assert np.array_equal(run(open_model(path, StreamOptions(mmap=False, learn=False))), want)
 
 
+def test_load_progress_counts_the_file(moe_files):
+    _, split = moe_files
+    seen = []
+    s = open_model(split, StreamOptions(mmap=False, learn=False), load_progress=lambda d, t: seen.append((d, t)))
+    size = sum(sh.size for sh in s.gf.shards)
+    assert len(s.gf.shards) > 1 and seen[-1] == (size, size)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
 def test_the_copy_outlives_the_file(moe_files, tmp_path):
     """The copy is the process's own: the file truncated after the load changes nothing (with the mapping,
     that is SIGBUS on the lost pages)."""
