@@ -42,7 +42,6 @@ class StreamOptions:
 
     ram_budget: int | None = None  # bytes for everything resident (a size string is parsed); None: a default share
     stream: bool = True  # False: all experts used in place from the mapping (--no-stream)
-    mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
     expert_top_p: float = 1.0  # per token, drop routed experts beyond this cumulative weight (1.0: off)
     prefetch: bool = True  # router-lookahead expert prefetch
     learn: bool = True  # load and save the learned expert-usage file
@@ -50,6 +49,7 @@ class StreamOptions:
     readers: int = READERS  # parallel expert reads
     pin_share: float = 0.5  # at most this share of the expert cache is pinned to learned hot experts
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
+    mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.ram_budget, str):
