@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forcing import run
 
 from cli import early
 from streamer import inram
@@ -19,15 +20,7 @@ from streamer.options import StreamOptions
 from streamer.session import open_model
 from streamer.synth.writer import Split, spec_for, write_model
 
-PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
 EXE = Path(sys.executable).parent / "stream-run"
-
-
-def run(session, n_prefill=5):
-    c = session.model.new_cache()
-    out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
-    return np.concatenate(out)
 
 
 def mapping_of(arr: np.ndarray) -> str:
