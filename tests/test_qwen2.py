@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+from forcing import PROMPT, run
 from reference import Reference
 
 from streamer.config import ModelConfig
@@ -15,15 +16,6 @@ from streamer.gguf_file import GGUFFile
 from streamer.options import StreamOptions
 from streamer.session import open_model
 from streamer.synth.writer import spec_for, typed_tensors
-
-PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
-
-
-def run(session, n_prefill=5):
-    c = session.model.new_cache()
-    out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
-    out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
-    return np.concatenate(out)
 
 
 @pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q8_0", True), ("Q4_K", True)])
