@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import numpy as np
 
 from streamer.errors import StreamerError
-from streamer.experts.store import ALIGN, arena_empty
+from streamer.experts.store import ALIGN, arena_empty, open_direct
 from streamer.mapping import madvise
 
 CHUNK = 64 * 2**20  # bytes per read
@@ -43,7 +43,7 @@ def read_into_memory(shards, size: int, direct: bool | None = None, progress=Non
     try:
         jobs = []  # (descriptor, plain, path, offset in the file, bytes, offset in out)
         for path, base, n in shards:
-            fd, dfd = _open(path, direct, out[base : base + n], fds)
+            fd, dfd = _open(path, direct, fds)
             aligned = n // ALIGN * ALIGN if dfd >= 0 else 0
             jobs += [(dfd, False, path, at, min(CHUNK, aligned - at), base + at) for at in range(0, aligned, CHUNK)]
             jobs += [(fd, True, path, at, min(CHUNK, n - at), base + at) for at in range(aligned, n, CHUNK)]
@@ -69,18 +69,13 @@ def read_into_memory(shards, size: int, direct: bool | None = None, progress=Non
             os.close(fd)
 
 
-def _open(path: str, direct: bool | None, dst: np.ndarray, fds: list[int]) -> tuple[int, int]:
+def _open(path: str, direct: bool | None, fds: list[int]) -> tuple[int, int]:
     """(plain descriptor, O_DIRECT descriptor or -1), both appended to fds."""
     fd = os.open(path, os.O_RDONLY)
     fds.append(fd)
-    dfd = -1
-    if direct is not False and hasattr(os, "O_DIRECT") and dst.size >= ALIGN:
-        try:
-            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            fds.append(dfd)
-            os.preadv(dfd, [memoryview(dst[:ALIGN])], 0)  # refused here (EINVAL) where unsupported
-        except OSError:
-            dfd = -1
+    dfd = open_direct(path) if direct is not False else -1
+    if dfd >= 0:
+        fds.append(dfd)
     if direct is True and dfd < 0:
         raise StreamerError(f"{path}: the filesystem refuses O_DIRECT reads (try --io buffered)")
     return fd, dfd

@@ -96,17 +96,11 @@ class ExpertReader:
 
     def _try_direct(self) -> bool:
         """O_DIRECT descriptors on every file, or none (a file that refuses them: buffered reads for all)."""
-        buf = aligned_empty(ALIGN)
         for p in self.paths:
-            try:
-                fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
+            fd = open_direct(p)
+            if fd < 0:
                 break
             self.dfds.append(fd)
-            try:
-                os.preadv(fd, [memoryview(buf)], 0)
-            except OSError:
-                break
         else:
             return True
         for fd in self.dfds:
@@ -145,6 +139,23 @@ class ExpertReader:
         for fd in self.fds + self.dfds:
             os.close(fd)
         self.fds, self.dfds = [], []
+
+
+def open_direct(path: str) -> int:
+    """An O_DIRECT descriptor on path, or -1 where it is refused: at the open, or (EINVAL on some filesystems)
+    at a first aligned read."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return -1
+    try:
+        os.preadv(fd, [memoryview(aligned_empty(ALIGN))], 0)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
