@@ -2,16 +2,57 @@
 
 Each quantized matmul dequantizes a tile of weight rows once into a small per-thread f32
 scratch and then calls `gemm_tile`, so the dequantization cost is amortised over all m
-activation rows. The 4x4 register block loads 8 vectors per 16 FMAs.
+activation rows. The register block is chosen for the host's vector registers, once, at import:
+- 4x4 (16 accumulators, 8 vectors loaded per 16 FMAs) where there are 32 (AVX-512, and other targets);
+- 4x3 (12 accumulators, 7 loads per 12 FMAs) on x86 without AVX-512, whose 16 ymm registers cannot hold
+  the 4x4 block's 24 live vectors: LLVM spilled 6 accumulators to the stack inside the K loop, and the 4x4
+  block ran at 77-83 GFLOP/s on 2 Zen 3 cores where 4x3 ran at 119-123 (bench/RESULTS.md, sixteenth session).
+Both give every output as the same vectorised dot along K; only which outputs share a loop differs. The
+choice depends on the CPU alone, which is part of numba's cache key, so a cached caller cannot hold the other.
 """
 
+import llvmlite.binding as llvm
 import numpy as np
 
 from ._bits import FASTMATH, kernel
 
 
+@kernel(fastmath=FASTMATH, inline="always")
+def _col_tail(X, T, t0, i, j, nr, out, c0):
+    """Columns j.. of rows i..i+3, one weight row at a time."""
+    m, K = X.shape
+    while j < nr:
+        a = t0 + j
+        s0 = s1 = s2 = s3 = np.float32(0)
+        for k in range(K):
+            w0 = T[a, k]
+            s0 += X[i, k] * w0
+            s1 += X[i + 1, k] * w0
+            s2 += X[i + 2, k] * w0
+            s3 += X[i + 3, k] * w0
+        out[i, c0 + j] = s0
+        out[i + 1, c0 + j] = s1
+        out[i + 2, c0 + j] = s2
+        out[i + 3, c0 + j] = s3
+        j += 1
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _row_tail(X, T, t0, i, nr, out, c0):
+    """Rows i.. (fewer than 4), every column."""
+    m, K = X.shape
+    while i < m:
+        for j in range(nr):
+            a = t0 + j
+            s = np.float32(0)
+            for k in range(K):
+                s += X[i, k] * T[a, k]
+            out[i, c0 + j] = s
+        i += 1
+
+
 @kernel(fastmath=FASTMATH)
-def gemm_tile(X, T, t0, nr, out, c0):
+def gemm_tile_4x4(X, T, t0, nr, out, c0):
     """out[i, c0 + j] = X[i] . T[t0 + j] for i < m, j < nr (T: f32 rows, X: f32 [m, K])."""
     m, K = X.shape
     i = 0
@@ -66,29 +107,70 @@ def gemm_tile(X, T, t0, nr, out, c0):
             out[i + 3, c + 2] = s32
             out[i + 3, c + 3] = s33
             j += 4
-        while j < nr:
+        _col_tail(X, T, t0, i, j, nr, out, c0)
+        i += 4
+    _row_tail(X, T, t0, i, nr, out, c0)
+
+
+@kernel(fastmath=FASTMATH)
+def gemm_tile_4x3(X, T, t0, nr, out, c0):
+    """gemm_tile_4x4's product with a 4x3 register block (for 16 vector registers)."""
+    m, K = X.shape
+    i = 0
+    while i + 4 <= m:
+        j = 0
+        while j + 3 <= nr:
             a = t0 + j
-            s0 = s1 = s2 = s3 = np.float32(0)
+            s00 = s01 = s02 = np.float32(0)
+            s10 = s11 = s12 = np.float32(0)
+            s20 = s21 = s22 = np.float32(0)
+            s30 = s31 = s32 = np.float32(0)
             for k in range(K):
                 w0 = T[a, k]
-                s0 += X[i, k] * w0
-                s1 += X[i + 1, k] * w0
-                s2 += X[i + 2, k] * w0
-                s3 += X[i + 3, k] * w0
-            out[i, c0 + j] = s0
-            out[i + 1, c0 + j] = s1
-            out[i + 2, c0 + j] = s2
-            out[i + 3, c0 + j] = s3
-            j += 1
+                w1 = T[a + 1, k]
+                w2 = T[a + 2, k]
+                x0 = X[i, k]
+                s00 += x0 * w0
+                s01 += x0 * w1
+                s02 += x0 * w2
+                x1 = X[i + 1, k]
+                s10 += x1 * w0
+                s11 += x1 * w1
+                s12 += x1 * w2
+                x2 = X[i + 2, k]
+                s20 += x2 * w0
+                s21 += x2 * w1
+                s22 += x2 * w2
+                x3 = X[i + 3, k]
+                s30 += x3 * w0
+                s31 += x3 * w1
+                s32 += x3 * w2
+            c = c0 + j
+            out[i, c] = s00
+            out[i, c + 1] = s01
+            out[i, c + 2] = s02
+            out[i + 1, c] = s10
+            out[i + 1, c + 1] = s11
+            out[i + 1, c + 2] = s12
+            out[i + 2, c] = s20
+            out[i + 2, c + 1] = s21
+            out[i + 2, c + 2] = s22
+            out[i + 3, c] = s30
+            out[i + 3, c + 1] = s31
+            out[i + 3, c + 2] = s32
+            j += 3
+        _col_tail(X, T, t0, i, j, nr, out, c0)
         i += 4
-    while i < m:
-        for j in range(nr):
-            a = t0 + j
-            s = np.float32(0)
-            for k in range(K):
-                s += X[i, k] * T[a, k]
-            out[i, c0 + j] = s
-        i += 1
+    _row_tail(X, T, t0, i, nr, out, c0)
+
+
+def vector_registers() -> int:
+    """The host's vector registers: 16 on x86 without AVX-512 (ymm0-15), else 32 (zmm0-31; NEON's v0-31)."""
+    x86 = llvm.get_process_triple().startswith("x86_64")
+    return 16 if x86 and not llvm.get_host_cpu_features().get("avx512f", False) else 32
+
+
+gemm_tile = gemm_tile_4x4 if vector_registers() == 32 else gemm_tile_4x3
 
 
 # Rows of W dequantized per tile: 16 rows x K f32 stay in L2 while all m activation rows pass.
