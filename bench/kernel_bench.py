@@ -5,10 +5,10 @@
 
 Prints weight-bytes throughput in GB/s (what decode speed is bound by) and GFLOP/s for matmul,
 best and median of repeated calls. Weights are random valid blocks with sane f16 scales.
---decode-ab: the decode row dot old vs new, for each format with a vpdpbusd version (blocks.DIGIT_CODES): the
-same block_matvec given the int16 activation buffer (the path without VNNI), the two-int8-digit one (the
-default) and the one-digit one (STREAM_RUN_ACT=int8), alternating in each round, single thread (ns per
-256-element super-block) and 2 threads (GB/s); best of the rounds.
+--decode-ab: the decode row dot old vs new, for each format with a digits version (blocks.DIGIT_CODES; vpdpbusd,
+or its AVX2 form): the same block_matvec given the int16 activation buffer (the path without either), the
+two-int8-digit one (the default) and the one-digit one (STREAM_RUN_ACT=int8), alternating in each round, single
+thread (ns per 256-element super-block) and 2 threads (GB/s); best of the rounds.
 """
 
 import argparse
@@ -93,11 +93,14 @@ def main() -> None:
 def decode_ab(shapes: str, rounds: int, min_time: float) -> None:
     from streamer.kernels import blocks, int8
 
-    if "vnni" not in int8.usable_isas():
-        print("error: this CPU has no AVX512-VNNI: there is only the int16 decode path", file=sys.stderr)
+    if int8.DECODE_ISA is None:
+        print("error: the digit row dots need AVX512-VNNI or AVX2 (and no STREAM_RUN_ISA=generic/f32)", file=sys.stderr)
         sys.exit(2)
     rng = np.random.default_rng(0)
-    print(f"# decode row dot A/B {datetime.datetime.now():%Y-%m-%d %H:%M}, best of {rounds} alternating rounds")
+    print(
+        f"# decode row dot A/B {datetime.datetime.now():%Y-%m-%d %H:%M}, digits by {int8.DECODE_ISA}, best of {rounds}"
+        " alternating rounds"
+    )
     print(
         f"{'format':6} {'shape':>12} {'thr':>3} | {'int16 ns/sb':>11} {'GB/s':>6} | {'digits ns/sb':>12} {'GB/s':>6} |"
         f" {'1 digit ns/sb':>13} {'GB/s':>6} | int16/digits  digits/1 digit time"

@@ -1,7 +1,8 @@
-"""The decode row dots over int8 activation digits (kernels/simd_vnni.py, vpdpbusd) and the int16 path they replace
-where the CPU has AVX512-VNNI, both called explicitly, against gguf-py's dequantizer in float64 with
-test_kernels' bound: the int16 path's activation grid is (256, XQ_MAX), the digits' (32, XD_MAX). Which one a
-model uses is chosen in Python (blocks.DIGITS, from int8.host_isa); STREAM_RUN_ISA=generic forces int16."""
+"""The decode row dots over int8 activation digits (kernels/simd_vnni.py: vpdpbusd, or its AVX2 form) and the int16
+path they replace where the CPU has AVX512-VNNI or AVX2, both called explicitly, against gguf-py's dequantizer in
+float64 with test_kernels' bound: the int16 path's activation grid is (256, XQ_MAX), the digits' (32, XD_MAX).
+Which one a model uses is chosen in Python (blocks.DIGITS, from int8.decode_isa); STREAM_RUN_ISA=generic forces
+int16. Where the CPU has VNNI, the AVX2 form gives vpdpbusd's bits."""
 
 import os
 import subprocess
@@ -19,7 +20,10 @@ from streamer.kernels.activations import XD1_MAX, XD_MAX, XQ_MAX
 from streamer.kernels.experts import experts_down, experts_matvec
 
 VNNI = "vnni" in int8.usable_isas()
-needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX512-VNNI: the int16 path only")
+DIGITS_CPU = VNNI or int8.host_has_avx2()
+needs_digits = pytest.mark.skipif(
+    not DIGITS_CPU, reason="this CPU has neither AVX512-VNNI nor AVX2: the int16 path only"
+)
 DIGIT_TYPES = [t for t, f in FORMATS.items() if f.family == "block" and f.code in blocks.DIGIT_CODES]
 GRID = {"int16": (256, XQ_MAX), "digits": (32, XD_MAX), "digit": (32, XD1_MAX)}
 
@@ -57,7 +61,7 @@ def _matvec(kind, qtype, n_out, n_in, regime, seed, strided=False):
     return out, ref
 
 
-KINDS = ["int16", pytest.param("digits", marks=needs_vnni), pytest.param("digit", marks=needs_vnni)]
+KINDS = ["int16", pytest.param("digits", marks=needs_digits), pytest.param("digit", marks=needs_digits)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,7 +87,7 @@ def test_matvec_of_a_strided_x(kind):
         assert np.array_equal(a, b)
 
 
-@needs_vnni
+@needs_digits
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_digits_are_at_least_as_accurate_as_int16(qtype):
     """Two int8 digits per 32 elements vs int16 per 256: the digits' error is smaller overall."""
@@ -145,7 +149,7 @@ def test_quantize_digits_step_and_layout(digits):
     np.testing.assert_allclose(xs, sums, rtol=1e-5, atol=1e-6 * np.abs(x).reshape(-1, 32).sum(axis=1).max())
 
 
-@needs_vnni
+@needs_digits
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_one_digit_is_exact_for_its_own_rounded_x(qtype):
     """One digit: the row dot is W . xh to float32 rounding, xh = q dx the activations as digits32 rounded them
@@ -165,7 +169,7 @@ def test_one_digit_is_exact_for_its_own_rounded_x(qtype):
     assert np.all(err <= tol), f"worst err/tol {np.max(err / tol):.3g}"
 
 
-@needs_vnni
+@needs_digits
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_one_digit_is_within_its_bound_and_coarser_than_two(qtype):
     """One int8 digit per 32 elements (ggml's q8 grid): within the bound of its 127 levels (checked in _matvec), and
@@ -230,11 +234,11 @@ def _qmatrix_script():
 @pytest.mark.parametrize("isa,act", [("generic", ""), ("", ""), ("", "int8"), ("generic", "int8")])
 def test_stream_run_isa_picks_the_decode_path(isa, act):
     """STREAM_RUN_ISA=generic: QMatrix.matvec runs the int16 row dot (same bits as calling it explicitly); by
-    default the two-digit path where the CPU has VNNI, and with STREAM_RUN_ACT=int8 the one-digit path."""
+    default the two-digit path where the CPU has VNNI or AVX2, and with STREAM_RUN_ACT=int8 the one-digit path."""
     env = dict(os.environ, STREAM_RUN_ISA=isa, STREAM_RUN_ACT=act)
     p = subprocess.run([sys.executable, "-c", _qmatrix_script()], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    digits = VNNI and isa == ""
+    digits = DIGITS_CPU and isa == ""
     dtype = ("uint8" if act else "int8") if digits else "int16"
     assert p.stdout.split() == [str(digits), dtype, "True"]
 
@@ -281,3 +285,37 @@ def test_row_pairs_equal_single_rows(qtype, kind):
             shifted_pairs(w, x, shifted, _buffer(kind, n_in), aux)
             np.testing.assert_allclose(shifted, single, rtol=0, atol=2e-6 * scale)
             assert np.all(np.abs(shifted - ref) <= np.abs(out - ref) + 4e-6 * scale)
+
+
+def _rows_runner(code, n_in, row, one, two):
+    from numba import njit
+
+    @njit
+    def run(w, x, xq, aux, out):  # rows in pairs with `two`, then row 0 again alone with `one`
+        dx, xs = blocks.prepare(code, x, xq, aux)
+        for r in range(0, out.size - 1, 2):
+            out[r], out[r + 1] = two(w, r * row, row, xq, dx, xs, n_in >> 8, 512)
+        out[-1] = one(w, 0, xq, dx, xs, n_in >> 8, 512)
+
+    return run
+
+
+@pytest.mark.skipif(not VNNI, reason="compares with vpdpbusd: this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("kind", ["digits", "digit"])
+def test_avx2_form_gives_vpdpbusd_bits(kind, isas=("vnni", "avx2")):
+    """simd_vnni's AVX2 form of the 4-product sums (vpmaddubsw, vpmaddwd) against vpdpbusd, one and two rows."""
+    from streamer.kernels.simd_vnni import row_dots
+
+    rng = np.random.default_rng(5)
+    n_in, n_out = 2048, 6
+    data, raw = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
+    w = QMatrix(data, T.Q4_K, n_in)._w
+    code, x = FORMATS[T.Q4_K].code, _x(rng, n_in)
+    outs = []
+    for isa in isas:
+        out = np.zeros(n_out + 1, np.float32)
+        run = _rows_runner(code, n_in, w.shape[1], *row_dots(isa))
+        run(w, x, _buffer(kind, n_in), np.empty(3 * n_in // 32 + 1, np.float32), out)
+        outs.append(out)
+    assert outs[0][-1] == outs[0][0] or abs(outs[0][-1] - outs[0][0]) <= 1e-5 * abs(outs[0][0])  # one row ~ two
+    assert np.array_equal(outs[0], outs[1])

@@ -8,7 +8,8 @@ block_q4_K {d, dmin, scales[12], qs[128]} (144 bytes), block_q5_K {d, dmin, scal
 (176 bytes) and block_q6_K {ql[128], qh[64], int8 scales[16], d} (210 bytes), as decoded by ggml's
 dequantize_row_*. Rows are read straight from the GGUF bytes: matvec runs simd's vector row dot on x
 quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32) or,
-where the CPU has AVX512-VNNI, Q4_K's vpdpbusd row dot (simd_vnni.py) on x as two int8 digits per 32 (the
+where the CPU has AVX512-VNNI or AVX2, Q4_K's digit row dot (simd_vnni.py: vpdpbusd, or its AVX2 form) on x as two
+int8 digits per 32 (the
 activation buffer's dtype selects it: act_buffer, prepare); matmul and rows dequantize exactly (simd's *_deq)
 into f32.
 
@@ -47,7 +48,7 @@ from ..formats import (
 from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
 from .gemm import TILE, gemm_tile
-from .int8 import DIGITS as INT8_DIGITS, ISA
+from .int8 import DECODE_ISA, DIGITS as INT8_DIGITS
 from .simd import (
     q4_0_deq,
     q4_0_dot,
@@ -173,11 +174,11 @@ def dot_i16(fmt, w, off, xq, dx, xs, n_in):
     return iq1_m_dot(w, off, xq, dx, xs, n_in >> 8, PF)  # IQ1_M
 
 
-# The formats whose decode row dot has a vpdpbusd version over int8 activation digits (simd_vnni.py).
+# The formats whose decode row dot has a version over int8 activation digits (simd_vnni.py).
 DIGIT_CODES = (Q4_K,)
-# Decode with int8 digits where the CPU has AVX512-VNNI (int8.host_isa: STREAM_RUN_ISA=generic or f32 keep the
-# int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
-DIGITS = ISA == "vnni"
+# Decode with int8 digits where the CPU has AVX512-VNNI or AVX2 (int8.decode_isa: STREAM_RUN_ISA=generic or f32 keep
+# the int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
+DIGITS = DECODE_ISA is not None
 # ... and one digit per element instead of two where STREAM_RUN_ACT=int8 (int8.DIGITS == 1, as prefill): the
 # buffer's bytes typed uint8. ggml's q8 grid (127 levels, here per 32 elements): faster, 257x coarser.
 ONE_DIGIT = DIGITS and INT8_DIGITS == 1
@@ -208,7 +209,7 @@ _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot (kernels only). xq is the activation buffer: int16 [n] (prepare_i16,
-    simd.py's dots) or, where the CPU has AVX512-VNNI (DIGITS), the same bytes as int8 [2n]: then the formats in
+    simd.py's dots) or, where the CPU has AVX512-VNNI or AVX2 (DIGITS), the same bytes as int8 [2n]: then the formats in
     DIGIT_CODES get two int8 digits per element (simd_vnni.digits32: scales per 32 in aux[:n/32], f32 sums per
     32 after them) for simd_vnni.py's dots, the others the int16 path in those bytes. Which one is
     chosen when the kernel is compiled, by xq's dtype, never at run time. Returns (dx, xs) views of aux."""

@@ -305,6 +305,24 @@ def host_has_vnni() -> bool:
     return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
 
 
+def host_has_avx2() -> bool:
+    import llvmlite.binding as llvm
+
+    return bool(llvm.get_host_cpu_features().get("avx2", False))
+
+
+def decode_isa() -> str | None:
+    """The instruction set of the decode row dots over int8 activation digits (simd_vnni.py, for the formats in
+    blocks.DIGIT_CODES): 'vnni' (vpdpbusd) where the CPU has AVX512-VNNI, 'avx2' (vpmaddubsw then vpmaddwd: the
+    same exact int32 sums for 4-bit codes) where it has AVX2, else None, the int16 row dots (simd.py). The int16
+    path is also what STREAM_RUN_ISA=generic or =f32 asks for."""
+    if os.environ.get("STREAM_RUN_ISA", "").strip().lower() in ("generic", "f32"):
+        return None
+    if host_has_vnni():
+        return "vnni"
+    return "avx2" if host_has_avx2() else None
+
+
 def host_isa() -> str | None:
     """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else None
     (today's f32 tiles, which the generic kernel does not beat: 0.4-0.5x of them on this machine).
@@ -318,6 +336,7 @@ def host_isa() -> str | None:
 
 
 ISA = host_isa()
+DECODE_ISA = decode_isa()
 KERNELS = {"vnni": i8_matmul_vnni, "generic": i8_matmul_generic}
 GROUPED = {"vnni": i8_grouped_vnni, "generic": i8_grouped_generic}
 

@@ -1,4 +1,5 @@
-"""Decode row dots over int8 activation digits with vpdpbusd (AVX512-VNNI): the Q4_K row dot without widening.
+"""Decode row dots over int8 activation digits with vpdpbusd (AVX512-VNNI), or its AVX2 form: the Q4_K row dot
+without widening.
 
 simd.py's Q4_K dot widens every nibble to a word, multiplies it by its sub-block scale and sums pairs against
 int16 x (vpmaddwd): about 80 instructions per 256-element super-block, compute-bound at ~25 GB/s on 2 threads.
@@ -29,9 +30,14 @@ Q4_K case: 0.8-1.7% by position, 5.4% where an expert choice flips; the float64 
 grid: 0.7-1.5%, the same flip), hence opt-in. The buffer's bytes are
 typed uint8 to tell the kernels apart (blocks.act_buffer).
 
-Only int8.py's host_isa() == "vnni" selects these (in Python, never inside a cached kernel: the intrinsic
-does not compile for a CPU without AVX512-VNNI). The kernels take them when given the activation buffer as
-int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps simd.py's path.
+Where the CPU has no AVX512-VNNI, the same bodies sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubsw,
+then vpmaddwd by 1): exact for the nibbles, so the same int32 lanes and the same bits as vpdpbusd
+(tests/test_decode_digits.py checks them against each other where both run). On 2 Zen 3 cores (AVX2 only) the two-digit
+Q4_K row dot ran 1.08-1.26x the int16 one (bench/kernel_bench.py --decode-ab, bench/RESULTS.md sixteenth session).
+int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a cached kernel:
+the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when given the
+activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps
+simd.py's path.
 """
 
 from functools import partial
@@ -41,7 +47,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from .activations import XD1_MAX, XD_MAX
-from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
+from .int8 import host_has_vnni
+from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
 from .simd_i8 import _dp_vnni
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
@@ -55,7 +62,27 @@ def digit_offset(e, digits=2):
     return digits * (128 * h + 64 * ((r % 64) // 32)) + 32 * (r // 64) + r % 32
 
 
-def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
+def _x86(mod, name, ret, args):
+    fn = mod.globals.get(name)
+    return fn if fn is not None else ir.Function(mod, ir.FunctionType(ret, args), name=name)
+
+
+def _dp_avx2(e, acc, w, x):
+    """vpdpbusd on AVX2: acc + the sums of 4 adjacent u8(w) * s8(x) products, per half of 32 bytes vpmaddubsw (pairs,
+    into int16) then vpmaddwd by 1 (pairs of pairs, into int32). Exact, the same int32 lanes as vpdpbusd, where no
+    pair sum passes int16, i.e. for codes w <= 127 (Q4_K's nibbles: at most 2 * 15 * 128 = 3840)."""
+    bb = e.b
+    mub = _x86(bb.module, "llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    mwd = _x86(bb.module, "llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+    ones = ir.Constant(V(I16, 16), [1] * 16)
+    half = []
+    for h in range(2):
+        at = list(range(32 * h, 32 * h + 32))
+        half.append(bb.call(mwd, [bb.call(mub, [e.shuffle(w, w, at), e.shuffle(x, x, at)]), ones]))
+    return bb.add(acc, e.shuffle(half[0], half[1], list(range(16))))
+
+
+def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
     # digits = 1: x as one int8 digit per element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd
     # per 64 weights instead of two and a shift
     # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
@@ -73,12 +100,12 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
         q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
         for n, wv in enumerate((bb.and_(q, e.const(I8, 64, 15)), bb.lshr(q, e.const(I8, 64, 4)))):
             if digits == 1:
-                t = _dp_vnni(e, zero, wv, e.load(xdb, e.off(xb, 128 * h + 64 * n), V(I8, 64)))
+                t = dp(e, zero, wv, e.load(xdb, e.off(xb, 128 * h + 64 * n), V(I8, 64)))
             else:
                 at = 256 * h + 128 * n
                 xh = e.load(xdb, e.off(xb, at), V(I8, 64))
                 xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
-                t = _dp_vnni(e, bb.shl(_dp_vnni(e, zero, wv, xh), eight), wv, xl)
+                t = dp(e, bb.shl(dp(e, zero, wv, xh), eight), wv, xl)
             # lane i: sub-block 2 * (2h + i // 8) + n
             scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
@@ -88,11 +115,22 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2):
     return new
 
 
-# xq's dtype picks the body: int8 = two digits per element; uint8 = one (the buffer's bytes typed uint8, holding
-# int8 digits: the dtype tells the kernels apart). 4 scale-lane accumulators + the mins.
-_BODIES = {types.int8: _q4_k_vnni_body, types.uint8: partial(_q4_k_vnni_body, digits=1)}
-q4_k_dot_vnni = _row_intrinsic(144, _BODIES, 2, n_vec=4)
-q4_k_dot2_vnni = _row_intrinsic(144, _BODIES, 2, n_vec=4, n_rows=2)  # two rows per call
+DOTS = {"vnni": _dp_vnni, "avx2": _dp_avx2}
+
+
+def row_dots(isa):
+    """(one-row, two-row) Q4_K digit row dots with `isa`'s 4-product sums. xq's dtype picks the body: int8 = two
+    digits per element; uint8 = one (the buffer's bytes typed uint8, holding int8 digits: the dtype tells the
+    kernels apart). 4 scale-lane accumulators + the mins."""
+    bodies = {
+        types.int8: partial(_q4_k_vnni_body, dp=DOTS[isa]),
+        types.uint8: partial(_q4_k_vnni_body, digits=1, dp=DOTS[isa]),
+    }
+    return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
+
+
+# vpdpbusd where the CPU has it, else its AVX2 form (the same bits); int8.decode_isa decides whether they run at all.
+q4_k_dot_vnni, q4_k_dot2_vnni = row_dots("vnni" if host_has_vnni() else "avx2")
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
