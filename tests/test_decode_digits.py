@@ -302,20 +302,20 @@ def _rows_runner(code, n_in, row, one, two):
 
 @pytest.mark.skipif(not VNNI, reason="compares with vpdpbusd: this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("kind", ["digits", "digit"])
-def test_avx2_form_gives_vpdpbusd_bits(kind, isas=("vnni", "avx2")):
+def test_avx2_form_gives_vpdpbusd_bits(kind):
     """simd_vnni's AVX2 form of the 4-product sums (vpmaddubsw, vpmaddwd) against vpdpbusd, one and two rows."""
     from streamer.kernels.simd_vnni import row_dots
 
     rng = np.random.default_rng(5)
     n_in, n_out = 2048, 6
-    data, raw = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
+    data, _ = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
     w = QMatrix(data, T.Q4_K, n_in)._w
     code, x = FORMATS[T.Q4_K].code, _x(rng, n_in)
     outs = []
-    for isa in isas:
+    for isa in ("vnni", "avx2"):
         out = np.zeros(n_out + 1, np.float32)
         run = _rows_runner(code, n_in, w.shape[1], *row_dots(isa))
         run(w, x, _buffer(kind, n_in), np.empty(3 * n_in // 32 + 1, np.float32), out)
         outs.append(out)
-    assert outs[0][-1] == outs[0][0] or abs(outs[0][-1] - outs[0][0]) <= 1e-5 * abs(outs[0][0])  # one row ~ two
+    assert abs(outs[0][-1] - outs[0][0]) <= 1e-5 * abs(outs[0][0])  # row 0 alone ~ row 0 in a pair
     assert np.array_equal(outs[0], outs[1])

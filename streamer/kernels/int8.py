@@ -305,6 +305,11 @@ def host_has_vnni() -> bool:
     return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
 
 
+def _isa_env() -> str:
+    """STREAM_RUN_ISA, normalised ('' when unset)."""
+    return os.environ.get("STREAM_RUN_ISA", "").strip().lower()
+
+
 def host_has_avx2() -> bool:
     import llvmlite.binding as llvm
 
@@ -316,7 +321,7 @@ def decode_isa() -> str | None:
     blocks.DIGIT_CODES): 'vnni' (vpdpbusd) where the CPU has AVX512-VNNI, 'avx2' (vpmaddubsw then vpmaddwd: the
     same exact int32 sums for 4-bit codes) where it has AVX2, else None, the int16 row dots (simd.py). The int16
     path is also what STREAM_RUN_ISA=generic or =f32 asks for."""
-    if os.environ.get("STREAM_RUN_ISA", "").strip().lower() in ("generic", "f32"):
+    if _isa_env() in ("generic", "f32"):
         return None
     if host_has_vnni():
         return "vnni"
@@ -327,7 +332,7 @@ def host_isa() -> str | None:
     """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else None
     (today's f32 tiles, which the generic kernel does not beat: 0.4-0.5x of them on this machine).
     STREAM_RUN_ISA overrides: 'generic' forces the portable kernel, 'f32' the f32 tiles."""
-    env = os.environ.get("STREAM_RUN_ISA", "").strip().lower()
+    env = _isa_env()
     if env == "generic":
         return "generic"
     if env == "f32":

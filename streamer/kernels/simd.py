@@ -59,6 +59,12 @@ class _Emit:
         f = b.fpext(self.shuffle(v, v, [0, 1, 2, 3]), V(F32, 4))
         return b.extract_element(f, I32(0)), b.extract_element(f, I32(1))
 
+    def declare(self, name, ret, args):
+        """The module's declaration of function `name` (an LLVM intrinsic), added on first use."""
+        mod = self.b.module
+        fn = mod.globals.get(name)
+        return fn if fn is not None else ir.Function(mod, ir.FunctionType(ret, args), name=name)
+
     def opaque(self, v):
         """v unchanged, through an empty asm (x86): LLVM cannot then sink a widening of v past the shuffles that use
         it. It moved the K-quant scales' sext behind every per-32 shuffle: a byte shuffle plus a widening per use

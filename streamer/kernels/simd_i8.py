@@ -263,12 +263,8 @@ q6_k_tile = _decode_intrinsic(210, 256, 16, _q6_k_scale_fn, _Values(_q6_k_values
 
 
 def _dp_vnni(e, acc, w, x):
-    mod = e.b.module
-    name = "llvm.x86.avx512.vpdpbusd.512"
-    fn = mod.globals.get(name)
     v16 = V(I32, 16)
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(v16, [v16, v16, v16]), name=name)
+    fn = e.declare("llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
     return e.b.call(fn, [acc, e.b.bitcast(w, v16), e.b.bitcast(x, v16)])
 
 

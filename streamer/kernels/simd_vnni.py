@@ -62,18 +62,13 @@ def digit_offset(e, digits=2):
     return digits * (128 * h + 64 * ((r % 64) // 32)) + 32 * (r // 64) + r % 32
 
 
-def _x86(mod, name, ret, args):
-    fn = mod.globals.get(name)
-    return fn if fn is not None else ir.Function(mod, ir.FunctionType(ret, args), name=name)
-
-
 def _dp_avx2(e, acc, w, x):
     """vpdpbusd on AVX2: acc + the sums of 4 adjacent u8(w) * s8(x) products, per half of 32 bytes vpmaddubsw (pairs,
     into int16) then vpmaddwd by 1 (pairs of pairs, into int32). Exact, the same int32 lanes as vpdpbusd, where no
     pair sum passes int16, i.e. for codes w <= 127 (Q4_K's nibbles: at most 2 * 15 * 128 = 3840)."""
     bb = e.b
-    mub = _x86(bb.module, "llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
-    mwd = _x86(bb.module, "llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
     ones = ir.Constant(V(I16, 16), [1] * 16)
     half = []
     for h in range(2):
@@ -138,12 +133,7 @@ q4_k_dot_vnni, q4_k_dot2_vnni = row_dots("vnni" if host_has_vnni() else "avx2")
 
 def _vcall(e, name, v):
     """A one-argument LLVM vector intrinsic (llvm.fabs / llvm.rint) on v."""
-    mod = e.b.module
-    full = f"{name}.v{v.type.count}f32"
-    fn = mod.globals.get(full)
-    if fn is None:
-        fn = ir.Function(mod, ir.FunctionType(v.type, [v.type]), name=full)
-    return e.b.call(fn, [v])
+    return e.b.call(e.declare(f"{name}.v{v.type.count}f32", v.type, [v.type]), [v])
 
 
 def int_sum(e, v):
