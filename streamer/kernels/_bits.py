@@ -10,13 +10,17 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import _cachelock
+
 # Fast-math flags for the matrix kernels: reassociation and contraction let LLVM vectorise the reductions
 # and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises. The forward's
 # small ops (ops.py) keep numba's fastmath=True, all flags: their results are what the tests and the llama.cpp
 # golden data were checked against, and a change of flags could change their last bits.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-# Every kernel: cached on disk, numpy's error model (no zero-division checks), runs without the GIL.
+# Every kernel: cached on disk (safe for processes compiling at once: _cachelock), numpy's error model (no
+# zero-division checks), runs without the GIL.
+_cachelock.install()
 kernel = partial(njit, cache=True, error_model="numpy", nogil=True)
 
 
