@@ -12,9 +12,9 @@ block's sums its own way); only one runs on a given CPU. The choice depends on t
 numba's cache key, so a cached caller cannot hold the other.
 """
 
-import llvmlite.binding as llvm
 import numpy as np
 
+from . import cpu
 from ._bits import FASTMATH, kernel
 
 
@@ -165,13 +165,7 @@ def gemm_tile_4x3(X, T, t0, nr, out, c0):
     _row_tail(X, T, t0, i, nr, out, c0)
 
 
-def vector_registers() -> int:
-    """The host's vector registers: 16 on x86 without AVX-512 (ymm0-15), else 32 (zmm0-31; NEON's v0-31)."""
-    x86 = llvm.get_process_triple().startswith("x86_64")
-    return 16 if x86 and not llvm.get_host_cpu_features().get("avx512f", False) else 32
-
-
-gemm_tile = gemm_tile_4x4 if vector_registers() == 32 else gemm_tile_4x3
+gemm_tile = gemm_tile_4x4 if cpu.vector_registers() == 32 else gemm_tile_4x3
 
 
 # Rows of W dequantized per tile: 16 rows x K f32 stay in L2 while all m activation rows pass.

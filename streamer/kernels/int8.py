@@ -22,6 +22,7 @@ import numpy as np
 from numba import prange
 
 from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
+from . import cpu
 from ._bits import FASTMATH, kernel
 from .simd_i8 import (
     N_TOK,
@@ -299,10 +300,7 @@ def gather_act(xq, dx, xs, xc, rows, gq, gdx, gxs, gxc):
 
 
 def host_has_vnni() -> bool:
-    import llvmlite.binding as llvm
-
-    f = llvm.get_host_cpu_features()
-    return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+    return cpu.has("avx512vnni", "avx512bw")
 
 
 def _isa_env() -> str:
@@ -311,9 +309,7 @@ def _isa_env() -> str:
 
 
 def host_has_avx2() -> bool:
-    import llvmlite.binding as llvm
-
-    return bool(llvm.get_host_cpu_features().get("avx2", False))
+    return cpu.has("avx2")
 
 
 def decode_isa() -> str | None:

@@ -12,13 +12,14 @@ byte `off` of `w` (nb blocks) with x ~= xq * dx (xq int16 [n_in], dx f32 per 32 
 xs f32 sums of x per 32, for the Q4_K/Q5_K mins). `pf` is a prefetch distance in bytes.
 """
 
-from llvmlite import binding as llvm, ir
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import cpu
+
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 I8P = I8.as_pointer()
-_X86 = llvm.get_process_triple().startswith("x86_64")
 
 
 def V(t, n):
@@ -69,7 +70,7 @@ class _Emit:
         """v unchanged, through an empty asm (x86): LLVM cannot then sink a widening of v past the shuffles that use
         it. It moved the K-quant scales' sext behind every per-32 shuffle: a byte shuffle plus a widening per use
         instead of one word shuffle."""
-        if not _X86:
+        if not cpu.X86:
             return v
         return self.b.call(ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=v,0"), [v])
 

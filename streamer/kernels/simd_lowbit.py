@@ -24,13 +24,14 @@ the Q2_K mins use exact f32 sums of x per 16 elements (ggml's bsums, in float; b
 Q4_1/Q5_1 mins exact f32 sums of x per block (prepared as for the K-quants).
 """
 
-from llvmlite import binding as llvm, ir
+from llvmlite import ir
 
+from . import cpu
 from .simd import F32, I8, I16, I32, I64, V, _deq_intrinsic, _row_intrinsic
 
 KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml kvalues_iq4nl
 KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 values doubled (kvalues_mxfp4)
-_PSHUFB = llvm.get_process_triple().startswith("x86_64") and "+ssse3" in llvm.get_host_cpu_features().flatten()
+_PSHUFB = cpu.has("ssse3")
 
 
 def _lookup(e, idx, values=KVALUES):

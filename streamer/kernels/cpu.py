@@ -1,0 +1,25 @@
+"""What the host CPU can run, as LLVM sees it: the features numba compiles the kernels for (and keys its cache
+on), read once. The one exception is AMX (simd_amx.py), which also needs the Linux kernel's support and so
+reads /proc/cpuinfo."""
+
+from functools import cache
+
+from llvmlite import binding as llvm
+
+X86 = llvm.get_process_triple().startswith("x86_64")
+
+
+@cache
+def features() -> frozenset[str]:
+    """LLVM's names of the features the host has ('avx2', 'avx512f', 'avx512vnni', ...)."""
+    return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
+
+
+def has(*names: str) -> bool:
+    """Whether the host is x86 and has every one of these features (all asked for here are x86's)."""
+    return X86 and features().issuperset(names)
+
+
+def vector_registers() -> int:
+    """The host's vector registers: 16 on x86 without AVX-512 (ymm0-15), else 32 (zmm0-31; NEON's v0-31)."""
+    return 16 if X86 and not has("avx512f") else 32
