@@ -4,11 +4,11 @@ numba has no float16 type on the CPU, so the conversions are LLVM intrinsics: `f
 lowers to vcvtph2ps (F16C) and vectorises; bf16 is the top half of an f32.
 """
 
-from functools import partial
+from functools import partial, wraps
 
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic as numba_intrinsic
 
 from . import _cachelock
 
@@ -17,6 +17,48 @@ from . import _cachelock
 # small ops (ops.py) keep numba's fastmath=True, all flags: their results are what the tests and the llama.cpp
 # golden data were checked against, and a change of flags could change their last bits.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+# numba's fastmath puts its flags on every float operation of a kernel that has none, the IR our intrinsics emit
+# included. The intrinsics' arithmetic is written in the order it should run (vector accumulators, tree sums), and
+# with `reassoc` LLVM may reorder it differently wherever the code is optimized: a kernel compiled in the process and
+# the same kernel loaded from numba's cache (whose calls resolve to copies numba optimized again) then differ in the
+# last bits (bench/fresh_vs_cached.py). `intrinsic` below marks the float operations an intrinsic emits without
+# flags with `afn` alone, which changes nothing for them (it only licenses approximate library functions) and makes
+# numba's pass leave them as written.
+STRICT_FLAG = "afn"
+_FLOAT_OPS = frozenset({"fadd", "fsub", "fmul", "fdiv", "frem", "fcmp"})
+
+
+def _strict(codegen):
+    def strict_codegen(context, builder, signature, args):
+        start, n0 = builder.block, len(builder.block.instructions)
+        old = {id(b) for b in builder.function.blocks}
+        out = codegen(context, builder, signature, args)
+        new = list(start.instructions[n0:])
+        for b in builder.function.blocks:
+            if id(b) not in old:
+                new += b.instructions
+        for ins in new:
+            if getattr(ins, "opname", None) in _FLOAT_OPS and not ins.flags:
+                ins.flags.append(STRICT_FLAG)
+        return out
+
+    return strict_codegen
+
+
+def intrinsic(fn):
+    """numba's @intrinsic, with the float operations it emits kept in their written order (see STRICT_FLAG)."""
+
+    @wraps(fn)
+    def typer(typingctx, *args):
+        res = fn(typingctx, *args)
+        if res is None:
+            return None
+        sig, codegen = res
+        return sig, _strict(codegen)
+
+    return numba_intrinsic(typer)
+
 
 # Every kernel: cached on disk (safe for processes compiling at once: _cachelock), numpy's error model (no
 # zero-division checks), runs without the GIL.

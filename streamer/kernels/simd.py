@@ -14,9 +14,9 @@ xs f32 sums of x per 32, for the Q4_K/Q5_K mins). `pf` is a prefetch distance in
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
 from . import cpu
+from ._bits import intrinsic
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 I8P = I8.as_pointer()

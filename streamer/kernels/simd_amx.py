@@ -40,8 +40,8 @@ import os
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
+from ._bits import intrinsic
 from .simd import F32, I8, I8P, I32, I64, V, _c_array, _Emit, _k4_scales
 
 BLOCK = 144  # bytes of a Q4_K super-block

@@ -17,8 +17,8 @@ block holds it, so a token gets the same attention whether it is decoded alone o
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
+from ._bits import intrinsic
 from .simd import F32, I64, V, _c_array, _Emit
 
 _HALF = ir.HalfType()

@@ -33,8 +33,8 @@ code (LLVM may contract it differently: they agree to about an ulp, tests/test_i
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
+from ._bits import intrinsic
 from .activations import XD_MAX
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
 

@@ -34,8 +34,8 @@ Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR)
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
+from ._bits import intrinsic
 from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
 from .simd_i8 import _dp_generic, _dp_vnni
 

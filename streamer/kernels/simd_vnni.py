@@ -44,8 +44,8 @@ from functools import partial
 
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
+from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
 from .int8 import host_has_vnni
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
