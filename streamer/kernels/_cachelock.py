@@ -3,9 +3,9 @@
 numba saves a compiled version by reading the function's index, taking the first data-file number the index
 does not use, and writing the index and then the data file. Two processes compiling different signatures of
 one kernel at the same time can both take number 1: the index one of them writes then names a data file that
-holds the other's machine code, and every later run loads that wrong code for the signature (seen under two
-pytest-xdist workers: bit-for-bit tests off by about 1e-4). Two `stream-run` commands started together on a
-fresh install could meet the same.
+holds the other's machine code, and every later run loads that wrong code for the signature. Two `stream-run`
+commands started together on a fresh install, or two pytest-xdist workers, could meet it (found by reading numba's
+code; not reproduced in 18 trials, and not what failed the tests under two workers: see _bits.intrinsic).
 
 install() makes each save hold an exclusive flock on one lock file in the cache directory and each load a
 shared one, so a save is seen whole or not at all. Where the lock file cannot be opened (a read-only cache

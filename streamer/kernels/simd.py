@@ -103,8 +103,9 @@ class _Emit:
         return self.b.call(fn, [a, b, acc])
 
     def hsum(self, v):
-        """Tree sum of a float vector, in exactly this order (no fast-math flags: LLVM may not reassociate it, so
-        it gives the same bits in every kernel it is inlined into; once per row, so its cost does not matter)."""
+        """Tree sum of a float vector, in exactly this order (no fast-math flags, which _bits.intrinsic keeps numba
+        from adding: LLVM may not reassociate it, so it gives the same bits in every kernel it is inlined into; once
+        per row, so its cost does not matter)."""
         n = v.type.count
         while n > 1:
             n //= 2
