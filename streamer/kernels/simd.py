@@ -97,10 +97,7 @@ class _Emit:
         experts_matvec than in grouped_gate_up (tests/test_moe_prefill.py), depending on compile history."""
         t = acc.type
         name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
-        fn = self.b.module.globals.get(name)
-        if fn is None:
-            fn = ir.Function(self.b.module, ir.FunctionType(t, [t] * 3), name=name)
-        return self.b.call(fn, [a, b, acc])
+        return self.b.call(self.declare(name, t, [t] * 3), [a, b, acc])
 
     def hsum(self, v):
         """Tree sum of a float vector, in exactly this order (no fast-math flags, which _bits.intrinsic keeps numba
@@ -113,10 +110,7 @@ class _Emit:
         return self.b.extract_element(v, ir.Constant(I32, 0))
 
     def prefetch(self, base, byte_off):
-        mod = self.b.module
-        fn = mod.globals.get("llvm.prefetch.p0")
-        if fn is None:
-            fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [I8P, I32, I32, I32]), name="llvm.prefetch.p0")
+        fn = self.declare("llvm.prefetch.p0", ir.VoidType(), [I8P, I32, I32, I32])
         self.b.call(fn, [self.b.gep(base, [byte_off]), I32(0), I32(2), I32(1)])
 
     def loop(self, n, carried, body):

@@ -101,13 +101,6 @@ def enable() -> bool:
     return _ENABLED
 
 
-def _fn(mod, name, args):
-    f = mod.globals.get(name)
-    if f is None:
-        f = ir.Function(mod, ir.FunctionType(ir.VoidType(), args), name)
-    return f
-
-
 # sub-block j's 32 codes in a row's 256 unpacked bytes: runs 0, 1 (and 2, 3) are loaded as 64 bytes, stored as
 # their low nibbles (sub-blocks 0, 2) then their high nibbles (1, 3)
 _POS = [(j // 4) * 128 + ((j // 2) % 2) * 32 + (j % 2) * 64 for j in range(8)]
@@ -122,7 +115,7 @@ def tiles_begin(typingctx, scr, so):
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         sb = e.base(sig.args[0], args[0])
-        builder.call(_fn(builder.module, "llvm.x86.ldtilecfg", [I8P]), [builder.gep(sb, [e.off(args[1], _CFG)])])
+        builder.call(e.declare("llvm.x86.ldtilecfg", ir.VoidType(), [I8P]), [builder.gep(sb, [e.off(args[1], _CFG)])])
         return context.get_dummy_value()
 
     return types.none(scr, types.int64), codegen
@@ -133,7 +126,7 @@ def tiles_end(typingctx):
     """Release the tiles (tilerelease): after a thread's last call."""
 
     def codegen(context, builder, sig, args):
-        builder.call(_fn(builder.module, "llvm.x86.tilerelease", []), [])
+        builder.call(_Emit(context, builder).declare("llvm.x86.tilerelease", ir.VoidType(), []), [])
         return context.get_dummy_value()
 
     return types.none(), codegen
@@ -159,16 +152,15 @@ def q4_k_amx_16(typingctx, w, off, row_bytes, nr, nb, bt, bo, dxv, xsv, lo, scr,
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         bb = builder
-        mod = bb.module
         w_, off_, rb_, nr_, nb_, bt_, bo_, dxv_, xsv_, lo_, scr_, so_, dst_, doff_, ld_, n_ = args
         wb, btb = e.base(sig.args[0], w_), e.base(sig.args[5], bt_)
         dxb, xsb, sb, db = (e.base(sig.args[k], a) for k, a in ((7, dxv_), (8, xsv_), (10, scr_), (12, dst_)))
         c = lambda k: ir.Constant(I64, k)  # noqa: E731
         t8 = lambda k: ir.Constant(I8, k)  # noqa: E731
-        tload = _fn(mod, "llvm.x86.tileloadd64", [I8, I8P, I64])
-        tzero = _fn(mod, "llvm.x86.tilezero", [I8])
-        tdp = _fn(mod, "llvm.x86.tdpbusd", [I8, I8, I8])
-        tstore = _fn(mod, "llvm.x86.tilestored64", [I8, I8P, I64])
+        tload = e.declare("llvm.x86.tileloadd64", ir.VoidType(), [I8, I8P, I64])
+        tzero = e.declare("llvm.x86.tilezero", ir.VoidType(), [I8])
+        tdp = e.declare("llvm.x86.tdpbusd", ir.VoidType(), [I8, I8, I8])
+        tstore = e.declare("llvm.x86.tilestored64", ir.VoidType(), [I8, I8P, I64])
         abase = bb.add(so_, c(_A))
         last = bb.sub(nr_, c(1))
         roff = []
@@ -254,10 +246,8 @@ def q4_k_amx_16(typingctx, w, off, row_bytes, nr, nb, bt, bo, dxv, xsv, lo, scr,
             h //= 2
         lanes_i = ir.Constant(V(I64, 16), list(range(16)))
         keep = bb.icmp_signed("<", lanes_i, e.splat(nr_, 16))
-        mstore = mod.globals.get("llvm.masked.store.v16f32.p0")
-        if mstore is None:
-            fty = ir.FunctionType(ir.VoidType(), [V(F32, 16), V(F32, 16).as_pointer(), I32, V(ir.IntType(1), 16)])
-            mstore = ir.Function(mod, fty, "llvm.masked.store.v16f32.p0")
+        margs = [V(F32, 16), V(F32, 16).as_pointer(), I32, V(ir.IntType(1), 16)]
+        mstore = e.declare("llvm.masked.store.v16f32.p0", ir.VoidType(), margs)
         for t in range(16):
             with bb.if_then(bb.icmp_signed("<", c(t), n_)):
                 at = bb.mul(bb.add(doff_, bb.mul(c(t), ld_)), c(4))

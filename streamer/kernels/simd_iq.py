@@ -103,8 +103,7 @@ def _ctpop(e, v):
     """Per-lane population count (llvm.ctpop; vpopcntb with AVX512-BITALG)."""
     bb = e.b
     name = f"llvm.ctpop.v{v.type.count}i{v.type.element.width}"
-    fn = bb.module.globals.get(name) or ir.Function(bb.module, ir.FunctionType(v.type, [v.type]), name=name)
-    return bb.call(fn, [v])
+    return bb.call(e.declare(name, v.type, [v.type]), [v])
 
 
 def _ksign_masks(e, idx7):

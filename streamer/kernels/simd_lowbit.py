@@ -39,10 +39,7 @@ def _lookup(e, idx, values=KVALUES):
     bb = e.b
     table = ir.Constant(V(I8, 16), list(values))
     if _PSHUFB:
-        mod = bb.module
-        fn = mod.globals.get("llvm.x86.ssse3.pshuf.b.128")
-        if fn is None:
-            fn = ir.Function(mod, ir.FunctionType(V(I8, 16), [V(I8, 16), V(I8, 16)]), name="llvm.x86.ssse3.pshuf.b.128")
+        fn = e.declare("llvm.x86.ssse3.pshuf.b.128", V(I8, 16), [V(I8, 16), V(I8, 16)])
         lo = bb.call(fn, [table, e.shuffle(idx, idx, list(range(16)))])
         hi = bb.call(fn, [table, e.shuffle(idx, idx, list(range(16, 32)))])
         return e.shuffle(lo, hi, list(range(32)))
