@@ -29,6 +29,12 @@ STRICT_FLAG = "afn"
 _FLOAT_OPS = frozenset({"fadd", "fsub", "fmul", "fdiv", "frem", "fcmp"})
 
 
+def declare(module, name, ret, args):
+    """The module's declaration of function `name` (an LLVM intrinsic), added on first use."""
+    fn = module.globals.get(name)
+    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
 def _strict(codegen):
     def strict_codegen(context, builder, signature, args):
         start, n0 = builder.block, len(builder.block.instructions)
@@ -139,9 +145,6 @@ def fma32(typingctx, a, b, c):
     def codegen(context, builder, signature, args):
         f = ir.FloatType()
         vals = [builder.fptrunc(v, f) if v.type != f else v for v in args]
-        fn = builder.module.globals.get("llvm.fma.f32")
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(f, [f] * 3), name="llvm.fma.f32")
-        return builder.call(fn, vals)
+        return builder.call(declare(builder.module, "llvm.fma.f32", f, [f] * 3), vals)
 
     return types.float32(a, b, c), codegen

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import types
 
 from . import cpu
-from ._bits import intrinsic
+from ._bits import declare, intrinsic
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 I8P = I8.as_pointer()
@@ -62,9 +62,7 @@ class _Emit:
 
     def declare(self, name, ret, args):
         """The module's declaration of function `name` (an LLVM intrinsic), added on first use."""
-        mod = self.b.module
-        fn = mod.globals.get(name)
-        return fn if fn is not None else ir.Function(mod, ir.FunctionType(ret, args), name=name)
+        return declare(self.b.module, name, ret, args)
 
     def opaque(self, v):
         """v unchanged, through an empty asm (x86): LLVM cannot then sink a widening of v past the shuffles that use
