@@ -14,6 +14,10 @@ from streamer.server.app import ServerOptions, create_app
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
 
+# Loading a model compiles the kernels when numba's cache lacks them: 82 s for tiny-moe on an idle 2-core machine,
+# longer while another test worker compiles too. The deadline guards against a hang, not a slow first load.
+LOAD_TIMEOUT = 900
+
 
 class Running:
     def __init__(self, session, queue_size=8, load=None, **opts):
@@ -37,7 +41,7 @@ class Running:
     def engine(self) -> Engine:
         return self.app.state.server.engine
 
-    def wait_loaded(self, timeout=60) -> Engine:
+    def wait_loaded(self, timeout=LOAD_TIMEOUT) -> Engine:
         deadline = time.monotonic() + timeout
         while self.engine is None:
             assert time.monotonic() < deadline, "the model did not load"

@@ -19,7 +19,7 @@ import openai
 import pytest
 from invariants import assert_cache_consistent
 from reference import Reference
-from serving import Running, metrics, wait_idle
+from serving import LOAD_TIMEOUT, Running, metrics, wait_idle
 from typer.testing import CliRunner
 
 from streamer.chat import EMPTY_THINK
@@ -496,7 +496,7 @@ def test_serve_command_end_to_end(path):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        deadline, status = time.monotonic() + 120, None
+        deadline, status = time.monotonic() + LOAD_TIMEOUT, None
         while status != 200:
             assert time.monotonic() < deadline and p.poll() is None, p.stderr.read().decode() if p.poll() else ""
             try:
