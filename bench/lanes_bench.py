@@ -3,6 +3,10 @@
 row, the tokens in lanes) against int8.grouped_matmul (unpacked weight tiles), alternating rounds.
 
     python bench/lanes_bench.py [--tokens 128] [--threads 2] [--rounds 5] [--min 4] [--max 16] [--split-ab]
+                                [--isa vnni|generic|f32]
+
+--isa f32 (the default on a CPU without AVX512-VNNI) times the f32 tiles (grouped.grouped_matmul, what MoEFFN
+runs there) against the lanes on lanes.host_isa()'s ISA (AVX2 there).
 
 A random top-8 routing of --tokens tokens over 128 experts; the experts with --min..--max tokens are computed
 (gate + up: 768 x 2048 each; down: 2048 x 768; all Q4_K, random valid blocks, 340 MB: read from RAM). Prints
@@ -19,7 +23,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from streamer.formats import FORMATS
-from streamer.kernels import int8, lanes, set_threads
+from streamer.kernels import grouped, int8, lanes, set_threads
+from streamer.kernels.gemm import TILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_kernels import make_weight  # noqa: E402
@@ -34,7 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--min", type=int, default=4)
     ap.add_argument("--max", type=int, default=16)
-    ap.add_argument("--isa", default=int8.usable_isas()[-1])
+    ap.add_argument("--isa", default=int8.ISA or "f32", choices=int8.usable_isas() + ["f32"])
     ap.add_argument("--lanes-isa", action="append", help="also time lanes.grouped with this ISA (repeat; e.g. amx)")
     ap.add_argument("--split-ab", action="store_true", help="also time lanes.grouped without lanes.SPLIT's two passes")
     args = ap.parse_args()
@@ -46,7 +51,11 @@ def main() -> None:
     sel = np.flatnonzero((cnt >= args.min) & (cnt <= args.max))
     toks = [np.flatnonzero((ids == e).any(axis=1)) for e in sel]
     g = len(sel)
-    print(f"# {g} experts with {args.min}..{args.max} of {args.tokens} tokens ({cnt[sel].sum()} pairs), isa {args.isa}")
+    lisa = args.isa if args.isa != "f32" else lanes.host_isa() or "generic"
+    print(
+        f"# {g} experts with {args.min}..{args.max} of {args.tokens} tokens ({cnt[sel].sum()} pairs), "
+        f"tiles {args.isa}, lanes {lisa}"
+    )
     one_gu = make_weight(T.Q4_K, f, d, rng)[0].view(np.uint8).reshape(-1)
     one_dn = make_weight(T.Q4_K, d, f, rng)[0].view(np.uint8).reshape(-1)
     base = np.empty(3 * g * one_gu.size, np.uint8)
@@ -70,21 +79,31 @@ def main() -> None:
     P = int(starts[-1])
     arows = np.arange(P, dtype=np.int64)
 
+    scratch = {K: np.empty((numba.config.NUMBA_NUM_THREADS, TILE, K), np.float32) for K in (d, f)}
+
     def tiles_gu():
         out = np.empty((2, R, f), np.float32)
-        int8.grouped_matmul(Q4_K, base, gu_offs, rb_gu, int8.gather(hq, tok), rstarts, out, args.isa)
+        if args.isa == "f32":  # the rows gathered, as MoEFFN._grouped_mm without the integer kernel
+            x = np.zeros((R, d), np.float32)
+            x[tok >= 0] = X[tok[tok >= 0]]
+            grouped.grouped_matmul(Q4_K, base, gu_offs, rb_gu, x, rstarts, out, scratch[d])
+        else:
+            int8.grouped_matmul(Q4_K, base, gu_offs, rb_gu, int8.gather(hq, tok), rstarts, out, args.isa)
 
     def lanes_gu():
         out = np.empty((2, P, f), np.float32)
-        lanes.grouped(base, gu_offs, rb_gu, hq, rows, starts, out, args.isa)
+        lanes.grouped(base, gu_offs, rb_gu, hq, rows, starts, out, lisa)
 
     def tiles_dn():
         out = np.empty((1, R, d), np.float32)
-        int8.grouped_matmul(Q4_K, base, dn_offs, rb_dn, aq, rstarts, out, args.isa)
+        if args.isa == "f32":
+            grouped.grouped_matmul(Q4_K, base, dn_offs, rb_dn, A, rstarts, out, scratch[f])
+        else:
+            int8.grouped_matmul(Q4_K, base, dn_offs, rb_dn, aq, rstarts, out, args.isa)
 
     def lanes_dn():
         out = np.empty((1, P, d), np.float32)
-        lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, out, args.isa)
+        lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, out, lisa)
 
     fns = {"tiles gate+up": tiles_gu, "lanes gate+up": lanes_gu, "tiles down": tiles_dn, "lanes down": lanes_dn}
     for isa in args.lanes_isa or []:
@@ -100,11 +119,12 @@ def main() -> None:
 
         def unsplit(fn):
             def run():
-                keep, lanes.SPLIT = lanes.SPLIT, (1, 0)
+                keep = lanes.SPLIT, lanes.SPLIT_AVX2
+                lanes.SPLIT = lanes.SPLIT_AVX2 = (1, 0)
                 try:
                     fn()
                 finally:
-                    lanes.SPLIT = keep
+                    lanes.SPLIT, lanes.SPLIT_AVX2 = keep
 
             return run
 

@@ -112,15 +112,15 @@ def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # A prefill expert with more than grouped_max and at most this many tokens goes through lanes.grouped (each Q4_K
-# weight row read once and dotted with all of its tokens in vector lanes, no unpacked tiles) where the integer
-# kernel runs with two digits: at 128 tokens (about 8 per expert) the tiles' unpacking from RAM cost more than
-# their products (bench/lanes_bench.py).
+# weight row read once and dotted with all of its tokens in vector lanes, no unpacked tiles) where it runs with
+# two digits (lanes.host_isa: VNNI, or AVX2 without the integer tiles): at 128 tokens (about 8 per expert) the
+# tiles' unpacking from RAM cost more than their products (bench/lanes_bench.py).
 LANES_MAX = lanes.MAX_TOKENS
 
 
 def _lanes_serve(plan) -> bool:
-    """lanes.grouped serves this layer's experts here: Q4_K gate, up and down, an integer ISA, two digits."""
-    return int8.ISA is not None and int8.DIGITS == 2 and plan.gate_up_format == Q4_K and plan.down_format == Q4_K
+    """lanes.grouped serves this layer's experts here: Q4_K gate, up and down, an ISA for it, two digits."""
+    return lanes.host_isa() is not None and int8.DIGITS == 2 and Q4_K == plan.gate_up_format == plan.down_format
 
 
 def _by_token(toks: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -329,9 +329,10 @@ class MoEFFN:
             prepare_rows(plan.gate_up_format, h, xq, aux)
         lanes_out = np.zeros_like(out) if (kind == 1).any() else None
         big_out = np.zeros_like(out) if (kind == 2).any() else None
-        hq = None  # h quantized once for the integer kernels, for all of the layer's larger experts
-        if not small.all() and _int8_serves(plan.gate_up_format):
+        hq = None  # h quantized once for the integer kernels and the lanes, for all of the layer's larger experts
+        if (kind == 1).any() or ((kind == 2).any() and _int8_serves(plan.gate_up_format)):
             hq = int8.quantize(plan.gate_up_format, h)
+        hq_mm = hq if _int8_serves(plan.gate_up_format) else None  # None: the f32 tiles (the lanes' ISA only)
 
         def compute(start, group, mats):
             for k in range(3):
@@ -345,7 +346,7 @@ class MoEFFN:
                 elif k == 1:
                     self._grouped_lanes(layer, sub, starts, pt[idx], pw[idx], hq, lanes_out)
                 else:
-                    self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, hq, big_out)
+                    self._grouped_mm(layer, sub, starts, pt[idx], pw[idx], h, hq_mm, big_out)
 
         if self.source.in_place:
             serve(self.source, layer, experts, compute, len(experts), None, len(experts))
@@ -422,7 +423,7 @@ class MoEFFN:
         pairs' SwiGLU outputs (quantized), then scatter_add (per token in ascending expert order)."""
         plan, g, n_ff = self.fused[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        P, isa = len(toks), lanes.best_isa(int8.ISA)  # the AMX tiles where the CPU has them
+        P, isa = len(toks), lanes.host_isa()  # the AMX tiles where the CPU has them
         gu = np.empty((2, P, n_ff), np.float32)
         lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
         a = ops.swiglu_rows(gu[0], gu[1], gu[0])

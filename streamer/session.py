@@ -439,7 +439,7 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
             if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
                 qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
                 tiles = ("expert-tiles",) if moe.needs_tiles() else ()
-                only = ("experts", "decode", "decode-moe", "expert-int8") + tiles
+                only = ("experts", "decode", "decode-moe", "expert-int8", "expert-lanes") + tiles
                 warmup(only=only, qtypes=qtypes, decode_combos=decode_formats(model, moe))
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)

@@ -236,6 +236,7 @@ def _run_int8() -> None:
         for isa in int8.usable_isas():
             int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
     _run_int8_grouped(None, int8.usable_isas())
+    _run_lanes(None, _lanes_isas())
 
 
 def _run_int8_grouped(qtypes=None, isas=()) -> None:
@@ -254,15 +255,30 @@ def _run_int8_grouped(qtypes=None, isas=()) -> None:
             int8.grouped_matmul(
                 fmt, flat, np.zeros((2, 1), np.int64), w.shape[1], act, np.array([0, int8.N_TOK]), gu, isa
             )
-            if _lanes(qtype):  # the few-token experts' kernel (MoEFFN._grouped_lanes)
-                rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
-                out = np.empty((2, 2, N_OUT), np.float32)
-                lanes.grouped(flat, np.zeros((2, 1), np.int64), w.shape[1], act, rows, starts, out, lanes.best_isa(isa))
+
+
+def _run_lanes(qtypes=None, isas=()) -> None:
+    """The few-token experts' kernel (MoEFFN._grouped_lanes) of the Q4_K experts (if of qtypes), on the
+    activations quantized once (int8.quantize) and a read-only flat byte array, as _run_int8_grouped."""
+    if not _lanes(T.Q4_K) or (qtypes is not None and T.Q4_K not in qtypes):
+        return
+    block, type_size = GGML_QUANT_SIZES[T.Q4_K]
+    flat = _readonly(np.zeros(N_OUT * (N_IN // block * type_size), np.uint8))
+    act = int8.quantize(SUPPORTED[T.Q4_K].fmt, np.zeros((2, N_IN), np.float32))
+    rows, starts = np.arange(2, dtype=np.int64), np.array([0, 2], np.int64)
+    out = np.empty((2, 2, N_OUT), np.float32)
+    for isa in isas:
+        lanes.grouped(flat, np.zeros((2, 1), np.int64), N_IN // block * type_size, act, rows, starts, out, isa)
 
 
 def _lanes(qtype) -> bool:
     """lanes.grouped serves this format (two activation digits)."""
     return qtype == T.Q4_K and int8.DIGITS == 2
+
+
+def _lanes_isas() -> list[str]:
+    """Every instruction set's lanes kernel this CPU runs but the AMX tiles (the "int8" group's)."""
+    return [i for i in lanes.isas() if i != "amx"]
 
 
 def _lanes_kernels(isas) -> tuple:
@@ -277,6 +293,7 @@ def groups(qtypes=None, decode_combos=None) -> list[Group]:
     MoE kernels (qtypes: the matrix and MoE groups run those formats only; decode_combos: the decode blocks'
     format tuples by group name, else every block format uniformly)."""
     dc = decode_combos or {}
+    lanes_isa = lanes.host_isa()
     return _matrix_groups(qtypes) + [
         Group(
             "ops",
@@ -302,16 +319,19 @@ def groups(qtypes=None, decode_combos=None) -> list[Group]:
         Group("expert-tiles", (grouped.grouped_matmul,), functools.partial(_run_expert_tiles, qtypes)),
         Group(  # the MoE prefill's larger experts on this CPU's integer kernel (none without one)
             "expert-int8",
-            ((int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) + _lanes_kernels([lanes.best_isa(int8.ISA)]))
-            if int8.ISA
-            else (),
+            (int8.GROUPED[int8.ISA], int8.quantize_act, int8.gather_act) if int8.ISA else (),
             functools.partial(_run_int8_grouped, qtypes, (int8.ISA,) if int8.ISA else ()),
+        ),
+        Group(  # the MoE prefill's few-token Q4_K experts (lanes.grouped), where an ISA runs them here
+            "expert-lanes",
+            ((int8.quantize_act,) + _lanes_kernels([lanes_isa])) if lanes_isa else (),
+            functools.partial(_run_lanes, qtypes, (lanes_isa,) if lanes_isa else ()),
         ),
         Group(
             "int8",
             tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas())
             + (int8.gather_act,)
-            + _lanes_kernels(int8.usable_isas()),
+            + _lanes_kernels(_lanes_isas()),
             _run_int8,
         ),
     ]
@@ -421,13 +441,14 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     combos = decode_formats(model, model.ffn if moe else None)
     for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
         out += [k.specialise(*c) for c in combos[name]]
+    experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
         names += ("expert-int8",) if int8_serves else ()
+        names += ("expert-lanes",) if lanes.host_isa() and any(_lanes(q) for q in experts_q) else ()
     else:
         names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
         names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
-    experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
     for g in groups():
         if g.name in names:
             for d in g.kernels:  # the expert kernels for the experts' formats; the decode blocks' tuples are above
@@ -436,7 +457,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
                 elif g.name in ("experts", "expert-tiles"):
                     out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q)]
     if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
-        lanes_k = set(_lanes_kernels(int8.usable_isas()))
+        lanes_k = set(_lanes_kernels(lanes.isas()))
         out = [d for d in out if d not in lanes_k]
     return list(dict.fromkeys(out))
 

@@ -62,8 +62,9 @@ def test_lanes_against_oracle(n_out, n_in, isa, regime):
 
 
 def test_lanes_isas_agree_and_token_independent():
-    """vpdpbusd, the AMX tiles and the generic dot form the same integer sums (results agree to f32 rounding); a
-    token's result does not depend on the other tokens in its lanes (only on the lane width C)."""
+    """vpdpbusd, its AVX2 form, the AMX tiles and the generic dot form the same integer sums (results agree to f32
+    rounding; AVX2's and the generic dot's, same lanes, are the same bits); a token's result does not depend on
+    the other tokens in its lanes (only on the lane width C)."""
     rng = np.random.default_rng(2)
     n_out, n_in = 24, 512
     base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
@@ -78,6 +79,8 @@ def test_lanes_isas_agree_and_token_independent():
     ref = outs[int8.usable_isas()[0]]
     for o in outs.values():
         np.testing.assert_allclose(o, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if "avx2" in outs:  # the high nibbles shifted down (u) instead of masked (16 u, scale / 16): exactly equal
+        assert np.array_equal(outs["avx2"], outs["generic"])
     # same tokens 0..c-1 in every expert; expert with 7 tokens vs 8 tokens share C = 2: first 7 rows equal for
     # the same weights: rebuild with every expert's weights equal to expert 0's
     same = np.zeros_like(offs) + offs[:, :1]
@@ -118,3 +121,6 @@ def test_split_lanes_cuts_9_to_12_token_experts_after_8():
     assert o.flags.c_contiguous and o.dtype == offs.dtype and s.dtype == starts.dtype  # the kernel's one version
     o, s = lanes.split_lanes(offs[:, :1], starts[:2])
     assert o.tolist() == [[10], [11]] and s.tolist() == [0, 3]
+    o, s = lanes.split_lanes(offs, starts, lanes.SPLIT_AVX2)  # AVX2: 13..16 tokens too (T = 8 twice)
+    assert o.tolist() == [[10, 20, 20, 30, 30, 40, 40, 50], [11, 21, 21, 31, 31, 41, 41, 51]]
+    assert s.tolist() == [0, 3, 11, 12, 20, 24, 32, 37, 45]

@@ -24,6 +24,10 @@ from .int8 import _item  # work item -> (part, expert, row block), as the groupe
 from .simd_amx import SCRATCH, q4_k_amx_16, tiles_begin, tiles_end
 from .simd_lanes import (
     ROWS,
+    ROWS_AVX2,
+    q4_k_lanes_avx2_2,
+    q4_k_lanes_avx2_4,
+    q4_k_lanes_avx2_8,
     q4_k_lanes_generic_2,
     q4_k_lanes_generic_4,
     q4_k_lanes_generic_8,
@@ -114,6 +118,24 @@ def _row_generic(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
 
 
 @kernel(fastmath=FASTMATH, inline="always")
+def _row_avx2(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):  # T <= 8: SPLIT_AVX2
+    if T == 8:
+        q4_k_lanes_avx2_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    elif T == 4:
+        q4_k_lanes_avx2_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+    else:
+        q4_k_lanes_avx2_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
+
+_A2, _A4, _A8 = ROWS_AVX2[2], ROWS_AVX2[4], ROWS_AVX2[8]
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _rows_avx2(T):
+    return _A8 if T == 8 else _A4 if T == 4 else _A2
+
+
+@kernel(fastmath=FASTMATH, inline="always")
 def _rows(T):
     return _R16 if T == 16 else _R8 if T == 8 else _R4 if T == 4 else _R2
 
@@ -154,6 +176,25 @@ def grouped_generic(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bo
                     o = offs[j, i] + r * row_bytes
                     xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
                     _row_generic(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+
+
+@kernel(parallel=True, fastmath=FASTMATH)
+def grouped_avx2(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
+    """As grouped_vnni, with vpdpbusd's AVX2 form (simd_lanes._lanes_avx2)."""
+    parts, g = offs.shape
+    P, n_out = out.shape[1], out.shape[2]
+    nb = row_bytes // 144
+    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
+    for s in prange(bounds.size - 1):
+        for q in range(bounds[s], bounds[s + 1]):
+            j, i, t = _item(q, g, nt)
+            a, n = starts[i], starts[i + 1] - starts[i]
+            if n > 0:
+                end = min(n_out, (t + 1) * ROW_BLOCK)
+                for r in range(t * ROW_BLOCK, end, _rows_avx2(ts[i])):
+                    o = offs[j, i] + r * row_bytes
+                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
+                    _row_avx2(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
 
 
 @kernel(parallel=True)
@@ -212,16 +253,29 @@ def grouped_amx(w, offs, row_bytes, bt, dxv, xsv, boffs, loffs, starts, bounds, 
         tiles_end()
 
 
-GROUPED = {"vnni": grouped_vnni, "generic": grouped_generic, "amx": grouped_amx}
+GROUPED = {"vnni": grouped_vnni, "generic": grouped_generic, "avx2": grouped_avx2, "amx": grouped_amx}
 
 
 def isas() -> list[str]:
-    """The instruction sets lanes.grouped can use on this CPU: int8.usable_isas(), and "amx" where the CPU has
-    AMX-INT8 (and AVX512-VNNI) and the kernel grants the tile state (simd_amx.enable; STREAM_RUN_AMX=0: never)."""
+    """The instruction sets lanes.grouped can use on this CPU: int8.usable_isas(), "avx2" where the CPU has AVX2,
+    and "amx" where it has AMX-INT8 (and AVX512-VNNI) and the kernel grants the tile state (simd_amx.enable;
+    STREAM_RUN_AMX=0: never)."""
     from . import int8
 
-    usable = int8.usable_isas()
+    usable = int8.usable_isas() + (["avx2"] if int8.host_has_avx2() else [])
     return usable + (["amx"] if "vnni" in usable and simd_amx.enable() else [])
+
+
+def host_isa() -> str | None:
+    """The instruction set the MoE prefill's lanes run with here: best_isa(int8.ISA) where the integer prefill
+    kernel runs; else "avx2" where the decode's digit row dots run on AVX2 (int8.DECODE_ISA: a CPU without VNNI,
+    STREAM_RUN_ISA unset), although the larger experts' matmuls keep the f32 tiles there; else None (the tiles
+    serve every expert)."""
+    from . import int8
+
+    if int8.ISA is not None:
+        return best_isa(int8.ISA)
+    return "avx2" if int8.DECODE_ISA == "avx2" else None
 
 
 def best_isa(isa: str | None) -> str | None:
@@ -237,6 +291,7 @@ def best_isa(isa: str | None) -> str | None:
 # the lanes themselves: the row's scale setup and weight loads (simd_lanes: per super-block, shared by the lanes).
 ROW_COST = 2.0
 SPLIT = (9, 12)  # experts with this many tokens take two passes (split_lanes)
+SPLIT_AVX2 = (9, 16)  # on AVX2: T = 16 lanes ran 8.6 ns per (row, token, super-block), T = 8 6.4 (simd_lanes)
 
 
 def _aligned(n: int, dtype) -> np.ndarray:
@@ -267,7 +322,7 @@ def grouped(
     if isa == "amx":
         _grouped_amx(w, offs, row_bytes, act, rows, starts, out, cnt)
         return
-    offs, starts = split_lanes(offs, starts)
+    offs, starts = split_lanes(offs, starts, SPLIT_AVX2 if isa == "avx2" else SPLIT)
     cnt = np.diff(starts)
     ts = lanes_t(cnt)
     V = ts // np.minimum(ts, 8)
@@ -282,13 +337,13 @@ def grouped(
     GROUPED[isa](w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out)
 
 
-def split_lanes(offs: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Experts with SPLIT[0]..SPLIT[1] tokens as two passes over their rows, 8 tokens and the rest (an expert's
+def split_lanes(offs: np.ndarray, starts: np.ndarray, split=SPLIT) -> tuple[np.ndarray, np.ndarray]:
+    """Experts with split[0]..split[1] tokens as two passes over their rows, 8 tokens and the rest (an expert's
     column of offs repeated, its range of starts cut after 8 tokens): T = 16 lanes would compute 4-7 lanes of
     zeros, two passes compute T = 8 and T = 2 or 4 lanes and set up each row's scales twice. Whether a token's
     lanes are split, and where it lands, depends only on its expert's count and its rank there, as T does."""
     cnt = np.diff(starts)
-    two = (cnt >= SPLIT[0]) & (cnt <= SPLIT[1])
+    two = (cnt >= split[0]) & (cnt <= split[1])
     if not two.any():
         return offs, starts
     idx = np.repeat(np.arange(cnt.size), 1 + two)

@@ -29,22 +29,57 @@ gguf-py in float64). A token's result depends on its own lanes only, and on T (t
 picks T from the expert's token count alone (and the token's rank in it, where lanes.split_lanes makes two
 passes), so it is the same for every cache state (streamed == resident).
 
-Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py).
+Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py),
+and "avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high
+nibbles are shifted down to u (their scale then is d * sc, not / 16: the same products, exactly), and the pair
+sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (_lanes_avx2). The same int32 lanes
+as vpdpbusd's, up to the exact factor 16, so the same bits as "generic" (tests/test_lanes.py). At most 8 tokens
+(lanes.SPLIT_AVX2) and one row per call (ROWS_AVX2): AVX2 has 16 vector registers. Against the f32 tiles that
+serve these experts without it: bench/lanes_bench.py --isa f32.
 """
 
 from llvmlite import ir
 from numba import types
 
 from ._bits import intrinsic
-from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
+from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
 from .simd_i8 import _dp_generic, _dp_vnni
 
 BLOCK = 144  # bytes of a Q4_K super-block
 # weight rows per call, by T: they share each activation vector load; more rows at T = 8, 16 spill registers
 ROWS = {16: 2, 8: 2, 4: 4, 2: 4}
+# on AVX2 (16 vector registers) one row per call is fastest at every T: ns per (row, token, super-block), one
+# thread, weights from RAM, R = 1 / 2 / 4 rows per call: T = 8: 6.4 / 7.7 / 8.1; T = 4: 7.4 / 8.0 / 7.9; T = 2:
+# 9.8 / 10.8 / 13.8; T = 16: 8.6 / 14.4 / 14.6, slower per token than T = 8 (lanes.SPLIT_AVX2: two passes)
+ROWS_AVX2 = {8: 1, 4: 1, 2: 1}
 
 
-def _row_intrinsic(T, dp, R):
+def _lanes_avx2(e, ws, xh, xl):
+    """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (dot4: the sum of 4 adjacent
+    u8 x s8 products, vpdpbusd's), on AVX2, per half of 32 bytes: the vpmaddubsw pair sums (|.| <= 2 * 15 * 128 =
+    3840 for codes u <= 15: never saturated) added over s < Tv <= 8 in int16 (|.| <= 30720: exact), then one
+    vpmaddwd per digit, by 256 and by 1 (|.| < 2^24). The same int32 lanes as the vpdpbusd chain, with two
+    multiplies per (s, digit, half) fewer."""
+    bb = e.b
+    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+    scale = {256: ir.Constant(V(I16, 16), [256] * 16), 1: ir.Constant(V(I16, 16), [1] * 16)}
+    half = []
+    for h in range(2):
+        at = list(range(32 * h, 32 * h + 32))
+        acc = None
+        for xs, k in ((xh, 256), (xl, 1)):
+            p = None
+            for w, x in zip(ws, xs):
+                m = bb.call(mub, [e.shuffle(w, w, at), e.shuffle(x, x, at)])
+                p = m if p is None else bb.add(p, m)
+            d = bb.call(mwd, [p, scale[k]])
+            acc = d if acc is None else bb.add(acc, d)
+        half.append(acc)
+    return e.shuffle(half[0], half[1], list(range(16)))
+
+
+def _row_intrinsic(T, isa, R):
     """Intrinsic `(w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)`: the R Q4_K rows at byte
     off + i * row_bytes of w (i < R; rows past nr repeat row nr - 1 and are not stored; nb super-blocks each)
     dotted with the T tokens packed at byte xo of xt (lanes.pack's layout) with their dx / xs lanes from f32
@@ -53,7 +88,12 @@ def _row_intrinsic(T, dp, R):
     Tv = min(T, 8)  # tokens per vector
     NV = T // Tv  # vectors per (chunk run, digit)
     Cp = 8 // Tv  # chunks per lane group
-    bmask = [15 if (L // Cp) % 2 == 0 else -16 for L in range(16) for _ in range(4)]
+    high = [(L // Cp) % 2 for L in range(16)]  # lanes of the odd sub-block: the high nibbles
+    # vpdpbusd takes the high nibbles masked in place, as 16 u; vpmaddubsw would saturate on those (pair sums
+    # up to 2 * 240 * 128), so AVX2 shifts them down first (u)
+    shift = isa == "avx2"
+    bmask = [15 if shift or h == 0 else -16 for h in high for _ in range(4)]
+    dp = {"vnni": _dp_vnni, "generic": _dp_generic}.get(isa)
 
     @intrinsic
     def row(typingctx, w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
@@ -77,6 +117,7 @@ def _row_intrinsic(T, dp, R):
             zero_i = ir.Constant(V(I32, 16), [0] * 16)
             eight = e.const(I32, 16, 8)
             mask = ir.Constant(V(I8, 64), bmask)
+            by = ir.Constant(V(I32, 16), [4 * h for h in high])
             lo_b = bb.mul(lo_, c(4))
             last = bb.sub(nr_, c(1))
             roff = []
@@ -99,7 +140,7 @@ def _row_intrinsic(T, dp, R):
                     scales, mins = _k4_scales(e, wb, e.off(blk, 4))
                     ds = bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8)))
                     # the high nibbles are taken as 16 u: their scale / 16 (exact)
-                    dsc.append(bb.fmul(ds, ir.Constant(V(F32, 8), [1.0, 0.0625] * 4)))
+                    dsc.append(ds if shift else bb.fmul(ds, ir.Constant(V(F32, 8), [1.0, 0.0625] * 4)))
                     dmn.append(bb.fmul(e.splat(dmin, 8), bb.uitofp(mins, V(F32, 8))))
                 acc = list(accs)  # [row][v]: acc, then [row][v]: accm
                 for cc in range(4):
@@ -122,16 +163,21 @@ def _row_intrinsic(T, dp, R):
                         for s in range(Tv):
                             raw = e.load(wb, e.off(blk, 16 + 32 * cc + 4 * Cp * s), V(I32, Cp) if Cp > 1 else I32)
                             v16 = e.shuffle(raw, raw, [L % Cp for L in range(16)]) if Cp > 1 else e.splat(raw, 16)
+                            if shift:
+                                v16 = bb.lshr(v16, by)
                             ws.append(bb.and_(bb.bitcast(v16, V(I8, 64)), mask))
                         scl = e.shuffle(dsc[i], dsc[i], pick)
                         mnv = e.shuffle(dmn[i], dmn[i], pick)
                         for v in range(NV):
-                            t = zero_i
-                            for s in range(Tv):
-                                t = dp(e, t, ws[s], xh[s][v])
-                            t = bb.shl(t, eight)
-                            for s in range(Tv):
-                                t = dp(e, t, ws[s], xl[s][v])
+                            if shift:
+                                t = _lanes_avx2(e, ws, [x[v] for x in xh], [x[v] for x in xl])
+                            else:
+                                t = zero_i
+                                for s in range(Tv):
+                                    t = dp(e, t, ws[s], xh[s][v])
+                                t = bb.shl(t, eight)
+                                for s in range(Tv):
+                                    t = dp(e, t, ws[s], xl[s][v])
                             k = i * NV + v
                             sv = bb.fmul(scl, dxv[v])
                             acc[k] = e.fma(acc[k], bb.sitofp(t, V(F32, 16)), sv)
@@ -163,6 +209,6 @@ def _row_intrinsic(T, dp, R):
 
 # q4_k_lanes_<isa>_<T>: module globals for numba (lanes.py picks one per expert).
 TS = (2, 4, 8, 16)
-for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
-    for _T in TS:
-        globals()[f"q4_k_lanes_{_isa}_{_T}"] = _row_intrinsic(_T, _dp, ROWS[_T])
+for _isa, _rows in (("vnni", ROWS), ("generic", ROWS), ("avx2", ROWS_AVX2)):
+    for _T in _rows:
+        globals()[f"q4_k_lanes_{_isa}_{_T}"] = _row_intrinsic(_T, _isa, _rows[_T])
