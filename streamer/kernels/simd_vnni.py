@@ -34,6 +34,8 @@ Where the CPU has no AVX512-VNNI, the same bodies sum their 4 products per lane 
 then vpmaddwd by 1): exact for the nibbles, so the same int32 lanes and the same bits as vpdpbusd
 (tests/test_decode_digits.py checks them against each other where both run). On 2 Zen 3 cores (AVX2 only) the two-digit
 Q4_K row dot ran 1.08-1.26x the int16 one (bench/kernel_bench.py --decode-ab, bench/RESULTS.md sixteenth session).
+With two digits, _dp2_avx2 widens the hi digit's pair sums by vpmaddwd by 256 instead of by 1 and a shift: the
+same lanes, 1.05-1.09x faster (eighteenth session).
 int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a cached kernel:
 the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when given the
 activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps
@@ -77,6 +79,23 @@ def _dp_avx2(e, acc, w, x):
     return bb.add(acc, e.shuffle(half[0], half[1], list(range(16))))
 
 
+def _dp2_avx2(e, w, xh, xl):
+    """256 * dot4(w, xh) + dot4(w, xl) per int32 lane (dot4: vpdpbusd's sum of 4 u8 x s8 products) on AVX2: per half
+    of 32 bytes the two vpmaddubsw pair sums (exact for w <= 15: |.| <= 3840) widened by one vpmaddwd each, by 256
+    and by 1 (|.| < 2^21), then added: _dp_avx2's lanes without its shift."""
+    bb = e.b
+    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+    by = (ir.Constant(V(I16, 16), [256] * 16), ir.Constant(V(I16, 16), [1] * 16))
+    half = []
+    for h in range(2):
+        at = list(range(32 * h, 32 * h + 32))
+        wh = e.shuffle(w, w, at)
+        hi, lo = (bb.call(mwd, [bb.call(mub, [wh, e.shuffle(x, x, at)]), k]) for x, k in zip((xh, xl), by))
+        half.append(bb.add(hi, lo))
+    return e.shuffle(half[0], half[1], list(range(16)))
+
+
 def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
     # digits = 1: x as one int8 digit per element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd
     # per 64 weights instead of two and a shift
@@ -100,7 +119,10 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
                 at = 256 * h + 128 * n
                 xh = e.load(xdb, e.off(xb, at), V(I8, 64))
                 xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
-                t = dp(e, bb.shl(dp(e, zero, wv, xh), eight), wv, xl)
+                if dp is _dp_avx2:
+                    t = _dp2_avx2(e, wv, xh, xl)
+                else:
+                    t = dp(e, bb.shl(dp(e, zero, wv, xh), eight), wv, xl)
             # lane i: sub-block 2 * (2h + i // 8) + n
             scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
