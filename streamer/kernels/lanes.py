@@ -180,7 +180,7 @@ def grouped_generic(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bo
 
 @kernel(parallel=True, fastmath=FASTMATH)
 def grouped_avx2(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
-    """As grouped_vnni, with vpdpbusd's AVX2 form (simd_lanes._lanes_avx2)."""
+    """As grouped_vnni, with vpdpbusd's AVX2 form (simd_vnni._dp2_avx2)."""
     parts, g = offs.shape
     P, n_out = out.shape[1], out.shape[2]
     nb = row_bytes // 144

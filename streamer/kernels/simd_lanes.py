@@ -32,7 +32,7 @@ passes), so it is the same for every cache state (streamed == resident).
 Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py),
 and "avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high
 nibbles are shifted down to u (their scale then is d * sc, not / 16: the same products, exactly), and the pair
-sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (_lanes_avx2). The same int32 lanes
+sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (simd_vnni._dp2_avx2). The same int32 lanes
 as vpdpbusd's, up to the exact factor 16, so the same bits as "generic" (tests/test_lanes.py). At most 8 tokens
 (lanes.SPLIT_AVX2) and one row per call (ROWS_AVX2): AVX2 has 16 vector registers. Against the f32 tiles that
 serve these experts without it: bench/lanes_bench.py --isa f32.
@@ -42,8 +42,9 @@ from llvmlite import ir
 from numba import types
 
 from ._bits import intrinsic
-from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
+from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
 from .simd_i8 import _dp_generic, _dp_vnni
+from .simd_vnni import _dp2_avx2
 
 BLOCK = 144  # bytes of a Q4_K super-block
 # weight rows per call, by T: they share each activation vector load; more rows at T = 8, 16 spill registers
@@ -52,31 +53,6 @@ ROWS = {16: 2, 8: 2, 4: 4, 2: 4}
 # thread, weights from RAM, R = 1 / 2 / 4 rows per call: T = 8: 6.4 / 7.7 / 8.1; T = 4: 7.4 / 8.0 / 7.9; T = 2:
 # 9.8 / 10.8 / 13.8; T = 16: 8.6 / 14.4 / 14.6, slower per token than T = 8 (lanes.SPLIT_AVX2: two passes)
 ROWS_AVX2 = {8: 1, 4: 1, 2: 1}
-
-
-def _lanes_avx2(e, ws, xh, xl):
-    """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (dot4: the sum of 4 adjacent
-    u8 x s8 products, vpdpbusd's), on AVX2, per half of 32 bytes: the vpmaddubsw pair sums (|.| <= 2 * 15 * 128 =
-    3840 for codes u <= 15: never saturated) added over s < Tv <= 8 in int16 (|.| <= 30720: exact), then one
-    vpmaddwd per digit, by 256 and by 1 (|.| < 2^24). The same int32 lanes as the vpdpbusd chain, with two
-    multiplies per (s, digit, half) fewer."""
-    bb = e.b
-    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
-    mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
-    scale = {256: ir.Constant(V(I16, 16), [256] * 16), 1: ir.Constant(V(I16, 16), [1] * 16)}
-    half = []
-    for h in range(2):
-        at = list(range(32 * h, 32 * h + 32))
-        acc = None
-        for xs, k in ((xh, 256), (xl, 1)):
-            p = None
-            for w, x in zip(ws, xs):
-                m = bb.call(mub, [e.shuffle(w, w, at), e.shuffle(x, x, at)])
-                p = m if p is None else bb.add(p, m)
-            d = bb.call(mwd, [p, scale[k]])
-            acc = d if acc is None else bb.add(acc, d)
-        half.append(acc)
-    return e.shuffle(half[0], half[1], list(range(16)))
 
 
 def _row_intrinsic(T, isa, R):
@@ -170,7 +146,7 @@ def _row_intrinsic(T, isa, R):
                         mnv = e.shuffle(dmn[i], dmn[i], pick)
                         for v in range(NV):
                             if shift:
-                                t = _lanes_avx2(e, ws, [x[v] for x in xh], [x[v] for x in xl])
+                                t = _dp2_avx2(e, ws, [x[v] for x in xh], [x[v] for x in xl])
                             else:
                                 t = zero_i
                                 for s in range(Tv):

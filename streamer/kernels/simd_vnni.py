@@ -79,10 +79,13 @@ def _dp_avx2(e, acc, w, x):
     return bb.add(acc, e.shuffle(half[0], half[1], list(range(16))))
 
 
-def _dp2_avx2(e, w, xh, xl):
-    """256 * dot4(w, xh) + dot4(w, xl) per int32 lane (dot4: vpdpbusd's sum of 4 u8 x s8 products) on AVX2: per half
-    of 32 bytes the two vpmaddubsw pair sums (exact for w <= 15: |.| <= 3840) widened by one vpmaddwd each, by 256
-    and by 1 (|.| < 2^21), then added: _dp_avx2's lanes without its shift."""
+def _dp2_avx2(e, ws, xh, xl):
+    """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (dot4: vpdpbusd's sum of 4 adjacent
+    u8 x s8 products; lists of up to 8 vectors of 64 bytes) on AVX2, per half of 32 bytes: the vpmaddubsw pair sums
+    (|.| <= 2 * 15 * 128 = 3840 for codes <= 15: never saturated) added over s in int16 (|.| <= 8 * 3840 = 30720:
+    exact), then one vpmaddwd per digit, by 256 and by 1 (|.| < 2^24), and added. The lanes of _dp_avx2's chain
+    (dot4 of hi, a shift by 8, dot4 of lo) without its shift and, for several s, with one widening per digit.
+    The decode row dot takes one vector (s < 1), simd_lanes.py's AVX2 form Tv."""
     bb = e.b
     mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
     mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
@@ -90,9 +93,15 @@ def _dp2_avx2(e, w, xh, xl):
     half = []
     for h in range(2):
         at = list(range(32 * h, 32 * h + 32))
-        wh = e.shuffle(w, w, at)
-        hi, lo = (bb.call(mwd, [bb.call(mub, [wh, e.shuffle(x, x, at)]), k]) for x, k in zip((xh, xl), by))
-        half.append(bb.add(hi, lo))
+        acc = None
+        for xs, k in zip((xh, xl), by):
+            p = None
+            for w, x in zip(ws, xs):
+                m = bb.call(mub, [e.shuffle(w, w, at), e.shuffle(x, x, at)])
+                p = m if p is None else bb.add(p, m)
+            d = bb.call(mwd, [p, k])
+            acc = d if acc is None else bb.add(acc, d)
+        half.append(acc)
     return e.shuffle(half[0], half[1], list(range(16)))
 
 
@@ -120,7 +129,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
                 xh = e.load(xdb, e.off(xb, at), V(I8, 64))
                 xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
                 if dp is _dp_avx2:
-                    t = _dp2_avx2(e, wv, xh, xl)
+                    t = _dp2_avx2(e, [wv], [xh], [xl])
                 else:
                     t = dp(e, bb.shl(dp(e, zero, wv, xh), eight), wv, xl)
             # lane i: sub-block 2 * (2h + i // 8) + n
