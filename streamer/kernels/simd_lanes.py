@@ -32,7 +32,7 @@ passes), so it is the same for every cache state (streamed == resident).
 Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py),
 and "avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high
 nibbles are shifted down to u (their scale then is d * sc, not / 16: the same products, exactly), and the pair
-sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (simd_vnni._dp2_avx2). The same int32 lanes
+sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (simd_vnni._dp2_avx2, by _digits_dot). The same int32 lanes
 as vpdpbusd's, up to the exact factor 16, so the same bits as "generic" (tests/test_lanes.py). At most 8 tokens
 (lanes.SPLIT_AVX2) and one row per call (ROWS_AVX2): AVX2 has 16 vector registers. Against the f32 tiles that
 serve these experts without it: bench/lanes_bench.py --isa f32.
@@ -44,7 +44,7 @@ from numba import types
 from ._bits import intrinsic
 from .simd import F32, I8, I32, I64, V, _c_array, _Emit, _k4_scales
 from .simd_i8 import _dp_generic, _dp_vnni
-from .simd_vnni import _dp2_avx2
+from .simd_vnni import _digits_dot, _dp_avx2
 
 BLOCK = 144  # bytes of a Q4_K super-block
 # weight rows per call, by T: they share each activation vector load; more rows at T = 8, 16 spill registers
@@ -69,7 +69,7 @@ def _row_intrinsic(T, isa, R):
     # up to 2 * 240 * 128), so AVX2 shifts them down first (u)
     shift = isa == "avx2"
     bmask = [15 if shift or h == 0 else -16 for h in high for _ in range(4)]
-    dp = {"vnni": _dp_vnni, "generic": _dp_generic}.get(isa)
+    dp = {"vnni": _dp_vnni, "generic": _dp_generic, "avx2": _dp_avx2}[isa]
 
     @intrinsic
     def row(typingctx, w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
@@ -90,8 +90,6 @@ def _row_intrinsic(T, isa, R):
             dlb, slb, db = e.base(sig.args[7], dl_), e.base(sig.args[8], sl_), e.base(sig.args[10], dst_)
             c = lambda k: ir.Constant(I64, k)  # noqa: E731
             zero_f = ir.Constant(V(F32, 16), [0.0] * 16)
-            zero_i = ir.Constant(V(I32, 16), [0] * 16)
-            eight = e.const(I32, 16, 8)
             mask = ir.Constant(V(I8, 64), bmask)
             by = ir.Constant(V(I32, 16), [4 * h for h in high])
             lo_b = bb.mul(lo_, c(4))
@@ -145,15 +143,7 @@ def _row_intrinsic(T, isa, R):
                         scl = e.shuffle(dsc[i], dsc[i], pick)
                         mnv = e.shuffle(dmn[i], dmn[i], pick)
                         for v in range(NV):
-                            if shift:
-                                t = _dp2_avx2(e, ws, [x[v] for x in xh], [x[v] for x in xl])
-                            else:
-                                t = zero_i
-                                for s in range(Tv):
-                                    t = dp(e, t, ws[s], xh[s][v])
-                                t = bb.shl(t, eight)
-                                for s in range(Tv):
-                                    t = dp(e, t, ws[s], xl[s][v])
+                            t = _digits_dot(e, dp, ws, [x[v] for x in xh], [x[v] for x in xl])
                             k = i * NV + v
                             sv = bb.fmul(scl, dxv[v])
                             acc[k] = e.fma(acc[k], bb.sitofp(t, V(F32, 16)), sv)

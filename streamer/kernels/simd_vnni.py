@@ -105,6 +105,21 @@ def _dp2_avx2(e, ws, xh, xl):
     return e.shuffle(half[0], half[1], list(range(16)))
 
 
+def _digits_dot(e, dp, ws, xh, xl):
+    """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (two activation digits; dp: an ISA's
+    dot4 accumulator, `(e, acc, w, x)`): with AVX2's, _dp2_avx2; else dp's chain, the hi digits, a shift by 8, the
+    lo digits. The decode row dot takes one vector (s < 1), simd_lanes.py's kernel Tv."""
+    if dp is _dp_avx2:
+        return _dp2_avx2(e, ws, xh, xl)
+    t = ir.Constant(V(I32, 16), [0] * 16)
+    for w, x in zip(ws, xh):
+        t = dp(e, t, w, x)
+    t = e.b.shl(t, ir.Constant(V(I32, 16), [8] * 16))
+    for w, x in zip(ws, xl):
+        t = dp(e, t, w, x)
+    return t
+
+
 def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
     # digits = 1: x as one int8 digit per element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd
     # per 64 weights instead of two and a shift
@@ -117,7 +132,6 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
     sdx = bb.fmul(bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8))), dx8)
     xb = bb.mul(b, ir.Constant(I64, SB_BYTES if digits == 2 else SB_BYTES1))
     zero = ir.Constant(V(I32, 16), [0] * 16)
-    eight = ir.Constant(V(I32, 16), [8] * 16)
     new = []
     for h in range(2):
         q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
@@ -128,10 +142,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
                 at = 256 * h + 128 * n
                 xh = e.load(xdb, e.off(xb, at), V(I8, 64))
                 xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
-                if dp is _dp_avx2:
-                    t = _dp2_avx2(e, [wv], [xh], [xl])
-                else:
-                    t = dp(e, bb.shl(dp(e, zero, wv, xh), eight), wv, xl)
+                t = _digits_dot(e, dp, [wv], [xh], [xl])
             # lane i: sub-block 2 * (2h + i // 8) + n
             scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
