@@ -114,8 +114,9 @@ def test_profile_budget_on_the_command_line(synth_model, monkeypatch):
 def test_profiles_command_lists_every_builtin():
     r = invoke("presets")
     assert r.exit_code == 0, r.output
-    # the command's old name still works (the "= N GiB now" figures follow available memory between calls)
-    now = re.compile(r"\(= [0-9.]+ GiB now\)")
+    # the command's old name still works (the "= N GiB now" and "available now: N GiB" figures follow available
+    # memory between calls)
+    now = re.compile(r"\(= [0-9.]+ GiB now\)|now: [0-9.]+ GiB")
     assert now.sub("", invoke("profiles").stdout) == now.sub("", r.stdout)
     lines = r.stdout.splitlines()
     for name in available_presets():
