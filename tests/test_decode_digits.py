@@ -18,6 +18,7 @@ from streamer.formats import FORMATS
 from streamer.kernels import QMatrix, blocks, int8
 from streamer.kernels.activations import XD1_MAX, XD_MAX, XQ_MAX
 from streamer.kernels.experts import experts_down, experts_matvec
+from streamer.kernels.simd_avx2 import FOLD
 
 VNNI = "vnni" in int8.usable_isas()
 DIGITS_CPU = VNNI or int8.host_has_avx2()
@@ -25,7 +26,8 @@ needs_digits = pytest.mark.skipif(
     not DIGITS_CPU, reason="this CPU has neither AVX512-VNNI nor AVX2: the int16 path only"
 )
 DIGIT_TYPES = [t for t, f in FORMATS.items() if f.family == "block" and f.code in blocks.DIGIT_CODES]
-GRID = {"int16": (256, XQ_MAX), "digits": (32, XD_MAX), "digit": (32, XD1_MAX)}
+# the two-digit grid: one scale per 256 with simd_avx2's folded AVX2 body, per 32 with vpdpbusd
+GRID = {"int16": (256, XQ_MAX), "digits": (256 if FOLD else 32, XD_MAX), "digit": (32, XD1_MAX)}
 
 
 def _buffer(kind, n_in, *lead):
@@ -90,7 +92,8 @@ def test_matvec_of_a_strided_x(kind):
 @needs_digits
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_digits_are_at_least_as_accurate_as_int16(qtype):
-    """Two int8 digits per 32 elements vs int16 per 256: the digits' error is smaller overall."""
+    """Two int8 digits (32639 levels per 32 elements, or per 256 with the folded AVX2 body) vs int16 (16383 per 256):
+    the digits' error is smaller overall."""
     errs = {}
     for kind in GRID:
         out, ref = _matvec(kind, qtype, 256, 2048, "normal", 3)
@@ -98,11 +101,12 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
     assert errs["digits"] < 0.7 * errs["int16"], errs
 
 
-def _digits(x, digits):
-    """simd_vnni.digits32 on every group of x: (each element's byte position in its layout, the digit bytes (int8),
-    dx, xs)."""
+def _digits(x, digits, per256=False):
+    """simd_vnni.digits32 on every group of x (or, per256, simd_avx2.digits256 on every super-block): (each
+    element's byte position in its layout, the digit bytes (int8), dx, xs)."""
     from numba import njit
 
+    from streamer.kernels.simd_avx2 import digits256
     from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit_offset, digits32
 
     @njit
@@ -110,6 +114,13 @@ def _digits(x, digits):
         for g in range(x.size >> 5):
             digits32(x, xd, dx, xs, g)
 
+    @njit
+    def vector256(x, xd, dx, xs):
+        for b in range(x.size >> 8):
+            digits256(x, xd, dx, xs, b)
+
+    if per256:
+        vector = vector256
     n = x.size
     sb = SB_BYTES if digits == 2 else SB_BYTES1
     pos = np.array([sb * (e // 256) + digit_offset(e % 256, digits) for e in range(n)])
@@ -118,17 +129,23 @@ def _digits(x, digits):
     return pos, xd, dx, xs
 
 
-@pytest.mark.parametrize("digits", [2, 1])
-def test_quantize_digits_step_and_layout(digits):
+@pytest.mark.parametrize("digits,per256", [(2, False), (1, False), (2, True)])
+def test_quantize_digits_step_and_layout(digits, per256):
     """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
     4u|x|: simd_vnni.digits32 into an int8 buffer, two digits both within int8's symmetric range and
     |q| <= XD_MAX, or into a uint8-typed one, one digit with |q| <= 127; every byte written once, an all-zero group
-    exactly zero, and f32 sums per group."""
+    exactly zero, and f32 sums per group. simd_avx2.digits256 (per256): the same, with dx = max|x| / XD_MAX over
+    each super-block in all 8 of its groups' slots."""
     rng = np.random.default_rng(5)
     n = 1024
     x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
     x[256:288] = 0
-    pos, xd, dx, xs = _digits(x, digits)
+    if per256:
+        x[768:1024] = 0  # an all-zero super-block
+    pos, xd, dx, xs = _digits(x, digits, per256)
+    if per256:
+        amax = np.abs(x).reshape(-1, 256).max(axis=1)
+        assert np.array_equal(dx, np.repeat((amax / np.float32(XD_MAX)).astype(np.float32), 8))
     if digits == 2:
         assert sorted(np.concatenate([pos, pos + 64])) == list(range(2 * n))
         hi, lo = xd[pos].astype(np.int64), xd[pos + 64].astype(np.int64)
@@ -141,7 +158,9 @@ def test_quantize_digits_step_and_layout(digits):
         assert np.abs(q).max() <= XD1_MAX
     d = np.repeat(dx.astype(np.float64), 32)
     assert np.all(np.abs(x - q * d) <= d / 2 + 4 * U * np.abs(x))
-    assert np.all(q[256:288] == 0) and dx[8] == 0
+    assert np.all(q[256:288] == 0) and (per256 or dx[8] == 0)
+    if per256:
+        assert np.all(q[768:] == 0) and np.all(dx[24:] == 0) and np.all(xs[24:] == 0)
     if digits == 1:  # the sums of the rounded x (ggml's bsums), for the mins: float(sum q) dx, one rounding
         assert np.array_equal(xs, q.reshape(-1, 32).sum(axis=1).astype(np.float32) * dx)
         return
@@ -287,35 +306,65 @@ def test_row_pairs_equal_single_rows(qtype, kind):
             assert np.all(np.abs(shifted - ref) <= np.abs(out - ref) + 4e-6 * scale)
 
 
-def _rows_runner(code, n_in, row, one, two):
+def _pairs_and_single(isa_dots, kind, per256):
+    """Q4_K rows 0-5 in pairs and row 0 alone with the given (one-row, two-row) dots, over a buffer quantized by
+    simd_vnni.digits32 per 32 elements or, per256, simd_avx2.digits256 per super-block."""
     from numba import njit
+
+    from streamer.kernels.simd_avx2 import digits256
+    from streamer.kernels.simd_vnni import digits32
+
+    one, two = isa_dots
+    rng = np.random.default_rng(5)
+    n_in, n_out = 2048, 6
+    data, _ = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
+    w = QMatrix(data, T.Q4_K, n_in)._w
+    row, ng = w.shape[1], n_in >> 5
 
     @njit
     def run(w, x, xq, aux, out):  # rows in pairs with `two`, then row 0 again alone with `one`
-        dx, xs = blocks.prepare(code, x, xq, aux)
+        dx, xs = aux[:ng], aux[ng : 2 * ng]
+        for g in range(ng):
+            if per256:
+                if g % 8 == 0:
+                    digits256(x, xq, dx, xs, g >> 3)
+            else:
+                digits32(x, xq, dx, xs, g)
         for r in range(0, out.size - 1, 2):
             out[r], out[r + 1] = two(w, r * row, row, xq, dx, xs, n_in >> 8, 512)
         out[-1] = one(w, 0, xq, dx, xs, n_in >> 8, 512)
 
-    return run
+    out = np.zeros(n_out + 1, np.float32)
+    run(w, _x(rng, n_in), _buffer(kind, n_in), np.empty(2 * ng, np.float32), out)
+    return out
+
+
+@needs_digits
+def test_folded_avx2_body_equals_the_per_sub_block_one():
+    """simd_avx2's folded body (sub-block scales inside vpmaddwd, one f32 conversion per super-block) against
+    simd_vnni's AVX2 body (one f32 scale per sub-block) on the same digits256 buffer: the same exact integer
+    sums, so equal to float32 rounding (the f32 operations are associated otherwise)."""
+    from streamer.kernels.simd_avx2 import fold_row_dots
+    from streamer.kernels.simd_vnni import row_dots
+
+    folded = _pairs_and_single(fold_row_dots(), "digits", True)
+    per_sub = _pairs_and_single(row_dots("avx2"), "digits", True)
+    scale = np.abs(per_sub).max()
+    np.testing.assert_allclose(folded, per_sub, rtol=0, atol=2e-6 * scale)
+    assert not np.array_equal(folded, np.zeros_like(folded))
 
 
 @pytest.mark.skipif(not VNNI, reason="compares with vpdpbusd: this CPU has no AVX512-VNNI")
 @pytest.mark.parametrize("kind", ["digits", "digit"])
 def test_avx2_form_gives_vpdpbusd_bits(kind):
-    """simd_vnni's AVX2 form of the 4-product sums (vpmaddubsw, vpmaddwd) against vpdpbusd, one and two rows."""
+    """simd_vnni's AVX2 form of the 4-product sums (vpmaddubsw, vpmaddwd) against vpdpbusd, one and two rows: the
+    same bits (per-32 scales). The folded body on the per-256 buffer agrees with vpdpbusd to float32 rounding."""
+    from streamer.kernels.simd_avx2 import fold_row_dots
     from streamer.kernels.simd_vnni import row_dots
 
-    rng = np.random.default_rng(5)
-    n_in, n_out = 2048, 6
-    data, _ = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
-    w = QMatrix(data, T.Q4_K, n_in)._w
-    code, x = FORMATS[T.Q4_K].code, _x(rng, n_in)
-    outs = []
-    for isa in ("vnni", "avx2"):
-        out = np.zeros(n_out + 1, np.float32)
-        run = _rows_runner(code, n_in, w.shape[1], *row_dots(isa))
-        run(w, x, _buffer(kind, n_in), np.empty(3 * n_in // 32 + 1, np.float32), out)
-        outs.append(out)
+    outs = [_pairs_and_single(row_dots(isa), kind, False) for isa in ("vnni", "avx2")]
     assert abs(outs[0][-1] - outs[0][0]) <= 1e-5 * abs(outs[0][0])  # row 0 alone ~ row 0 in a pair
     assert np.array_equal(outs[0], outs[1])
+    if kind == "digits":
+        a, b = (_pairs_and_single(d, kind, True) for d in (row_dots("vnni"), fold_row_dots()))
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(a).max())

@@ -62,6 +62,7 @@ from .simd import (
     q8_0_deq,
     q8_0_dot,
 )
+from .simd_avx2 import act_digits, q4_k_digit_dot, q4_k_digit_dot2
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
@@ -96,7 +97,6 @@ from .simd_lowbit import (
     q5_1_deq,
     q5_1_dot,
 )
-from .simd_vnni import digits32, q4_k_dot2_vnni, q4_k_dot_vnni
 from .specialise import format_kernel
 
 PF = 8192  # prefetch distance in bytes ahead of the block being read: rows are read front to back (8 KiB: the
@@ -174,7 +174,7 @@ def dot_i16(fmt, w, off, xq, dx, xs, n_in):
     return iq1_m_dot(w, off, xq, dx, xs, n_in >> 8, PF)  # IQ1_M
 
 
-# The formats whose decode row dot has a version over int8 activation digits (simd_vnni.py).
+# The formats whose decode row dot has a version over int8 activation digits (simd_vnni.py; simd_avx2.py on AVX2).
 DIGIT_CODES = (Q4_K,)
 # Decode with int8 digits where the CPU has AVX512-VNNI or AVX2 (int8.decode_isa: STREAM_RUN_ISA=generic or f32 keep
 # the int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
@@ -210,8 +210,9 @@ _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot (kernels only). xq is the activation buffer: int16 [n] (prepare_i16,
     simd.py's dots) or, where the CPU has AVX512-VNNI or AVX2 (DIGITS), the same bytes as int8 [2n]: then the formats in
-    DIGIT_CODES get two int8 digits per element (simd_vnni.digits32: scales per 32 in aux[:n/32], f32 sums per
-    32 after them) for simd_vnni.py's dots, the others the int16 path in those bytes. Which one is
+    DIGIT_CODES get two int8 digits per element (simd_avx2.act_digits: scales in aux[:n/32], one per 32 with
+    VNNI, one per 256 repeated in its 8 slots on AVX2; f32 sums per 32 after them) for simd_avx2.q4_k_digit_dot
+    (simd_vnni.py's vpdpbusd body, or simd_avx2.py's folded one), the others the int16 path in those bytes. Which one is
     chosen when the kernel is compiled, by xq's dtype, never at run time. Returns (dx, xs) views of aux."""
     raise NotImplementedError("blocks.prepare runs inside numba kernels only")
 
@@ -220,8 +221,8 @@ def prepare(fmt, x, xq, aux):
 def _prepare8(fmt, x, xq, aux):
     ng = x.size >> 5
     if fmt == Q4_K:
-        for g in range(ng):  # vector code (simd_vnni.digits32: one or two digits by xq's type), x C-contiguous
-            digits32(x, xq, aux[:ng], aux[ng : 2 * ng], g)
+        for b in range(ng >> 3):  # vector code (simd_avx2.act_digits: one or two digits by xq's type), x C-contiguous
+            act_digits(x, xq, aux[:ng], aux[ng : 2 * ng], b)
         return aux[:ng], aux[ng : 3 * ng]
     return prepare_i16(fmt, x, xq.view(np.int16), aux)
 
@@ -231,8 +232,8 @@ def _prepare8a(fmt, x, xq, aux):  # x of any layout: a contiguous copy, so the d
     ng = x.size >> 5
     if fmt == Q4_K:
         xc = np.ascontiguousarray(x)
-        for g in range(ng):
-            digits32(xc, xq, aux[:ng], aux[ng : 2 * ng], g)
+        for b in range(ng >> 3):
+            act_digits(xc, xq, aux[:ng], aux[ng : 2 * ng], b)
         return aux[:ng], aux[ng : 3 * ng]
     return prepare_i16(fmt, x, xq.view(np.int16), aux)
 
@@ -267,7 +268,7 @@ def dot(fmt, w, off, xq, dx, xs, n_in):
 @kernel(**_HELPER)
 def _dot8(fmt, w, off, xq, dx, xs, n_in):
     if fmt == Q4_K:
-        return q4_k_dot_vnni(w, off, xq, dx, xs, n_in >> 8, PF)
+        return q4_k_digit_dot(w, off, xq, dx, xs, n_in >> 8, PF)
     return dot_i16(fmt, w, off, xq.view(np.int16), dx, xs, n_in)
 
 
@@ -322,7 +323,7 @@ def _dot2_16(fmt, w, off, stride, xq, dx, xs, n_in):
 @kernel(**_HELPER)
 def _dot2_8(fmt, w, off, stride, xq, dx, xs, n_in):
     if fmt == Q4_K:
-        return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, PF)
+        return q4_k_digit_dot2(w, off, stride, xq, dx, xs, n_in >> 8, PF)
     return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
 
 
@@ -354,7 +355,7 @@ def dot2_pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
 @kernel(**_HELPER)
 def _dot2_8pf(fmt, w, off, stride, xq, dx, xs, n_in, pf):
     if fmt == Q4_K:
-        return q4_k_dot2_vnni(w, off, stride, xq, dx, xs, n_in >> 8, pf)
+        return q4_k_digit_dot2(w, off, stride, xq, dx, xs, n_in >> 8, pf)
     return _rows2(fmt, w, off, stride, xq.view(np.int16), dx, xs, n_in)
 
 

@@ -4,8 +4,8 @@ A token's 8 experts are 24 small matrices (768x2048 at 30B-A3B); one call per ma
 launch and leaves threads idle at the tail each time. Here every expert's rows sit at a byte offset of one
 base array (the file's mapping when experts are resident, the cache arena when they stream), and one
 prange covers the rows of all of them. The row dots are blocks.dot's (same as QMatrix.matvec: x rounded to
-int16 per 32 or 256 elements, or Q4_K's int8 digits per 32 with VNNI), so results match the per-matrix path up to
-float32 rounding.
+int16 per 32 or 256 elements, or Q4_K's int8 digits: per 32 with VNNI, per 256 on AVX2), so results match the
+per-matrix path up to float32 rounding.
 
 Near the end of one matrix, experts_matvec's row dots prefetch the next matrix's first rows instead of the
 bytes past the end (blocks.dot2_pf): a thread would otherwise meet each matrix's first 8 KiB as cache misses,

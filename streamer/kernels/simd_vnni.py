@@ -30,16 +30,15 @@ Q4_K case: 0.8-1.7% by position, 5.4% where an expert choice flips; the float64 
 grid: 0.7-1.5%, the same flip), hence opt-in. The buffer's bytes are
 typed uint8 to tell the kernels apart (blocks.act_buffer).
 
-Where the CPU has no AVX512-VNNI, the same bodies sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubsw,
-then vpmaddwd by 1): exact for the nibbles, so the same int32 lanes and the same bits as vpdpbusd
-(tests/test_decode_digits.py checks them against each other where both run). On 2 Zen 3 cores (AVX2 only) the two-digit
-Q4_K row dot ran 1.08-1.26x the int16 one (bench/kernel_bench.py --decode-ab, bench/RESULTS.md sixteenth session).
-With two digits, _dp2_avx2 widens the hi digit's pair sums by vpmaddwd by 256 instead of by 1 and a shift: the
-same lanes, 1.05-1.09x faster (eighteenth session).
-int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a cached kernel:
-the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when given the
-activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps
-simd.py's path.
+The same bodies can sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubsw, then vpmaddwd by 1): exact for
+the nibbles, so the same int32 lanes and the same bits as vpdpbusd (tests/test_decode_digits.py checks them against
+each other where both run). The one-digit decode uses that where the CPU has no AVX512-VNNI; the two-digit decode
+there uses simd_avx2.py's body instead, which folds the sub-block scales into vpmaddwd over one activation scale
+per super-block (1.16-1.19x this AVX2 body on 2 Zen 3 cores, nineteenth session). simd_avx2.q4_k_digit_dot is the
+decode's choice. int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a
+cached kernel: the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when
+given the activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16
+keeps simd.py's path.
 """
 
 from functools import partial
@@ -49,7 +48,6 @@ from numba import types
 
 from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
-from .int8 import host_has_vnni
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
 from .simd_i8 import _dp_vnni
 
@@ -166,8 +164,7 @@ def row_dots(isa):
     return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
 
 
-# vpdpbusd where the CPU has it, else its AVX2 form (the same bits); int8.decode_isa decides whether they run at all.
-q4_k_dot_vnni, q4_k_dot2_vnni = row_dots("vnni" if host_has_vnni() else "avx2")
+# The decode's choice between these and simd_avx2.py's folded AVX2 body: simd_avx2.q4_k_digit_dot.
 
 
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
@@ -187,25 +184,45 @@ def int_sum(e, v):
     return e.b.extract_element(v, I32(0))
 
 
-def group_digits(e, xb, dxb, xsb, g, levels):
+def abs_max(e, a):
+    """The largest lane of a (|x| values): exact, a tree of maxima."""
+    bb = e.b
+    n = a.type.count
+    while n > 1:
+        n //= 2
+        lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
+        a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
+    return bb.extract_element(a, I32(0))
+
+
+def store_digits(e, xdb, g, digits, q, hi, lo):
+    """Group g's digits (hi and lo, or q alone) at their digit_offset bytes of the buffer at xdb (SB_BYTES or
+    SB_BYTES1 per super-block)."""
+    bb = e.b
+    c = lambda k: ir.Constant(I64, k)  # noqa: E731
+    sb = SB_BYTES if digits == 2 else SB_BYTES1
+    j = bb.and_(g, c(7))
+    at = bb.add(bb.mul(bb.lshr(g, c(3)), c(sb)), bb.mul(bb.lshr(j, c(2)), c(128 * digits)))
+    at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
+    for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
+        bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
+
+
+def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
     """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as
     <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32,
     a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
     dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
     float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
     offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, twelfth
-    session; tests/test_int8.py and test_decode_digits.py check the bound). Shared by digits32
-    (here) and simd_i8.digits_i8, which store the digits in their layouts."""
+    session; tests/test_int8.py and test_decode_digits.py check the bound). amax: the scale's max|x| if the
+    caller took it over more than the group (simd_avx2.digits256: one per super-block). Shared by digits32
+    (here), simd_avx2.digits256 and simd_i8.digits_i8, which store the digits in their layouts."""
     bb = e.b
     c = lambda k: ir.Constant(I64, k)  # noqa: E731
     v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
-    a = _vcall(e, "llvm.fabs", v)
-    n = 32
-    while n > 1:  # exact: a tree of maxima
-        n //= 2
-        lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
-        a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
-    amax = bb.extract_element(a, I32(0))
+    if amax is None:
+        amax = abs_max(e, _vcall(e, "llvm.fabs", v))
     lv = ir.Constant(F32, float(levels))
     gi = bb.mul(g, c(4))
     dx = bb.fdiv(amax, lv)
@@ -230,26 +247,18 @@ def digits32(typingctx, x, xd, dx, xs, g):
     if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
         return None
     if _c_array(xd, types.int8):
-        digits, sb = 2, SB_BYTES
+        digits = 2
     elif _c_array(xd, types.uint8):
-        digits, sb = 1, SB_BYTES1
+        digits = 1
     else:
         return None
 
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
-        bb = builder
         x_, xd_, dx_, xs_, g_ = args
         xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-        c = lambda k: ir.Constant(I64, k)  # noqa: E731
         q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX if digits == 2 else XD1_MAX)
-        j = bb.and_(g_, c(7))
-        at = bb.add(bb.mul(bb.lshr(g_, c(3)), c(sb)), bb.mul(bb.lshr(j, c(2)), c(128 * digits)))
-        at = bb.add(
-            at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32)))
-        )
-        for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
-            bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
+        store_digits(e, xdb, g_, digits, q, hi, lo)
         return context.get_dummy_value()
 
     return types.none(x, xd, dx, xs, types.int64), codegen

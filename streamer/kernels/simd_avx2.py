@@ -1,0 +1,143 @@
+"""The Q4_K decode row dot where the CPU has AVX2 but not AVX512-VNNI: two activation digits, one activation scale
+per 256-element super-block, and the sub-block scales folded into vpmaddwd.
+
+simd_vnni.py's bodies give each int32 lane the products of one sub-block and apply its scale in f32 (d * sc_j *
+dx_j): a cvt, a broadcast and an fma per 32 weights, beside the two vpmaddubsw and two vpmaddwd of the two digits.
+On AVX2 the vpmaddwd that widens the pair sums can multiply them by the sub-block scale instead of by 1 (sc_j <= 63:
+exact), if the activation scale is the same across the super-block. So here dx is one per super-block (digits256,
+below: max|x over 256| / XD_MAX, stored in all 8 of its groups' slots, so the layout is simd_vnni's), and per
+super-block
+    isum = 256 * sum_j sc_j sum(u * hi) + sum_j sc_j sum(u * lo)   (u = nibble <= 15, per int32 lane),
+two int32 accumulators (hi digits, lo digits) over the 8 sub-blocks, |hi sum| <= 8 * 2 * 3840 * 63 < 2^22, so
+256 * it + the lo sum < 2^31: exact. One cvt and one fma per 8 lanes per super-block: acc += float(isum) * (d dx).
+About 95 vector instructions per super-block instead of 125; the mins are simd_vnni's (exact f32 sums of x per 32).
+
+Accuracy: the activation grid is (256, XD_MAX): 2x finer levels than the int16 path's (256, 16383), and 8x coarser
+groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^31), d dx once, then the fma chain and
+the final tree sum: the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py checks it
+against gguf-py's dequantizer in float64).
+
+One digit (STREAM_RUN_ACT=int8, the buffer's bytes typed uint8) keeps simd_vnni's body and grid, with _dp_avx2.
+"""
+
+from functools import partial
+
+from llvmlite import ir
+from numba import types
+
+from ._bits import intrinsic
+from .activations import XD1_MAX, XD_MAX
+from .int8 import host_has_vnni
+from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
+from .simd_vnni import SB_BYTES, _dp_avx2, _q4_k_vnni_body, _vcall, abs_max, group_digits, row_dots, store_digits
+
+
+def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
+    # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and of
+    # sub-block 2c + 1 (high nibble). x: simd_vnni's two-digit layout, dx[8b] the super-block's scale.
+    bb = e.b
+    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+    d, dmin = e.f16x2(wb, blk)
+    scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+    # the 8 scales as words in both 128-bit halves: each sub-block's multiplier is one in-lane shuffle (vpshufb)
+    s16 = bb.zext(e.shuffle(scales, scales, list(range(8)) * 2), V(I16, 16))
+    xb = bb.mul(b, ir.Constant(I64, SB_BYTES))
+    acc = {}
+    for h in range(2):
+        q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
+        for n, wv in enumerate((bb.and_(q, e.const(I8, 64, 15)), bb.lshr(q, e.const(I8, 64, 4)))):
+            at = 256 * h + 128 * n
+            xh = e.load(xdb, e.off(xb, at), V(I8, 64))
+            xl = e.load(xdb, e.off(xb, at + 64), V(I8, 64))
+            for k in range(2):  # 32 bytes each: sub-block 2 (2h + k) + n
+                j = 2 * (2 * h + k) + n
+                half = list(range(32 * k, 32 * k + 32))
+                w32 = e.shuffle(wv, wv, half)
+                sc = e.shuffle(s16, s16, [j] * 8 + [8 + j] * 8)
+                for digit, xv in enumerate((xh, xl)):
+                    t = bb.call(mwd, [bb.call(mub, [w32, e.shuffle(xv, xv, half)]), sc])
+                    key = (digit, h)  # h: two independent chains per digit
+                    acc[key] = bb.add(acc[key], t) if key in acc else t
+    hi = e.shuffle(acc[0, 0], acc[0, 1], list(range(16)))
+    lo = e.shuffle(acc[1, 0], acc[1, 1], list(range(16)))
+    isum = bb.add(bb.shl(hi, e.const(I32, 16, 8)), lo)
+    dx = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), F32, 4)
+    new = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, dx), 16))
+    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    mf = bb.uitofp(mins, V(F32, 8))
+    # accs[1:4] stay zero: the intrinsics share simd_vnni's 4 + 1 accumulators with the one-digit body
+    return [new, accs[1], accs[2], accs[3], e.fma(accs[4], bb.fmul(mf, xs8), e.splat(dmin, 8))]
+
+
+def fold_row_dots():
+    """(one-row, two-row) Q4_K digit row dots for AVX2: the folded body for two digits (int8 buffer), simd_vnni's
+    one-digit body with _dp_avx2 for one (uint8)."""
+    bodies = {
+        types.int8: _q4_k_fold_body,
+        types.uint8: partial(_q4_k_vnni_body, digits=1, dp=_dp_avx2),
+    }
+    return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
+
+
+def _digits256_codegen(e, x_, xd_, dx_, xs_, b_, sig):
+    """Super-block b's 8 groups with one scale: dx = max|x over 256| / XD_MAX in each group's slot."""
+    bb = e.b
+    xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+    g0 = bb.mul(b_, ir.Constant(I64, 8))
+    m = None
+    for k in range(8):
+        a = _vcall(e, "llvm.fabs", e.load(xb, bb.mul(e.off(g0, k), ir.Constant(I64, 128)), V(F32, 32), 4))
+        m = a if m is None else bb.select(bb.fcmp_ordered(">", a, m), a, m)
+    amax = abs_max(e, m)
+    for k in range(8):
+        g = e.off(g0, k)
+        q, hi, lo = group_digits(e, xb, dxb, xsb, g, XD_MAX, amax)
+        store_digits(e, xdb, g, 2, q, hi, lo)
+
+
+def _digits8_codegen(e, x_, xd_, dx_, xs_, b_, sig, digits):
+    """Super-block b's 8 groups, each with its own scale (simd_vnni.digits32's)."""
+    bb = e.b
+    xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
+    for k in range(8):
+        g = e.off(bb.mul(b_, ir.Constant(I64, 8)), k)
+        q, hi, lo = group_digits(e, xb, dxb, xsb, g, XD_MAX if digits == 2 else XD1_MAX)
+        store_digits(e, xdb, g, digits, q, hi, lo)
+
+
+def _digits_intrinsic(fold, name):
+    def typer(typingctx, x, xd, dx, xs, b):
+        if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
+            return None
+        if _c_array(xd, types.int8):
+            digits = 2
+        elif _c_array(xd, types.uint8):
+            digits = 1
+        else:
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            if digits == 2 and fold:
+                _digits256_codegen(e, *args, sig)
+            else:
+                _digits8_codegen(e, *args, sig, digits)
+            return context.get_dummy_value()
+
+        return types.none(x, xd, dx, xs, types.int64), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+# digits256(x, xd, dx, xs, b): super-block b of x into the two-digit buffer xd (int8) with one scale (the folded
+# body's grid); act_digits: the decode's quantizer, super-block b into xd by the kernels' grid: with two digits
+# (int8 xd) one scale per 256 where FOLD, else simd_vnni.digits32's per 32; one digit (uint8 xd) per 32.
+FOLD = not host_has_vnni()
+digits256 = _digits_intrinsic(True, "digits256")
+act_digits = _digits_intrinsic(FOLD, "act_digits")
+
+# The decode's Q4_K digit row dots: vpdpbusd where the CPU has it, else the folded AVX2 body. int8.decode_isa
+# decides whether they run at all.
+q4_k_digit_dot, q4_k_digit_dot2 = fold_row_dots() if FOLD else row_dots("vnni")
