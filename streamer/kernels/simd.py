@@ -142,8 +142,9 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
 
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
     if n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
-    (simd_vnni.py). body_fn may instead map activation dtypes to bodies: the intrinsic then takes any of them,
-    and xq's dtype picks the body when it is compiled (simd_vnni.py: int8 = two digits, uint8 = one).
+    (simd_vnni.py). body_fn may instead map activation dtypes to bodies, or to (body, its own n_vec): the intrinsic
+    then takes any of them, and xq's dtype picks the body when it is compiled (simd_vnni.py: int8 = two digits,
+    uint8 = one).
     n_rows = 2: `(w, off, stride, xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and off + stride in one
     loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and 2048 inputs); each
     row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
@@ -171,8 +172,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
         wb = e.base(sig.args[0], w_)
         n = len(sig.args)
         xqb, dxb, xsb = e.base(sig.args[n - 5], xq_), e.base(sig.args[n - 4], dx_), e.base(sig.args[n - 3], xs_)
-        body = bodies[sig.args[n - 5].dtype]
-        one = [ir.Constant(V(F32, 16), [0.0] * 16)] * n_vec + [ir.Constant(V(F32, 8), [0.0] * 8)] * (n_acc - 1)
+        body, nv = bodies[sig.args[n - 5].dtype], n_vec
+        if isinstance(body, tuple):
+            body, nv = body
+        one = [ir.Constant(V(F32, 16), [0.0] * 16)] * nv + [ir.Constant(V(F32, 8), [0.0] * 8)] * (n_acc - 1)
         k = len(one)
 
         def step(b, accs):
@@ -190,11 +193,11 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
         for r in range(n_rows):
             a = accs[r * k : (r + 1) * k]
             v = a[0]
-            for u in a[1:n_vec]:
+            for u in a[1:nv]:
                 v = builder.fadd(v, u)  # strict, as hsum: the same bits in every kernel
             total = e.hsum(v)
             if n_acc == 2:
-                total = builder.fsub(total, e.hsum(a[n_vec]))
+                total = builder.fsub(total, e.hsum(a[nv]))
             res.append(total)
         if n_rows == 1:
             return res[0]

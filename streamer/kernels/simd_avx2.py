@@ -66,15 +66,14 @@ def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
     new = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, dx), 16))
     xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
     mf = bb.uitofp(mins, V(F32, 8))
-    # accs[1:4] stay zero: the intrinsics share simd_vnni's 4 + 1 accumulators with the one-digit body
-    return [new, accs[1], accs[2], accs[3], e.fma(accs[4], bb.fmul(mf, xs8), e.splat(dmin, 8))]
+    return [new, e.fma(accs[1], bb.fmul(mf, xs8), e.splat(dmin, 8))]
 
 
 def fold_row_dots():
     """(one-row, two-row) Q4_K digit row dots for AVX2: the folded body for two digits (int8 buffer), simd_vnni's
     one-digit body with _dp_avx2 for one (uint8)."""
     bodies = {
-        types.int8: _q4_k_fold_body,
+        types.int8: (_q4_k_fold_body, 1),  # one accumulator (+ the mins'), the one-digit body 4
         types.uint8: partial(_q4_k_vnni_body, digits=1, dp=_dp_avx2),
     }
     return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
