@@ -8,12 +8,12 @@ exact), if the activation scale is the same across the super-block. So here dx i
 below: max|x over 256| / XD_MAX, stored in all 8 of its groups' slots, so the layout is simd_vnni's), and per
 super-block
     isum = 256 * sum_j sc_j sum(u * hi) + sum_j sc_j sum(u * lo)   (u = nibble <= 15, per int32 lane),
-two int32 accumulators (hi digits, lo digits) over the 8 sub-blocks, |hi sum| <= 8 * 2 * 3840 * 63 < 2^22, so
-256 * it + the lo sum < 2^31: exact. One cvt and one fma per 8 lanes per super-block: acc += float(isum) * (d dx).
-About 95 vector instructions per super-block instead of 125; the mins are simd_vnni's (exact f32 sums of x per 32).
+int32 accumulators per digit over the 8 sub-blocks (16 lanes, each summing 4 sub-blocks' vpmaddwd lanes: |hi sum|
+<= 4 * 2 * 3840 * 63 < 2^21, the pair sums at most 2 * 15 * 128 = 3840), so 256 * it + the lo sum < 2^30: exact.
+One cvt and one fma per 8 lanes per super-block: acc += float(isum) * (d dx). About 95 vector instructions per super-block instead of 125; the mins are simd_vnni's (exact f32 sums of x per 32).
 
 Accuracy: the activation grid is (256, XD_MAX): 2x finer levels than the int16 path's (256, 16383), and 8x coarser
-groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^31), d dx once, then the fma chain and
+groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^30), d dx once, then the fma chain and
 the final tree sum: the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py checks it
 against gguf-py's dequantizer in float64).
 
@@ -28,8 +28,18 @@ from numba import types
 from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
 from .int8 import host_has_vnni
-from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
-from .simd_vnni import SB_BYTES, _dp_avx2, _q4_k_vnni_body, _vcall, abs_max, group_digits, row_dots, store_digits
+from .simd import F32, I8, I16, I32, I64, V, _Emit, _k4_scales, _row_intrinsic
+from .simd_vnni import (
+    SB_BYTES,
+    _dp_avx2,
+    _q4_k_vnni_body,
+    _vcall,
+    abs_max,
+    buffer_digits,
+    group_digits,
+    row_dots,
+    store_digits,
+)
 
 
 def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
@@ -107,13 +117,8 @@ def _digits8_codegen(e, x_, xd_, dx_, xs_, b_, sig, digits):
 
 def _digits_intrinsic(fold, name):
     def typer(typingctx, x, xd, dx, xs, b):
-        if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
-            return None
-        if _c_array(xd, types.int8):
-            digits = 2
-        elif _c_array(xd, types.uint8):
-            digits = 1
-        else:
+        digits = buffer_digits(x, xd, dx, xs)
+        if digits is None:
             return None
 
         def codegen(context, builder, sig, args):

@@ -238,19 +238,24 @@ def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
     return q, bb.ashr(bb.sub(q, lo), k8), lo
 
 
+def buffer_digits(x, xd, dx, xs):
+    """A quantizer's argument types -> the digits per element its buffer xd holds: int8, two; uint8, one; None if
+    they are not (x, dx, xs C-contiguous float32 and xd one of those)."""
+    if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
+        return None
+    if _c_array(xd, types.int8):
+        return 2
+    return 1 if _c_array(xd, types.uint8) else None
+
+
 @intrinsic
 def digits32(typingctx, x, xd, dx, xs, g):
     """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / L, xs[g] = sum of x (f32), and q = rint(x / dx[g])
     (0 if the group is all zero) at digit_offset(e, digits) of xd (sub-block j = g % 8 of super-block g // 8).
     xd's type decides how many digits, when the kernel is compiled: int8, two (L = XD_MAX, q = 256 hi + lo, the
     default decode row dots); uint8, one (L = XD1_MAX, q itself: the one-digit buffer, STREAM_RUN_ACT=int8)."""
-    if not (_c_array(x, types.float32) and _c_array(dx, types.float32) and _c_array(xs, types.float32)):
-        return None
-    if _c_array(xd, types.int8):
-        digits = 2
-    elif _c_array(xd, types.uint8):
-        digits = 1
-    else:
+    digits = buffer_digits(x, xd, dx, xs)
+    if digits is None:
         return None
 
     def codegen(context, builder, sig, args):
