@@ -102,17 +102,16 @@ def test_digits_are_at_least_as_accurate_as_int16(qtype):
 
 
 def _digits(x, digits, per256=False):
-    """simd_vnni.digits32 on every group of x (or, per256, simd_avx2.digits256 on every super-block): (each
-    element's byte position in its layout, the digit bytes (int8), dx, xs)."""
+    """simd_vnni.digits32 (or, per256, digits256) on every super-block of x: (each element's byte position in its
+    layout, the digit bytes (int8), dx, xs)."""
     from numba import njit
 
-    from streamer.kernels.simd_avx2 import digits256
-    from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit_offset, digits32
+    from streamer.kernels.simd_vnni import SB_BYTES, SB_BYTES1, digit_offset, digits32, digits256
 
     @njit
     def vector(x, xd, dx, xs):
-        for g in range(x.size >> 5):
-            digits32(x, xd, dx, xs, g)
+        for b in range(x.size >> 8):
+            digits32(x, xd, dx, xs, b)
 
     @njit
     def vector256(x, xd, dx, xs):
@@ -134,7 +133,7 @@ def test_quantize_digits_step_and_layout(digits, per256):
     """Each element's digits, read back from simd_vnni's layout (digit_offset), give q with |x - q dx| <= dx/2 +
     4u|x|: simd_vnni.digits32 into an int8 buffer, two digits both within int8's symmetric range and
     |q| <= XD_MAX, or into a uint8-typed one, one digit with |q| <= 127; every byte written once, an all-zero group
-    exactly zero, and f32 sums per group. simd_avx2.digits256 (per256): the same, with dx = max|x| / XD_MAX over
+    exactly zero, and f32 sums per group. simd_vnni.digits256 (per256): the same, with dx = max|x| / XD_MAX over
     each super-block in all 8 of its groups' slots."""
     rng = np.random.default_rng(5)
     n = 1024
@@ -308,11 +307,10 @@ def test_row_pairs_equal_single_rows(qtype, kind):
 
 def _pairs_and_single(isa_dots, kind, per256):
     """Q4_K rows 0-5 in pairs and row 0 alone with the given (one-row, two-row) dots, over a buffer quantized by
-    simd_vnni.digits32 per 32 elements or, per256, simd_avx2.digits256 per super-block."""
+    simd_vnni.digits32 (a scale per 32 elements) or, per256, digits256 (one per super-block)."""
     from numba import njit
 
-    from streamer.kernels.simd_avx2 import digits256
-    from streamer.kernels.simd_vnni import digits32
+    from streamer.kernels.simd_vnni import digits32, digits256
 
     one, two = isa_dots
     rng = np.random.default_rng(5)
@@ -324,12 +322,11 @@ def _pairs_and_single(isa_dots, kind, per256):
     @njit
     def run(w, x, xq, aux, out):  # rows in pairs with `two`, then row 0 again alone with `one`
         dx, xs = aux[:ng], aux[ng : 2 * ng]
-        for g in range(ng):
+        for b in range(ng >> 3):
             if per256:
-                if g % 8 == 0:
-                    digits256(x, xq, dx, xs, g >> 3)
+                digits256(x, xq, dx, xs, b)
             else:
-                digits32(x, xq, dx, xs, g)
+                digits32(x, xq, dx, xs, b)
         for r in range(0, out.size - 1, 2):
             out[r], out[r + 1] = two(w, r * row, row, xq, dx, xs, n_in >> 8, 512)
         out[-1] = one(w, 0, xq, dx, xs, n_in >> 8, 512)

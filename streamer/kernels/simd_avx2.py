@@ -4,9 +4,9 @@ per 256-element super-block, and the sub-block scales folded into vpmaddwd.
 simd_vnni.py's bodies give each int32 lane the products of one sub-block and apply its scale in f32 (d * sc_j *
 dx_j): a cvt, a broadcast and an fma per 32 weights, beside the two vpmaddubsw and two vpmaddwd of the two digits.
 On AVX2 the vpmaddwd that widens the pair sums can multiply them by the sub-block scale instead of by 1 (sc_j <= 63:
-exact), if the activation scale is the same across the super-block. So here dx is one per super-block (digits256,
-below: max|x over 256| / XD_MAX, stored in all 8 of its groups' slots, so the layout is simd_vnni's), and per
-super-block
+exact), if the activation scale is the same across the super-block. So here dx is one per super-block
+(simd_vnni.digits256: max|x over 256| / XD_MAX, stored in all 8 of its groups' slots, so the layout is simd_vnni's),
+and per super-block
     isum = 256 * sum_j sc_j sum(u * hi) + sum_j sc_j sum(u * lo)   (u = nibble <= 15, per int32 lane),
 int32 accumulators per digit over the 8 sub-blocks (16 lanes, each summing 4 sub-blocks' vpmaddwd lanes: |hi sum|
 <= 4 * 2 * 3840 * 63 < 2^21, the pair sums at most 2 * 15 * 128 = 3840), so 256 * it + the lo sum < 2^30: exact.
@@ -25,21 +25,9 @@ from functools import partial
 from llvmlite import ir
 from numba import types
 
-from ._bits import intrinsic
-from .activations import XD1_MAX, XD_MAX
 from .int8 import host_has_vnni
-from .simd import F32, I8, I16, I32, I64, V, _Emit, _k4_scales, _row_intrinsic
-from .simd_vnni import (
-    SB_BYTES,
-    _dp_avx2,
-    _q4_k_vnni_body,
-    _vcall,
-    abs_max,
-    buffer_digits,
-    group_digits,
-    row_dots,
-    store_digits,
-)
+from .simd import F32, I8, I16, I32, I64, V, _k4_scales, _kquant_mins, _row_intrinsic
+from .simd_vnni import SB_BYTES, _dp_avx2, _q4_k_vnni_body, digits32, digits256, row_dots
 
 
 def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
@@ -74,9 +62,7 @@ def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
     isum = bb.add(bb.shl(hi, e.const(I32, 16, 8)), lo)
     dx = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), F32, 4)
     new = e.fma(accs[0], bb.sitofp(isum, V(F32, 16)), e.splat(bb.fmul(d, dx), 16))
-    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
-    mf = bb.uitofp(mins, V(F32, 8))
-    return [new, e.fma(accs[1], bb.fmul(mf, xs8), e.splat(dmin, 8))]
+    return [new, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
 
 
 def fold_row_dots():
@@ -89,58 +75,10 @@ def fold_row_dots():
     return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
 
 
-def _digits256_codegen(e, x_, xd_, dx_, xs_, b_, sig):
-    """Super-block b's 8 groups with one scale: dx = max|x over 256| / XD_MAX in each group's slot."""
-    bb = e.b
-    xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-    g0 = bb.mul(b_, ir.Constant(I64, 8))
-    m = None
-    for k in range(8):
-        a = _vcall(e, "llvm.fabs", e.load(xb, bb.mul(e.off(g0, k), ir.Constant(I64, 128)), V(F32, 32), 4))
-        m = a if m is None else bb.select(bb.fcmp_ordered(">", a, m), a, m)
-    amax = abs_max(e, m)
-    for k in range(8):
-        g = e.off(g0, k)
-        q, hi, lo = group_digits(e, xb, dxb, xsb, g, XD_MAX, amax)
-        store_digits(e, xdb, g, 2, q, hi, lo)
-
-
-def _digits8_codegen(e, x_, xd_, dx_, xs_, b_, sig, digits):
-    """Super-block b's 8 groups, each with its own scale (simd_vnni.digits32's)."""
-    bb = e.b
-    xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-    for k in range(8):
-        g = e.off(bb.mul(b_, ir.Constant(I64, 8)), k)
-        q, hi, lo = group_digits(e, xb, dxb, xsb, g, XD_MAX if digits == 2 else XD1_MAX)
-        store_digits(e, xdb, g, digits, q, hi, lo)
-
-
-def _digits_intrinsic(fold, name):
-    def typer(typingctx, x, xd, dx, xs, b):
-        digits = buffer_digits(x, xd, dx, xs)
-        if digits is None:
-            return None
-
-        def codegen(context, builder, sig, args):
-            e = _Emit(context, builder)
-            if digits == 2 and fold:
-                _digits256_codegen(e, *args, sig)
-            else:
-                _digits8_codegen(e, *args, sig, digits)
-            return context.get_dummy_value()
-
-        return types.none(x, xd, dx, xs, types.int64), codegen
-
-    typer.__name__ = typer.__qualname__ = name
-    return intrinsic(typer)
-
-
-# digits256(x, xd, dx, xs, b): super-block b of x into the two-digit buffer xd (int8) with one scale (the folded
-# body's grid); act_digits: the decode's quantizer, super-block b into xd by the kernels' grid: with two digits
-# (int8 xd) one scale per 256 where FOLD, else simd_vnni.digits32's per 32; one digit (uint8 xd) per 32.
+# act_digits(x, xq, dx, xs, b): the decode's quantizer, super-block b into xq by the kernels' grid: with two digits
+# (int8 xq) one scale per 256 where FOLD (simd_vnni.digits256), else per 32 (digits32); one digit (uint8) per 32.
 FOLD = not host_has_vnni()
-digits256 = _digits_intrinsic(True, "digits256")
-act_digits = _digits_intrinsic(FOLD, "act_digits")
+act_digits = digits256 if FOLD else digits32
 
 # The decode's Q4_K digit row dots: vpdpbusd where the CPU has it, else the folded AVX2 body. int8.decode_isa
 # decides whether they run at all.

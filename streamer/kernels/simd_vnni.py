@@ -48,7 +48,7 @@ from numba import types
 
 from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
-from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _row_intrinsic
+from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _kquant_mins, _row_intrinsic
 from .simd_i8 import _dp_vnni
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
@@ -144,9 +144,7 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
             # lane i: sub-block 2 * (2h + i // 8) + n
             scl = e.shuffle(sdx, sdx, [2 * (2 * h + i // 8) + n for i in range(16)])
             new.append(e.fma(accs[2 * h + n], bb.sitofp(t, V(F32, 16)), scl))
-    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
-    mf = bb.uitofp(mins, V(F32, 8))
-    new.append(e.fma(accs[4], bb.fmul(mf, xs8), e.splat(dmin, 8)))
+    new.append(_kquant_mins(e, xsb, b, dmin, mins, accs[4]))
     return new
 
 
@@ -216,8 +214,8 @@ def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
     float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
     offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, twelfth
     session; tests/test_int8.py and test_decode_digits.py check the bound). amax: the scale's max|x| if the
-    caller took it over more than the group (simd_avx2.digits256: one per super-block). Shared by digits32
-    (here), simd_avx2.digits256 and simd_i8.digits_i8, which store the digits in their layouts."""
+    caller took it over more than the group (digits256: one per super-block). Shared by digits32 and
+    digits256 (here) and simd_i8.digits_i8, which store the digits in their layouts."""
     bb = e.b
     c = lambda k: ir.Constant(I64, k)  # noqa: E731
     v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
@@ -248,22 +246,44 @@ def buffer_digits(x, xd, dx, xs):
     return 1 if _c_array(xd, types.uint8) else None
 
 
-@intrinsic
-def digits32(typingctx, x, xd, dx, xs, g):
-    """Group g (elements 32g..32g+31) of x -> dx[g] = max|x| / L, xs[g] = sum of x (f32), and q = rint(x / dx[g])
-    (0 if the group is all zero) at digit_offset(e, digits) of xd (sub-block j = g % 8 of super-block g // 8).
-    xd's type decides how many digits, when the kernel is compiled: int8, two (L = XD_MAX, q = 256 hi + lo, the
-    default decode row dots); uint8, one (L = XD1_MAX, q itself: the one-digit buffer, STREAM_RUN_ACT=int8)."""
-    digits = buffer_digits(x, xd, dx, xs)
-    if digits is None:
-        return None
+def _digits_intrinsic(shared, name):
+    """Intrinsic `(x, xd, dx, xs, b)`: super-block b (elements 256b..256b+255) of x, group by group (g = 8b + k):
+    dx[g] = max|x| / L, xs[g] (group_digits), and q = rint(x / dx[g]) (0 if the group is all zero) at
+    digit_offset(e, digits) of xd. xd's type decides how many digits, when the kernel is compiled: int8, two
+    (L = XD_MAX, q = 256 hi + lo, the default decode row dots); uint8, one (L = XD1_MAX, q itself: the one-digit
+    buffer, STREAM_RUN_ACT=int8). shared: with two digits, max|x| is taken over the super-block and its dx stored in
+    all 8 groups' slots (simd_avx2.py's folded body); else, and with one digit, per group."""
 
-    def codegen(context, builder, sig, args):
-        e = _Emit(context, builder)
-        x_, xd_, dx_, xs_, g_ = args
-        xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate((x_, xd_, dx_, xs_)))
-        q, hi, lo = group_digits(e, xb, dxb, xsb, g_, XD_MAX if digits == 2 else XD1_MAX)
-        store_digits(e, xdb, g_, digits, q, hi, lo)
-        return context.get_dummy_value()
+    def typer(typingctx, x, xd, dx, xs, b):
+        digits = buffer_digits(x, xd, dx, xs)
+        if digits is None:
+            return None
 
-    return types.none(x, xd, dx, xs, types.int64), codegen
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            bb = builder
+            xb, xdb, dxb, xsb = (e.base(sig.args[i], a) for i, a in enumerate(args[:4]))
+            g0 = bb.mul(args[4], ir.Constant(I64, 8))
+            amax = None
+            if shared and digits == 2:
+                m = None
+                for k in range(8):
+                    a = _vcall(e, "llvm.fabs", e.load(xb, bb.mul(e.off(g0, k), ir.Constant(I64, 128)), V(F32, 32), 4))
+                    m = a if m is None else bb.select(bb.fcmp_ordered(">", a, m), a, m)
+                amax = abs_max(e, m)
+            for k in range(8):
+                g = e.off(g0, k)
+                q, hi, lo = group_digits(e, xb, dxb, xsb, g, XD_MAX if digits == 2 else XD1_MAX, amax)
+                store_digits(e, xdb, g, digits, q, hi, lo)
+            return context.get_dummy_value()
+
+        return types.none(x, xd, dx, xs, types.int64), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+# digits32(x, xd, dx, xs, b): super-block b's digits with a scale per 32 elements (the vpdpbusd bodies' grid);
+# digits256: with two digits one scale per super-block (simd_avx2.py's grid), with one per 32 as digits32.
+digits32 = _digits_intrinsic(False, "digits32")
+digits256 = _digits_intrinsic(True, "digits256")
