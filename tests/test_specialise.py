@@ -24,6 +24,9 @@ disp = {}
 for m in pkgutil.iter_modules(K.__path__):
     mod = importlib.import_module("streamer.kernels." + m.name)
     disp.update({n: v for n, v in vars(mod).items() if isinstance(v, CPUDispatcher) and v.__module__ == mod.__name__})
+    for n, v in vars(mod).items():  # the per-instruction-set kernels (_bits.isa_kernels) live in dicts
+        if isinstance(v, dict):
+            disp.update({f"{n}[{k}]": d for k, d in v.items() if isinstance(d, CPUDispatcher) and d.__module__ == mod.__name__})
 with open_model(sys.argv[1], StreamOptions(learn=False, stream=False)) as s:
     cache = s.model.new_cache()
     s.model.forward(np.arange(1, 9), cache)

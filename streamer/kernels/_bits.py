@@ -72,6 +72,19 @@ _cachelock.install()
 kernel = partial(njit, cache=True, error_model="numpy", nogil=True)
 
 
+def isa_kernels(source, isas, name, **options):
+    """One kernel per instruction set from one source: `source(isa)` returns the Python function for isa (a closure
+    whose branches test `isa`, a constant numba folds before typing, so the other sets' intrinsics are never
+    typed: vpdpbusd does not compile for a CPU without it); each is compiled as `kernel(**options)` under the name
+    f"{name}_{isa}" (numba's cache files and the start-up timing's kernel names). A dict isa -> dispatcher."""
+    out = {}
+    for isa in isas:
+        fn = source(isa)
+        fn.__name__ = fn.__qualname__ = f"{name}_{isa}"
+        out[isa] = kernel(**options)(fn)
+    return out
+
+
 @intrinsic
 def f16_to_f32(typingctx, h):
     """The low 16 bits of an integer, read as an IEEE half, widened to float32 (exact)."""

@@ -23,7 +23,7 @@ from numba import prange
 
 from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from . import cpu
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, isa_kernels, kernel
 from .simd_i8 import (
     N_TOK,
     ROWS,
@@ -163,49 +163,36 @@ def _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
         gemm_generic_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
-def i8_matmul_vnni(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
-    """out = X . w^T with int8 activations (vpdpbusd). Scratch per thread: tiles [T, 32*K] u8, scs/mns
-    [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group]."""
-    m, K = X.shape
-    n_out = w.shape[0]
-    quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
-    for t in prange((n_out + ROWS - 1) // ROWS):
-        tid = numba.get_thread_id()
-        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
-        r0 = t * ROWS
-        _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
-        nr = min(ROWS, n_out - r0)
-        for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
-            if nr == ROWS and i + N_TOK <= m:
-                _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
-            else:
-                _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                for a in range(min(N_TOK, m - i)):
-                    for j in range(nr):
-                        out[i + a, r0 + j] = ob[a, j]
+def _matmul_source(isa):
+    def i8_matmul(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
+        """out = X . w^T with int8 activations (vpdpbusd, or the portable simd_i8._dp_generic). Scratch per thread:
+        tiles [T, 32*K] u8, scs/mns [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32
+        [m, K/group]."""
+        m, K = X.shape
+        n_out = w.shape[0]
+        quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
+        for t in prange((n_out + ROWS - 1) // ROWS):
+            tid = numba.get_thread_id()
+            tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
+            r0 = t * ROWS
+            _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
+            nr = min(ROWS, n_out - r0)
+            for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
+                if nr == ROWS and i + N_TOK <= m:
+                    if isa == "vnni":
+                        _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                    else:
+                        _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                else:
+                    if isa == "vnni":
+                        _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                    else:
+                        _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                    for a in range(min(N_TOK, m - i)):
+                        for j in range(nr):
+                            out[i + a, r0 + j] = ob[a, j]
 
-
-@kernel(parallel=True, fastmath=FASTMATH)
-def i8_matmul_generic(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
-    """As i8_matmul_vnni, with the portable integer dot (simd_i8._dp_generic)."""
-    m, K = X.shape
-    n_out = w.shape[0]
-    quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
-    for t in prange((n_out + ROWS - 1) // ROWS):
-        tid = numba.get_thread_id()
-        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
-        r0 = t * ROWS
-        _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
-        nr = min(ROWS, n_out - r0)
-        for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
-            if nr == ROWS and i + N_TOK <= m:
-                _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
-            else:
-                _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                for a in range(min(N_TOK, m - i)):
-                    for j in range(nr):
-                        out[i + a, r0 + j] = ob[a, j]
+    return i8_matmul
 
 
 @kernel(fastmath=FASTMATH, inline="always")
@@ -222,64 +209,44 @@ def _weights(w, off, n_out, row_bytes):
     return w[off : off + n_out * row_bytes].reshape(n_out, row_bytes)
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
-def i8_grouped_vnni(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
-    """For part j and expert i of a group (its out.shape[2] rows at byte offs[j, i] of w) and its activation rows
-    rstarts[i]..rstarts[i+1] (quantized, a multiple of N_TOK each): out[j, those rows] = X . W_ji^T, by
-    vpdpbusd. Work items (j, i, row tile) in that order; thread slot s computes items bounds[s]..bounds[s+1]."""
-    parts, g = offs.shape
-    n_out = out.shape[2]
-    K = xq.shape[1] // digits
-    nt = (n_out + ROWS - 1) // ROWS
-    for s in prange(bounds.size - 1):
-        tid = numba.get_thread_id()
-        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, b = rstarts[i], rstarts[i + 1]
-            if b == a:
-                continue
-            r0 = t * ROWS
-            nr = min(ROWS, n_out - r0)
-            _decode(fmt, _weights(w, offs[j, i], n_out, row_bytes), r0, n_out - 1, tile, sc, mn, K)
-            dst = out[j]
-            for i0 in range(a, b, N_TOK):
-                if nr == ROWS:
-                    _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
-                else:
-                    _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
-                    for r in range(N_TOK):
-                        for c in range(nr):
-                            dst[i0 + r, r0 + c] = ob[r, c]
+def _grouped_source(isa):
+    def i8_grouped(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
+        """For part j and expert i of a group (its out.shape[2] rows at byte offs[j, i] of w) and its activation
+        rows rstarts[i]..rstarts[i+1] (quantized, a multiple of N_TOK each): out[j, those rows] = X . W_ji^T, by
+        vpdpbusd or the portable dot. Work items (j, i, row tile) in that order; thread slot s computes items
+        bounds[s]..bounds[s+1]."""
+        parts, g = offs.shape
+        n_out = out.shape[2]
+        K = xq.shape[1] // digits
+        nt = (n_out + ROWS - 1) // ROWS
+        for s in prange(bounds.size - 1):
+            tid = numba.get_thread_id()
+            tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
+            for q in range(bounds[s], bounds[s + 1]):
+                j, i, t = _item(q, g, nt)
+                a, b = rstarts[i], rstarts[i + 1]
+                if b == a:
+                    continue
+                r0 = t * ROWS
+                nr = min(ROWS, n_out - r0)
+                _decode(fmt, _weights(w, offs[j, i], n_out, row_bytes), r0, n_out - 1, tile, sc, mn, K)
+                dst = out[j]
+                for i0 in range(a, b, N_TOK):
+                    if nr == ROWS:
+                        if isa == "vnni":
+                            _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
+                        else:
+                            _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
+                    else:
+                        if isa == "vnni":
+                            _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
+                        else:
+                            _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
+                        for r in range(N_TOK):
+                            for c in range(nr):
+                                dst[i0 + r, r0 + c] = ob[r, c]
 
-
-@kernel(parallel=True, fastmath=FASTMATH)
-def i8_grouped_generic(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
-    """As i8_grouped_vnni, with the portable integer dot."""
-    parts, g = offs.shape
-    n_out = out.shape[2]
-    K = xq.shape[1] // digits
-    nt = (n_out + ROWS - 1) // ROWS
-    for s in prange(bounds.size - 1):
-        tid = numba.get_thread_id()
-        tile, sc, mn, ob = tiles[tid], scs[tid], mns[tid], obuf[tid]
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, b = rstarts[i], rstarts[i + 1]
-            if b == a:
-                continue
-            r0 = t * ROWS
-            nr = min(ROWS, n_out - r0)
-            _decode(fmt, _weights(w, offs[j, i], n_out, row_bytes), r0, n_out - 1, tile, sc, mn, K)
-            dst = out[j]
-            for i0 in range(a, b, N_TOK):
-                if nr == ROWS:
-                    _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
-                else:
-                    _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
-                    for r in range(N_TOK):
-                        for c in range(nr):
-                            dst[i0 + r, r0 + c] = ob[r, c]
+    return i8_grouped
 
 
 @kernel(parallel=True)
@@ -338,8 +305,8 @@ def host_isa() -> str | None:
 
 ISA = host_isa()
 DECODE_ISA = decode_isa()
-KERNELS = {"vnni": i8_matmul_vnni, "generic": i8_matmul_generic}
-GROUPED = {"vnni": i8_grouped_vnni, "generic": i8_grouped_generic}
+KERNELS = isa_kernels(_matmul_source, ("vnni", "generic"), "i8_matmul", parallel=True, fastmath=FASTMATH)
+GROUPED = isa_kernels(_grouped_source, ("vnni", "generic"), "i8_grouped", parallel=True, fastmath=FASTMATH)
 
 
 def usable_isas() -> list[str]:

@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange
 
 from . import simd_amx
-from ._bits import FASTMATH, kernel
+from ._bits import FASTMATH, isa_kernels, kernel
 from .int8 import _item  # work item -> (part, expert, row block), as the grouped integer kernel's
 from .simd_amx import SCRATCH, q4_k_amx_16, tiles_begin, tiles_end
 from .simd_lanes import (
@@ -140,61 +140,32 @@ def _rows(T):
     return _R16 if T == 16 else _R8 if T == 8 else _R4 if T == 4 else _R2
 
 
-@kernel(parallel=True, fastmath=FASTMATH)
-def grouped_vnni(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
-    """Rows of every (part, expert) by vpdpbusd; thread slot s computes work items bounds[s]..bounds[s+1]."""
-    parts, g = offs.shape
-    P, n_out = out.shape[1], out.shape[2]
-    nb = row_bytes // 144
-    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-    for s in prange(bounds.size - 1):
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, n = starts[i], starts[i + 1] - starts[i]
-            if n > 0:
-                end = min(n_out, (t + 1) * ROW_BLOCK)
-                for r in range(t * ROW_BLOCK, end, _rows(ts[i])):
-                    o = offs[j, i] + r * row_bytes
-                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
-                    _row_vnni(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+def _grouped_source(isa):
+    def grouped(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
+        """Rows of every (part, expert) by the lanes kernels of `isa` (vpdpbusd, its AVX2 form simd_vnni._dp2_avx2,
+        or the portable integer dot); thread slot s computes work items bounds[s]..bounds[s+1]."""
+        parts, g = offs.shape
+        P, n_out = out.shape[1], out.shape[2]
+        nb = row_bytes // 144
+        nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
+        for s in prange(bounds.size - 1):
+            for q in range(bounds[s], bounds[s + 1]):
+                j, i, t = _item(q, g, nt)
+                a, n = starts[i], starts[i + 1] - starts[i]
+                if n > 0:
+                    end = min(n_out, (t + 1) * ROW_BLOCK)
+                    step = _rows_avx2(ts[i]) if isa == "avx2" else _rows(ts[i])
+                    for r in range(t * ROW_BLOCK, end, step):
+                        o = offs[j, i] + r * row_bytes
+                        xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
+                        if isa == "vnni":
+                            _row_vnni(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                        elif isa == "avx2":
+                            _row_avx2(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                        else:
+                            _row_generic(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
 
-
-@kernel(parallel=True, fastmath=FASTMATH)
-def grouped_generic(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
-    """As grouped_vnni, with the portable integer dot."""
-    parts, g = offs.shape
-    P, n_out = out.shape[1], out.shape[2]
-    nb = row_bytes // 144
-    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-    for s in prange(bounds.size - 1):
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, n = starts[i], starts[i + 1] - starts[i]
-            if n > 0:
-                end = min(n_out, (t + 1) * ROW_BLOCK)
-                for r in range(t * ROW_BLOCK, end, _rows(ts[i])):
-                    o = offs[j, i] + r * row_bytes
-                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
-                    _row_generic(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
-
-
-@kernel(parallel=True, fastmath=FASTMATH)
-def grouped_avx2(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
-    """As grouped_vnni, with vpdpbusd's AVX2 form (simd_vnni._dp2_avx2)."""
-    parts, g = offs.shape
-    P, n_out = out.shape[1], out.shape[2]
-    nb = row_bytes // 144
-    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-    for s in prange(bounds.size - 1):
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, n = starts[i], starts[i + 1] - starts[i]
-            if n > 0:
-                end = min(n_out, (t + 1) * ROW_BLOCK)
-                for r in range(t * ROW_BLOCK, end, _rows_avx2(ts[i])):
-                    o = offs[j, i] + r * row_bytes
-                    xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
-                    _row_avx2(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+    return grouped
 
 
 @kernel(parallel=True)
@@ -230,7 +201,7 @@ def pack_amx(xq, dx, xs, rows, starts, boffs, loffs, bt, dxv, xsv):
 
 @kernel(parallel=True, fastmath=FASTMATH)
 def grouped_amx(w, offs, row_bytes, bt, dxv, xsv, boffs, loffs, starts, bounds, scr, out):
-    """As grouped_vnni, on the AMX tiles (simd_amx.py; activations by pack_amx); scr: SCRATCH bytes per thread
+    """As GROUPED["vnni"], on the AMX tiles (simd_amx.py; activations by pack_amx); scr: SCRATCH bytes per thread
     slot, each with the tile configuration at simd_amx._CFG."""
     parts, g = offs.shape
     P, n_out = out.shape[1], out.shape[2]
@@ -253,7 +224,8 @@ def grouped_amx(w, offs, row_bytes, bt, dxv, xsv, boffs, loffs, starts, bounds, 
         tiles_end()
 
 
-GROUPED = {"vnni": grouped_vnni, "generic": grouped_generic, "avx2": grouped_avx2, "amx": grouped_amx}
+GROUPED = isa_kernels(_grouped_source, ("vnni", "generic", "avx2"), "grouped", parallel=True, fastmath=FASTMATH)
+GROUPED["amx"] = grouped_amx
 
 
 def isas() -> list[str]:
