@@ -78,22 +78,16 @@ class Router:
         return ids, w
 
     def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """The experts `layer` would pick for the residual x (before its attention): one token's in rank order,
-        or, for several tokens, the union of theirs in ascending order."""
-        if x.shape[0] == 1:
-            h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h)
-            self.mats[layer].matvec(h[0], self._logits[0])
-            logits = self._logits
-        else:
-            h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, np.empty_like(x))
-            logits = linear(self.mats[layer], h)
-        ids_k, w_k = route_topk(logits, self.cfg.n_expert_used)
+        """The experts `layer` would pick for the residual x of one token (before its attention)."""
+        h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h)
+        self.mats[layer].matvec(h[0], self._logits[0])
+        ids_k, w_k = route_topk(self._logits, self.cfg.n_expert_used)
         if self.trace is not None:
             self.trace.lookahead(layer, ids_k, w_k)
-        ids = ids_k if self.expert_top_p >= 1.0 else apply_top_p(ids_k, w_k, self.expert_top_p)[0]
-        if x.shape[0] == 1:
-            return ids[0][ids[0] >= 0]
-        return np.unique(ids[ids >= 0])
+        if self.expert_top_p >= 1.0:
+            return ids_k[0]
+        ids, _ = apply_top_p(ids_k, w_k, self.expert_top_p)
+        return ids[0][ids[0] >= 0]
 
 
 # A prefill expert with at most this many tokens goes through the grouped int16 row dots (one row read, a dot
@@ -211,13 +205,9 @@ class MoEFFN:
     # ---- router lookahead (a model hook) ----
     def after_attention(self, layer: int, x: np.ndarray) -> None:
         """Right after layer L's attention, apply layer L+1's ffn_norm and router to the residual: the
-        experts it picks are prefetched while layer L computes. One token (decode), or a prompt's tokens where
-        experts stream (the union of their picks, prefetched once layer L's own reads are queued: a cold prompt's
-        disk no longer waits for each layer's router)."""
+        experts it picks are prefetched while layer L computes. Decode only (one token)."""
         nxt = layer + 1
-        if not (self.prefetch and nxt < self.cfg.n_layer and self.source.wants_lookahead):
-            return
-        if x.shape[0] == 1 or not self.source.in_place:
+        if self.prefetch and x.shape[0] == 1 and nxt < self.cfg.n_layer and self.source.wants_lookahead:
             self.predicted[nxt] = self.router.predict(nxt, x)
 
     # ---- the FFN ----
@@ -361,8 +351,7 @@ class MoEFFN:
         if self.source.in_place:
             serve(self.source, layer, experts, compute, len(experts), None, len(experts))
         else:
-            nxt = self.predicted.get(layer + 1)
-            serve(self.source, layer, experts, compute, self.group + self.window, nxt, self.group)
+            serve(self.source, layer, experts, compute, self.group + self.window, None, self.group)
         if lanes_out is not None:
             out += lanes_out
         if big_out is not None:

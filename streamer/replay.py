@@ -182,13 +182,8 @@ def routed(trace: Trace, top_p: float) -> list:
 
 
 def lookahead_sets(trace: Trace, top_p: float) -> dict:
-    """(step, layer) -> the experts the run's lookahead prefetched: one token's in rank order, a prompt's (a row
-    per token) their union in ascending order, as MoE.after_attention."""
     ids, _ = apply_top_p(trace.a["l_ids"].astype(np.int64), trace.a["l_w"], top_p)
-    rows: dict = {}
-    for s, layer, row in zip(trace.a["l_step"], trace.a["l_layer"], ids):
-        rows.setdefault((int(s), int(layer)), []).append(row[row >= 0])
-    return {key: r[0] if len(r) == 1 else np.unique(np.concatenate(r)) for key, r in rows.items()}
+    return {(int(s), int(layer)): row[row >= 0] for s, layer, row in zip(trace.a["l_step"], trace.a["l_layer"], ids)}
 
 
 def usage_counts(trace: Trace, routes) -> np.ndarray:
@@ -290,13 +285,13 @@ def simulate(
         rec.call, rec.step = i, int(step)
         used = ids >= 0
         experts = np.unique(ids[used])
-        nxt_set = look.get((int(step), layer + 1)) if layer + 1 < n_layer else None
+        nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None
         if m == 1 and g["fused"][layer]:
             serve(src, layer, experts, _no_compute, prefetch_next=nxt_set)
         elif m > 1 and g["fused"][layer] and o.get("group"):  # grouped prefill (older traces: one at a time)
             serve(src, layer, experts, _no_compute, o["group"] + o["window"], nxt_set, o["group"])
-        else:  # one expert at a time: the lookahead's set for one token only, as MoE.__call__
-            serve(src, layer, experts, _no_compute, o["window"], nxt_set if m == 1 else None)
+        else:
+            serve(src, layer, experts, _no_compute, o["window"], nxt_set)
     if policy == "belady" and rec.n_requests != len(keys):
         raise AssertionError("belady replay diverged from its request sequence")
     out = rec.arrays()

@@ -146,11 +146,9 @@ class TraceRecorder:
         self.raw["r_wp"] += w.astype(np.float32).tobytes()
 
     def lookahead(self, layer: int, ids_k: np.ndarray, w_k: np.ndarray) -> None:
-        """The lookahead for `layer` runs before that step's layer-0 FFN when layer is 1. One (step, layer) per
-        row: a prompt's lookahead has a row per token."""
-        n = len(ids_k)
-        self.buf["l_step"].extend([self.step + (layer == 1)] * n)
-        self.buf["l_layer"].extend([layer] * n)
+        """The lookahead for `layer` runs before that step's layer-0 FFN when layer is 1."""
+        self.buf["l_step"].append(self.step + (layer == 1))
+        self.buf["l_layer"].append(layer)
         self.raw["l_ids"] += ids_k.astype(np.int16).tobytes()
         self.raw["l_w"] += w_k.astype(np.float32).tobytes()
 
