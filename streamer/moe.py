@@ -193,6 +193,8 @@ class MoEFFN:
         self.lanes_max = LANES_MAX
         self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
+        # a cache with a slot for every expert never evicts: there a prompt's experts are worth the fresh slots
+        self.roomy = getattr(source, "cache", None) is not None and source.cache.n_slots >= cfg.n_layer * cfg.n_expert
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
         self._dec: _DecodeScratch | None = None  # decode()'s one-call path, made on first use
@@ -260,6 +262,7 @@ class MoEFFN:
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
+        self.source.grow = m == 1 or self.roomy  # (ExpertCache.acquire: a prompt reuses slots before fresh ones)
         ids, w = self.router(layer, h)
         self.prof.routed(layer, ids, self.predicted.pop(layer, None))
         out = np.zeros_like(h)

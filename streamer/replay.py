@@ -78,9 +78,9 @@ class _SimCache(ExpertCache):
         while self.due and self.due[0][0] <= self.ops:
             heapq.heappop(self.due)[2].exception()
 
-    def acquire(self, key, prefetch: bool = False):
+    def acquire(self, key, prefetch: bool = False, grow: bool = True):
         self._tick()
-        return super().acquire(key, prefetch)
+        return super().acquire(key, prefetch, grow)
 
     def release(self, e) -> None:
         self._tick()
@@ -279,10 +279,13 @@ def simulate(
         keys, nxt = _request_sequence(trace, routes)
         cache.idle = _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]]))
     src = _SimSource(_Layout(g["expert_bytes"]), cache, prof, delays, default_delay)
+    # as MoEFFN.roomy; Belady, the bound on hits, never evicts what a free slot could keep
+    roomy = n_slots >= n_layer * g["n_expert"] or policy == "belady"
     for i, (step, layer, m) in enumerate(zip(a["c_step"], a["c_layer"], a["c_m"])):
         layer, m = int(layer), int(m)
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
+        src.grow = m == 1 or roomy  # as MoEFFN.__call__
         used = ids >= 0
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None

@@ -299,3 +299,65 @@ def test_failed_prefetch_reads_give_their_slot_back(synth_model, monkeypatch):
     s.model.ffn.source.drain()
     assert_cache_consistent(s.model.ffn.source.cache)
     assert all(e.future.exception() is None for e in s.model.ffn.source.cache.entries.values())
+
+
+def _loaded(cache, key, grow):
+    """Acquire key (demand), mark its read done and release it: an idle entry."""
+    from concurrent.futures import Future
+
+    e, created = cache.acquire(key, grow=grow)
+    assert created
+    e.future = Future()
+    e.future.set_result(None)
+    cache.release(e)
+    return e
+
+
+def test_a_prompt_reuses_idle_slots_before_fresh_ones():
+    """grow=False (a prompt's calls) evicts the least recently used idle expert rather than take a slot never used;
+    with nothing idle it still takes a fresh one; grow=True (decode) takes fresh slots and keeps what it holds."""
+    from streamer.experts.cache import ExpertCache
+
+    cache = ExpertCache(n_slots=6, slot_bytes=1, allocate=False)
+    a = _loaded(cache, (0, 1), grow=False)
+    b = _loaded(cache, (0, 2), grow=False)  # a is idle: b takes its slot, a is gone
+    assert b.slot == a.slot and (0, 1) not in cache.entries and cache.touched_slots == 1
+    held, created = cache.acquire((1, 3), grow=False)  # b is idle: evicted; held stays referenced
+    assert created and held.slot == a.slot and cache.touched_slots == 1
+    c, _ = cache.acquire((1, 4), grow=False)  # nothing idle: a fresh slot
+    assert c.slot != a.slot and cache.touched_slots == 2
+    d = _loaded(cache, (2, 0), grow=True)  # decode grows into fresh slots and evicts nothing
+    assert d.slot not in (a.slot, c.slot) and cache.touched_slots == 3 and cache.evictions == 2
+    e = _loaded(cache, (2, 1), grow=True)
+    assert (2, 0) in cache.entries and e.slot != d.slot and cache.touched_slots == 4
+    f = _loaded(cache, (3, 0), grow=False)  # an idle slot again: (2, 0), the least recently used
+    assert f.slot == d.slot and (2, 0) not in cache.entries and (2, 1) in cache.entries
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model):
+    """A streamed prompt's reads fault in no more of the arena than its reads in flight need (the kernel's own
+    count: the arena mapping's Rss), however large the cache, short of one with a slot for every expert (the
+    tiny model has 64; test_streamed_is_bit_identical_to_resident checks that such a cache reads none twice); the
+    tokens after it keep their experts and fault in more; the logits equal the resident run's, bit for bit."""
+    path = synth_model("tiny-moe", "Q8_0")
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
+    sb = slot_bytes(path)
+    s = open_model(path, StreamOptions(learn=False, prefetch=False, expert_cache_bytes=48 * sb))
+    cache, ffn = s.model.ffn.source.cache, s.model.ffn
+
+    def arena_rss() -> int:
+        (vma,) = vma_fields(cache.arena.ctypes.data)
+        return int(vma["Rss"].split()[0]) * 1024
+
+    rss0 = arena_rss()  # (the mapping may share its VMA with a few pages of others)
+    c = s.model.new_cache()
+    got = [s.model.forward(PROMPT[:N_PREFILL], c, all_logits=True)]
+    in_flight = ffn.group + ffn.window  # the prefill's reads run this many experts ahead
+    read = s.profiler.totals().miss  # a growing cache would have taken a slot for each
+    assert cache.touched_slots <= in_flight < read
+    assert cache.touched_slots * sb - 8192 <= arena_rss() - rss0 <= cache.touched_slots * sb + 8192
+    got += [s.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(N_PREFILL, len(PROMPT))]
+    assert cache.touched_slots > in_flight and cache.evictions > 0
+    assert np.array_equal(np.concatenate(got), resident)
+    assert_cache_consistent(cache)

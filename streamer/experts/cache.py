@@ -1,7 +1,12 @@
 """The expert cache: a fixed arena of equal slots (allocated once, so its size is the budget we were given),
 split into a pinned tier (experts learned to be hot; never evicted) and an LRU tier (cachetools) of idle
 experts. Experts in use by the current layer, or still being read, sit in neither tier and cannot be
-evicted. Thread-safe: reader threads complete entries while the compute thread acquires and releases."""
+evicted. Thread-safe: reader threads complete entries while the compute thread acquires and releases.
+
+A slot never used yet is memory the process has not touched: its first read faults in and zeroes every page of
+it (the kernel's first touch, which on a VM whose host took back free memory runs at 1-2 GB/s of CPU time, no
+faster than the disk). acquire(grow=False) reuses an idle slot before such a fresh one: a prompt, which reads
+each layer's experts once, then touches only the slots its reads in flight need, not the whole arena."""
 
 from __future__ import annotations
 
@@ -98,7 +103,8 @@ class ExpertCache:
             self.arena = arena_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
             self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
             self.flat.flags.writeable = False
-        self.free = list(range(n_slots - 1, -1, -1))
+        self.free = list(range(n_slots - 1, -1, -1))  # a stack: slots given back are taken again first
+        self.fresh = n_slots  # the bottom `fresh` slots of the free stack were never used
         self.entries: dict = {}
         self.held = [0] * (len(quotas) if quotas is not None else 0)  # entries per layer (with quotas)
         self.idle = _Idle(n_slots, self._evicted) if quotas is None else _LayerIdle(quotas, self.held, self._evicted)
@@ -138,11 +144,17 @@ class ExpertCache:
         self.free.append(entry.slot)
         self.evictions += 1
 
-    def acquire(self, key, prefetch: bool = False) -> tuple[Entry | None, bool]:
+    @property
+    def touched_slots(self) -> int:
+        """Slots used at least once (their pages are faulted in)."""
+        return self.n_slots - self.fresh
+
+    def acquire(self, key, prefetch: bool = False, grow: bool = True) -> tuple[Entry | None, bool]:
         """(entry, created). A demand acquire takes a reference (release() gives it back); a prefetch does
         not. A new entry has a slot but no data: the caller must start its read and set entry.future.
         (None, False) when every slot is pinned, in use or being read, or (prefetch) when taking one would
-        leave fewer than `reserve` free or idle slots for demand reads."""
+        leave fewer than `reserve` free or idle slots for demand reads. grow=False: a new entry evicts an
+        idle one rather than take a slot never used before (while there is an idle one)."""
         with self.lock:
             self.ops += 1
             e = self.entries.get(key)
@@ -153,7 +165,7 @@ class ExpertCache:
                     e.refs += 1
                     self.idle.pop(key, None)
                 return e, False
-            if not self.free:
+            if not self.free or (not grow and len(self.free) <= self.fresh and self.idle):
                 if not self.idle:
                     return None, False
                 if self.held:
@@ -164,6 +176,7 @@ class ExpertCache:
                 self.held[key[0]] += 1
             pinned = key in self.pin_set and self.n_pinned < self.pin_capacity
             self.n_pinned += pinned
+            self.fresh -= len(self.free) <= self.fresh
             e = self.entries[key] = Entry(key, self.free.pop(), pinned, prefetch)
             e.refs = 0 if prefetch else 1
             return e, True

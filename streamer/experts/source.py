@@ -50,6 +50,7 @@ class ResidentSource:
         self.wants_lookahead = True  # until every expert has been touched once
 
     in_place = True  # every expert is always there: serve() need not request, wait for or release them
+    grow = True  # (StreamingSource's; nothing to grow here)
 
     def resident(self) -> None:
         """Every expert is in RAM now (the caller read the whole file in): no more read-ahead, no lookahead."""
@@ -124,6 +125,7 @@ class StreamingSource:
     wants_lookahead = True
     streams = True
     in_place = False
+    grow = True  # False (the MoE layer's prompt calls): reuse idle slots before fresh ones (ExpertCache.acquire)
 
     def __init__(
         self,
@@ -166,7 +168,7 @@ class StreamingSource:
         old = self.cache.entries.get((layer, e))
         if old is not None and old.future is not None and old.future.done() and old.future.exception():
             self.cache.discard(old)  # a failed prefetch: read it again on demand
-        entry, created = self.cache.acquire((layer, e))
+        entry, created = self.cache.acquire((layer, e), grow=self.grow)
         if entry is None:
             return False
         st, nbytes = self.prof.layers[layer], 0
@@ -197,7 +199,7 @@ class StreamingSource:
         for e in experts:
             if (layer, e) in self.cache.entries:
                 continue
-            entry, created = self.cache.acquire((layer, e), prefetch=True)
+            entry, created = self.cache.acquire((layer, e), prefetch=True, grow=self.grow)
             if entry is None:
                 return  # no idle slot to reuse: prefetching would evict what is in use
             if created:
