@@ -193,6 +193,7 @@ class MoEFFN:
         self.lanes_max = LANES_MAX
         self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
+        self.forwards = 0  # layer-0 calls so far
         # a cache with a slot for every expert never evicts: there a prompt's experts are worth the fresh slots
         self.roomy = getattr(source, "cache", None) is not None and source.cache.n_slots >= cfg.n_layer * cfg.n_expert
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
@@ -262,7 +263,9 @@ class MoEFFN:
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
-        self.source.grow = m == 1 or self.roomy  # (ExpertCache.acquire: a prompt reuses slots before fresh ones)
+        self.forwards += layer == 0
+        # a prompt (several tokens, or the first forward) reuses cache slots before fresh ones (ExpertCache.acquire)
+        self.source.grow = self.roomy or (m == 1 and self.forwards > 1)
         ids, w = self.router(layer, h)
         self.prof.routed(layer, ids, self.predicted.pop(layer, None))
         out = np.zeros_like(h)

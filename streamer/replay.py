@@ -285,7 +285,7 @@ def simulate(
         layer, m = int(layer), int(m)
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
-        src.grow = m == 1 or roomy  # as MoEFFN.__call__
+        src.grow = roomy or (m == 1 and step > 0)  # as MoEFFN.__call__
         used = ids >= 0
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None

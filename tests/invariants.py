@@ -10,4 +10,6 @@ def assert_cache_consistent(cache) -> None:
         e = cache.entries[key]
         assert e.refs == 0 and not e.pinned and e.future is not None and e.future.done(), key
     assert cache.n_pinned == sum(e.pinned for e in cache.entries.values()) <= cache.pin_capacity
+    assert set(cache.used) <= set(cache.idle), "an expert in use or gone is a reuse candidate"
+    assert all(cache.used[key] is cache.entries[key] for key in cache.used)
     assert cache.held_bytes <= cache.capacity_bytes == cache.arena.nbytes

@@ -314,8 +314,9 @@ def _loaded(cache, key, grow):
 
 
 def test_a_prompt_reuses_idle_slots_before_fresh_ones():
-    """grow=False (a prompt's calls) evicts the least recently used idle expert rather than take a slot never used;
-    with nothing idle it still takes a fresh one; grow=True (decode) takes fresh slots and keeps what it holds."""
+    """grow=False (a prompt's calls) evicts the least recently released idle expert rather than take a slot never
+    used; with none it still takes a fresh one, and a landed prefetch is not one (its layer is still to come);
+    grow=True (decode) takes fresh slots and keeps what it holds."""
     from streamer.experts.cache import ExpertCache
 
     cache = ExpertCache(n_slots=6, slot_bytes=1, allocate=False)
@@ -332,6 +333,17 @@ def test_a_prompt_reuses_idle_slots_before_fresh_ones():
     assert (2, 0) in cache.entries and e.slot != d.slot and cache.touched_slots == 4
     f = _loaded(cache, (3, 0), grow=False)  # an idle slot again: (2, 0), the least recently used
     assert f.slot == d.slot and (2, 0) not in cache.entries and (2, 1) in cache.entries
+
+    from concurrent.futures import Future
+
+    cache = ExpertCache(n_slots=4, slot_bytes=1, allocate=False)
+    p, _ = cache.acquire((0, 5), prefetch=True, grow=False)  # a prefetch lands: idle, but its layer is to come
+    p.future = Future()
+    p.future.set_result(None)
+    cache.loaded(p)
+    assert (0, 5) in cache.idle and (0, 5) not in cache.used
+    g, _ = cache.acquire((0, 6), grow=False)
+    assert g.slot != p.slot and (0, 5) in cache.entries and cache.touched_slots == 2
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
@@ -361,3 +373,21 @@ def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model):
     assert cache.touched_slots > in_flight and cache.evictions > 0
     assert np.array_equal(np.concatenate(got), resident)
     assert_cache_consistent(cache)
+
+
+def test_a_one_token_prompt_is_a_prompt_too(synth_model):
+    """The first forward reuses cache slots even when it is one token (its time to first token is a prompt's);
+    the one-token forwards after it grow the cache."""
+    path = synth_model("tiny-moe", "Q8_0")
+    sb = slot_bytes(path)
+    s = open_model(path, StreamOptions(learn=False, prefetch=True, expert_cache_bytes=48 * sb))
+    cache, k = s.model.ffn.source.cache, s.model.cfg.n_expert_used
+    c = s.model.new_cache()
+    s.model.forward(PROMPT[:1], c)
+    t = s.profiler.totals()
+    # a layer's experts and the next one's prefetches, plus any mispredicted prefetch (it waits to be used);
+    # growing would have taken a slot for every read
+    assert cache.touched_slots <= 2 * k + (t.prefetch_issued - t.prefetch_used) < t.miss + t.prefetch_issued
+    first = cache.touched_slots
+    s.model.forward(PROMPT[1:2], c)
+    assert cache.touched_slots > first

@@ -30,11 +30,11 @@ def slot_bytes(path):
         return ExpertLayout(s.gf, s.cfg).slot_bytes
 
 
-def record(path, out, n_decode=16, n_ctx=None, **kw):
-    """Prefill 5 tokens, decode n_decode (inputs fixed, so routing is too); the live profiler's totals."""
+def record(path, out, n_decode=16, n_ctx=None, n_prompt=5, **kw):
+    """Prefill n_prompt tokens, decode n_decode (inputs fixed, so routing is too); the live profiler's totals."""
     with open_model(path, StreamOptions(**kw), n_ctx=n_ctx, trace=out) as s:
         c = s.model.new_cache()
-        s.model.forward(PROMPT[:5], c)
+        s.model.forward(PROMPT[:n_prompt], c)
         for i in range(n_decode):
             s.model.forward(PROMPT[5 + i % 7 : 6 + i % 7] * (i + 1) % 250, c)
         totals = s.profiler.totals()
@@ -56,11 +56,17 @@ def replay_recorded(trace):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("slots", [4, 7, 12, 30])
-def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_path, slots, prefetch):
+@pytest.mark.parametrize("slots,n_prompt", [(4, 5), (7, 5), (12, 5), (30, 5), (30, 1)])
+def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_path, slots, n_prompt, prefetch):
+    """(A prompt of one token is the first forward: it reuses cache slots as a longer prompt does.)"""
     path = synth_model("tiny-moe", "Q8_0")
     live, trace = record(
-        path, tmp_path / "t.npz", learn=False, prefetch=prefetch, expert_cache_bytes=slots * slot_bytes(path)
+        path,
+        tmp_path / "t.npz",
+        n_prompt=n_prompt,
+        learn=False,
+        prefetch=prefetch,
+        expert_cache_bytes=slots * slot_bytes(path),
     )
     a = trace.a
     # the trace agrees with the profiler's own counts

@@ -5,8 +5,10 @@ evicted. Thread-safe: reader threads complete entries while the compute thread a
 
 A slot never used yet is memory the process has not touched: its first read faults in and zeroes every page of
 it (the kernel's first touch, which on a VM whose host took back free memory runs at 1-2 GB/s of CPU time, no
-faster than the disk). acquire(grow=False) reuses an idle slot before such a fresh one: a prompt, which reads
-each layer's experts once, then touches only the slots its reads in flight need, not the whole arena."""
+faster than the disk). acquire(grow=False) reuses the slot of an idle expert that was used (released, not a
+prefetch still waiting for its layer) before such a fresh one: a prompt, which reads each layer's experts once,
+then touches only the slots its reads in flight need, not the whole arena. Which experts were used is decided
+by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices."""
 
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ class ExpertCache:
             self.flat.flags.writeable = False
         self.free = list(range(n_slots - 1, -1, -1))  # a stack: slots given back are taken again first
         self.fresh = n_slots  # the bottom `fresh` slots of the free stack were never used
+        self.used: OrderedDict = OrderedDict()  # idle entries released since their read, least recent first
         self.entries: dict = {}
         self.held = [0] * (len(quotas) if quotas is not None else 0)  # entries per layer (with quotas)
         self.idle = _Idle(n_slots, self._evicted) if quotas is None else _LayerIdle(quotas, self.held, self._evicted)
@@ -138,6 +141,7 @@ class ExpertCache:
         )
 
     def _evicted(self, entry: Entry) -> None:
+        self.used.pop(entry.key, None)
         if self.held:
             self.held[entry.key[0]] -= 1
         del self.entries[entry.key]
@@ -153,8 +157,8 @@ class ExpertCache:
         """(entry, created). A demand acquire takes a reference (release() gives it back); a prefetch does
         not. A new entry has a slot but no data: the caller must start its read and set entry.future.
         (None, False) when every slot is pinned, in use or being read, or (prefetch) when taking one would
-        leave fewer than `reserve` free or idle slots for demand reads. grow=False: a new entry evicts an
-        idle one rather than take a slot never used before (while there is an idle one)."""
+        leave fewer than `reserve` free or idle slots for demand reads. grow=False: a new entry takes the slot
+        of the least recently released idle entry (self.used) rather than one never used before."""
         with self.lock:
             self.ops += 1
             e = self.entries.get(key)
@@ -164,8 +168,13 @@ class ExpertCache:
                 if not prefetch:
                     e.refs += 1
                     self.idle.pop(key, None)
+                    self.used.pop(key, None)
                 return e, False
-            if not self.free or (not grow and len(self.free) <= self.fresh and self.idle):
+            if self.free and not grow and len(self.free) <= self.fresh and self.used:
+                old, victim = self.used.popitem(last=False)
+                self.idle.pop(old)
+                self._evicted(victim)
+            elif not self.free:
                 if not self.idle:
                     return None, False
                 if self.held:
@@ -195,6 +204,7 @@ class ExpertCache:
             assert e.refs >= 0, e.key
             if e.refs == 0 and not e.pinned and e.future is not None and e.future.done():
                 self.idle[e.key] = e
+                self.used[e.key] = e
 
     def discard(self, e: Entry, unless_referenced: bool = False) -> None:
         """Forget an entry whose read failed (if unless_referenced, only when nobody holds it)."""
@@ -204,5 +214,6 @@ class ExpertCache:
                 if self.held:
                     self.held[e.key[0]] -= 1
                 self.idle.pop(e.key, None)
+                self.used.pop(e.key, None)
                 self.free.append(e.slot)
                 self.n_pinned -= e.pinned
