@@ -3,6 +3,7 @@ prefetch and pinning, expert top-p, and the learned-pinning sidecar."""
 
 import json
 import os
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -303,8 +304,6 @@ def test_failed_prefetch_reads_give_their_slot_back(synth_model, monkeypatch):
 
 def _loaded(cache, key, grow):
     """Acquire key (demand), mark its read done and release it: an idle entry."""
-    from concurrent.futures import Future
-
     e, created = cache.acquire(key, grow=grow)
     assert created
     e.future = Future()
@@ -333,8 +332,6 @@ def test_a_prompt_reuses_idle_slots_before_fresh_ones():
     assert (2, 0) in cache.entries and e.slot != d.slot and cache.touched_slots == 4
     f = _loaded(cache, (3, 0), grow=False)  # an idle slot again: (2, 0), the least recently used
     assert f.slot == d.slot and (2, 0) not in cache.entries and (2, 1) in cache.entries
-
-    from concurrent.futures import Future
 
     cache = ExpertCache(n_slots=4, slot_bytes=1, allocate=False)
     p, _ = cache.acquire((0, 5), prefetch=True, grow=False)  # a prefetch lands: idle, but its layer is to come
