@@ -344,11 +344,14 @@ def test_a_prompt_reuses_idle_slots_before_fresh_ones():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
-def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model):
+def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatch):
     """A streamed prompt's reads fault in no more of the arena than its reads in flight need (the kernel's own
     count: the arena mapping's Rss), however large the cache, short of one with a slot for every expert (the
     tiny model has 64; test_streamed_is_bit_identical_to_resident checks that such a cache reads none twice); the
     tokens after it keep their experts and fault in more; the logits equal the resident run's, bit for bit."""
+    from streamer.experts import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "PREFAULT", False)  # (its idle-CPU faults of fresh slots: test_prefault)
     path = synth_model("tiny-moe", "Q8_0")
     resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     sb = slot_bytes(path)

@@ -8,7 +8,8 @@ it (the kernel's first touch, which on a VM whose host took back free memory run
 faster than the disk). acquire(grow=False) reuses the slot of an idle expert that was used (released, not a
 prefetch still waiting for its layer) before such a fresh one: a prompt, which reads each layer's experts once,
 then touches only the slots its reads in flight need, not the whole arena. Which experts were used is decided
-by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices."""
+by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices. The
+fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile on idle CPU (experts/prefault.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from concurrent.futures import Future
 
 from cachetools import LRUCache
 
+from streamer.experts.prefault import Prefaulter
 from streamer.experts.store import arena_empty
+
+PREFAULT = True  # fault in never-used slots ahead of need, on idle CPU (experts/prefault.py); tests turn it off
 
 
 class Entry:
@@ -105,6 +109,7 @@ class ExpertCache:
             self.arena = arena_empty(n_slots * slot_bytes).reshape(n_slots, slot_bytes)
             self.flat = self.arena.reshape(-1)[:]  # the same bytes, read-only, for the multi-expert kernels
             self.flat.flags.writeable = False
+        self.prefaulter = None
         self.free = list(range(n_slots - 1, -1, -1))  # a stack: slots given back are taken again first
         self.fresh = n_slots  # the bottom `fresh` slots of the free stack were never used
         self.used: OrderedDict = OrderedDict()  # idle entries released since their read, least recent first
@@ -118,6 +123,8 @@ class ExpertCache:
         self.reserve = reserve
         self.evictions = 0
         self.ops = 0  # acquire + release calls so far: the clock a trace times prefetch landings by
+        if allocate and PREFAULT:
+            self.prefaulter = Prefaulter(self.arena.reshape(-1), lambda: (self.n_slots - self.fresh) * slot_bytes)
 
     @property
     def capacity_bytes(self) -> int:

@@ -140,7 +140,7 @@ class StreamingSource:
         self.layout, self.cache, self.prof = layout, cache, profiler
         self.reader = ExpertReader(files, layout, direct)
         self.pool = ReaderPool(n_readers)
-        self._close = weakref.finalize(self, _shutdown, self.pool, self.reader)  # at close(), GC or exit
+        self._close = weakref.finalize(self, _shutdown, self.pool, self.reader, cache.prefaulter)  # close, GC, exit
 
     def _load(self, entry) -> tuple:
         layer, e = entry.key
@@ -261,7 +261,9 @@ class StreamingSource:
         self._close()
 
 
-def _shutdown(pool: ReaderPool, reader: ExpertReader) -> None:
+def _shutdown(pool: ReaderPool, reader: ExpertReader, prefaulter) -> None:
+    if prefaulter is not None:
+        prefaulter.stop()
     pool.close()
     reader.close()
 

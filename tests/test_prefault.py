@@ -1,0 +1,77 @@
+"""The expert arena's prefault thread (streamer/experts/prefault.py): it faults in the never-used slots (the
+kernel's count: the mapping's Rss), leaves bytes already read untouched, starts at the lowest never-used slot,
+stops when asked, and runs at SCHED_IDLE (the kernel's record of the thread's policy)."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+from procfs import vma_fields
+
+from streamer.experts.prefault import Prefaulter
+from streamer.experts.store import arena_empty
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists("/proc/self/smaps") and hasattr(os, "SCHED_IDLE")), reason="Linux only"
+)
+MIB = 2**20
+
+
+def rss(arena) -> int:
+    (vma,) = vma_fields(arena.ctypes.data)
+    return int(vma["Rss"].split()[0]) * 1024
+
+
+def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
+    arena = arena_empty(24 * MIB)
+    base = rss(arena)  # (a few pages of a neighbouring mapping may share the VMA)
+    data = np.random.default_rng(0).integers(0, 256, 3 * MIB + 4096, dtype=np.uint8)
+    arena[: data.size] = data  # a slot read before the thread passes over it
+    assert rss(arena) - base < 4 * MIB
+    gate, asked = threading.Event(), threading.Event()
+
+    def first():  # the lowest never-used slot: held until the test has looked at the thread
+        asked.set()
+        gate.wait()
+        return 0
+
+    p = Prefaulter(arena, first)
+    assert asked.wait(5)
+    assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_IDLE
+    gate.set()
+    assert p.done.wait(30) and p.error == 0
+    assert rss(arena) - base >= arena.size - 4096
+    assert np.array_equal(arena[: data.size], data)
+
+
+def test_prefault_starts_at_the_lowest_never_used_slot_and_stops_when_asked():
+    arena = arena_empty(32 * MIB)
+    base = rss(arena)
+    p = Prefaulter(arena, lambda: 16 * MIB)  # the first half is the cache's own: not touched
+    assert p.done.wait(30) and p.error == 0
+    assert arena.size // 2 - 4096 <= rss(arena) - base <= arena.size // 2 + 8192
+    small, gate = arena_empty(16 * MIB), threading.Event()
+    base = rss(small)
+    stopped = Prefaulter(small, lambda: gate.wait() and 0)
+    stopped.stop()  # while it waits for its first chunk: that chunk at most, then it stops
+    gate.set()
+    assert stopped.done.wait(30) and rss(small) - base <= 2 * MIB + 8192
+
+
+def test_the_streamed_cache_prefaults_and_its_session_stops_it(synth_model, monkeypatch):
+    """A streamed session's cache starts the thread over its arena, and closing the session stops it (the thread
+    holds the arena until it ends)."""
+    from streamer.options import StreamOptions
+    from streamer.session import open_model
+
+    stopped = []
+    real_stop = Prefaulter.stop
+    monkeypatch.setattr(Prefaulter, "stop", lambda self: (stopped.append(self), real_stop(self)))
+    path = synth_model("tiny-moe", "Q8_0")
+    with open_model(path, StreamOptions(learn=False, expert_cache_bytes=40 << 20)) as s:
+        cache = s.model.ffn.source.cache
+        assert cache.prefaulter is not None and cache.prefaulter.arena.ctypes.data == cache.arena.ctypes.data
+        s.model.forward(np.array([3, 77, 120], np.int64), s.model.new_cache())
+        assert not stopped
+    assert stopped == [cache.prefaulter] and cache.prefaulter.done.wait(30)
