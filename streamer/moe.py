@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from streamer.budget import Plan
+from streamer.experts.cache import grows
 from streamer.experts.source import serve
 from streamer.formats import Q4_K
 from streamer.kernels import decode, int8, lanes, ops
@@ -193,7 +194,7 @@ class MoEFFN:
         self.lanes_max = LANES_MAX
         self._tile_scratch: dict = {}
         self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
-        self.forwards = 0  # layer-0 calls so far
+        self.step = -1  # forwards so far, less one (a layer-0 call starts one), as the trace counts steps
         # a cache with a slot for every expert never evicts: there a prompt's experts are worth the fresh slots
         self.roomy = getattr(source, "cache", None) is not None and source.cache.n_slots >= cfg.n_layer * cfg.n_expert
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
@@ -263,9 +264,8 @@ class MoEFFN:
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
-        self.forwards += layer == 0
-        # a prompt (several tokens, or the first forward) reuses cache slots before fresh ones (ExpertCache.acquire)
-        self.source.grow = self.roomy or (m == 1 and self.forwards > 1)
+        self.step += layer == 0
+        self.source.grow = grows(self.roomy, m, self.step)  # a prompt reuses cache slots before fresh ones
         ids, w = self.router(layer, h)
         self.prof.routed(layer, ids, self.predicted.pop(layer, None))
         out = np.zeros_like(h)

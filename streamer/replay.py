@@ -27,7 +27,7 @@ import numpy as np
 from streamer.budget import plan_at
 from streamer.errors import StreamerError
 from streamer.experts.build import cache_slots
-from streamer.experts.cache import ExpertCache
+from streamer.experts.cache import ExpertCache, grows
 from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource, serve
 from streamer.experts.usage import choose_pins
 from streamer.moe import apply_top_p
@@ -285,7 +285,7 @@ def simulate(
         layer, m = int(layer), int(m)
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
-        src.grow = roomy or (m == 1 and step > 0)  # as MoEFFN.__call__
+        src.grow = grows(roomy, m, int(step))  # as MoEFFN.__call__
         used = ids >= 0
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None

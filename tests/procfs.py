@@ -16,3 +16,9 @@ def vma_fields(addr: int, size: int = 1) -> list[dict[str, str]]:
             elif cur is not None:
                 cur[head.rstrip(":")] = rest.strip()
     return out
+
+
+def rss_bytes(addr: int) -> int:
+    """Resident bytes of the one mapping holding address addr (its smaps Rss)."""
+    (vma,) = vma_fields(addr)
+    return int(vma["Rss"].split()[0]) * 1024

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 from invariants import assert_cache_consistent
-from procfs import vma_fields
+from procfs import rss_bytes, vma_fields
 from reference import Reference
 
 from streamer.errors import StreamerError
@@ -359,8 +359,7 @@ def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatc
     cache, ffn = s.model.ffn.source.cache, s.model.ffn
 
     def arena_rss() -> int:
-        (vma,) = vma_fields(cache.arena.ctypes.data)
-        return int(vma["Rss"].split()[0]) * 1024
+        return rss_bytes(cache.arena.ctypes.data)
 
     rss0 = arena_rss()  # (the mapping may share its VMA with a few pages of others)
     c = s.model.new_cache()

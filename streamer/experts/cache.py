@@ -25,6 +25,13 @@ from streamer.experts.store import arena_empty
 PREFAULT = True  # fault in never-used slots ahead of need, on idle CPU (experts/prefault.py); tests turn it off
 
 
+def grows(roomy: bool, m: int, step: int) -> bool:
+    """acquire's grow for a layer call of m tokens in forward `step` (0: the session's first): False for a prompt
+    (several tokens, or the first forward), unless the cache is roomy (a slot for every expert: it never evicts).
+    The MoE layer and the trace replay both decide by this."""
+    return roomy or (m == 1 and step > 0)
+
+
 class Entry:
     __slots__ = ("key", "slot", "future", "refs", "pinned", "prefetched", "offsets")
 
@@ -124,7 +131,7 @@ class ExpertCache:
         self.evictions = 0
         self.ops = 0  # acquire + release calls so far: the clock a trace times prefetch landings by
         if allocate and PREFAULT:
-            self.prefaulter = Prefaulter(self.arena.reshape(-1), lambda: (self.n_slots - self.fresh) * slot_bytes)
+            self.prefaulter = Prefaulter(self.arena.reshape(-1), lambda: self.touched_slots * slot_bytes)
 
     @property
     def capacity_bytes(self) -> int:
