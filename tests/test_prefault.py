@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from procfs import vma_fields
+from procfs import rss_bytes
 
 from streamer.experts.prefault import Prefaulter
 from streamer.experts.store import arena_empty
@@ -19,8 +19,7 @@ MIB = 2**20
 
 
 def rss(arena) -> int:
-    (vma,) = vma_fields(arena.ctypes.data)
-    return int(vma["Rss"].split()[0]) * 1024
+    return rss_bytes(arena.ctypes.data)
 
 
 def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
@@ -71,7 +70,7 @@ def test_the_streamed_cache_prefaults_and_its_session_stops_it(synth_model, monk
     path = synth_model("tiny-moe", "Q8_0")
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=40 << 20)) as s:
         cache = s.model.ffn.source.cache
-        assert cache.prefaulter is not None and cache.prefaulter.arena.ctypes.data == cache.arena.ctypes.data
+        assert cache.prefaulter is not None and cache.prefaulter.arena().ctypes.data == cache.arena.ctypes.data
         s.model.forward(np.array([3, 77, 120], np.int64), s.model.new_cache())
         assert not stopped
     assert stopped == [cache.prefaulter] and cache.prefaulter.done.wait(30)

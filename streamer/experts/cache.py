@@ -14,6 +14,7 @@ fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -131,7 +132,10 @@ class ExpertCache:
         self.evictions = 0
         self.ops = 0  # acquire + release calls so far: the clock a trace times prefetch landings by
         if allocate and PREFAULT:
-            self.prefaulter = Prefaulter(self.arena.reshape(-1), lambda: self.touched_slots * slot_bytes)
+            me = weakref.ref(self)  # the thread must not keep the cache (and its arena) alive
+            self.prefaulter = Prefaulter(
+                self.flat, lambda: None if (c := me()) is None else c.touched_slots * slot_bytes
+            )
 
     @property
     def capacity_bytes(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -25,9 +26,10 @@ CHUNK = 2 * 2**20
 
 
 class Prefaulter:
-    def __init__(self, arena: np.ndarray, first: Callable[[], int]):
-        """arena: the cache's bytes (uint8, 1-D); first(): the byte offset of its lowest never-used slot."""
-        self.arena, self.first = arena, first
+    def __init__(self, arena: np.ndarray, first: Callable[[], int | None]):
+        """arena: the cache's bytes (uint8, 1-D); first(): the byte offset of its lowest never-used slot, None once
+        the cache is gone. The thread holds neither: a cache dropped without closing is freed, not faulted in."""
+        self.arena, self.first = weakref.ref(arena), first
         self._stop = threading.Event()
         self.done = threading.Event()
         self.error = 0  # the errno that stopped it early (0: none)
@@ -40,10 +42,14 @@ class Prefaulter:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
             pos = 0
             while not self._stop.is_set():
-                pos = max(pos, self.first())
-                if pos >= self.arena.size:
+                arena, first = self.arena(), self.first()
+                if arena is None or first is None:
                     return
-                self.error = madvise(self.arena, pos, CHUNK, MADV_POPULATE_WRITE)
+                pos = max(pos, first)
+                if pos >= arena.size:
+                    return
+                self.error = madvise(arena, pos, CHUNK, MADV_POPULATE_WRITE)
+                del arena
                 if self.error:  # no POPULATE_WRITE here, or no memory: the reads fault the pages in as before
                     return
                 pos += CHUNK
