@@ -197,6 +197,8 @@ class MoEFFN:
         self.step = -1  # forwards so far, less one (a layer-0 call starts one), as the trace counts steps
         # a cache with a slot for every expert never evicts: there a prompt's experts are worth the fresh slots
         self.roomy = getattr(source, "cache", None) is not None and source.cache.n_slots >= cfg.n_layer * cfg.n_expert
+        # the cache's prefault thread, started once the first layer call has loaded its kernels (experts/prefault.py)
+        self._prefault = getattr(getattr(source, "cache", None), "prefaulter", None)
         self.scratch_x = ExpertScratch(1, cfg.n_embd)
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
         self._dec: _DecodeScratch | None = None  # decode()'s one-call path, made on first use
@@ -265,6 +267,9 @@ class MoEFFN:
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         m = h.shape[0]
         self.step += layer == 0
+        if self._prefault is not None and (layer > 0 or self.step > 0):
+            self._prefault.start()
+            self._prefault = None
         self.source.grow = grows(self.roomy, m, self.step)  # a prompt reuses cache slots before fresh ones
         ids, w = self.router(layer, h)
         self.prof.routed(layer, ids, self.predicted.pop(layer, None))

@@ -35,7 +35,7 @@ def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
         gate.wait()
         return 0
 
-    p = Prefaulter(arena, first)
+    p = Prefaulter(arena, first).start()
     assert asked.wait(5)
     assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_IDLE
     gate.set()
@@ -47,20 +47,31 @@ def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
 def test_prefault_starts_at_the_lowest_never_used_slot_and_stops_when_asked():
     arena = arena_empty(32 * MIB)
     base = rss(arena)
-    p = Prefaulter(arena, lambda: 16 * MIB)  # the first half is the cache's own: not touched
+    p = Prefaulter(arena, lambda: 16 * MIB).start()  # the first half is the cache's own: not touched
     assert p.done.wait(30) and p.error == 0
     assert arena.size // 2 - 4096 <= rss(arena) - base <= arena.size // 2 + 8192
     small, gate = arena_empty(16 * MIB), threading.Event()
     base = rss(small)
-    stopped = Prefaulter(small, lambda: gate.wait() and 0)
+    stopped = Prefaulter(small, lambda: gate.wait() and 0).start()
     stopped.stop()  # while it waits for its first chunk: that chunk at most, then it stops
     gate.set()
     assert stopped.done.wait(30) and rss(small) - base <= 2 * MIB + 8192
 
 
-def test_the_streamed_cache_prefaults_and_its_session_stops_it(synth_model, monkeypatch):
-    """A streamed session's cache starts the thread over its arena, and closing the session stops it (the thread
-    holds the arena until it ends)."""
+def test_a_prefaulter_never_started_touches_nothing_and_stops_at_once():
+    arena = arena_empty(8 * MIB)
+    base = rss(arena)
+    p = Prefaulter(arena, lambda: 0)
+    assert not p.thread.is_alive() and not p.done.is_set()
+    p.stop()
+    assert p.done.is_set() and rss(arena) - base <= 8192
+    p.start()  # after stop(): it does not start
+    assert not p.thread.is_alive() and rss(arena) - base <= 8192
+
+
+def test_the_streamed_cache_prefaults_after_the_first_layer_and_its_session_stops_it(synth_model, monkeypatch):
+    """A streamed session's cache has the thread over its arena; the MoE layer starts it once the first forward's
+    first layer has run (not during start-up, whose kernel loading it slowed), and closing the session stops it."""
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
@@ -71,6 +82,16 @@ def test_the_streamed_cache_prefaults_and_its_session_stops_it(synth_model, monk
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=40 << 20)) as s:
         cache = s.model.ffn.source.cache
         assert cache.prefaulter is not None and cache.prefaulter.arena().ctypes.data == cache.arena.ctypes.data
+        assert not cache.prefaulter.thread.is_alive() and not cache.prefaulter.done.is_set()  # not yet started
+        layers = []
+        real_call = type(s.model.ffn).__call__
+
+        def call(ffn, layer, h):  # the thread's state as each layer call begins
+            layers.append((layer, cache.prefaulter._started))
+            return real_call(ffn, layer, h)
+
+        monkeypatch.setattr(type(s.model.ffn), "__call__", call)
         s.model.forward(np.array([3, 77, 120], np.int64), s.model.new_cache())
-        assert not stopped
+        assert layers[0] == (0, False) and all(started for _, started in layers[2:])
+        assert cache.prefaulter.thread.ident is not None and not stopped
     assert stopped == [cache.prefaulter] and cache.prefaulter.done.wait(30)
