@@ -32,6 +32,34 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+REPORTED = "/sys/module/page_reporting/parameters/reported_kib"  # the guest kernel's free page reporting
+
+
+def settle(quiet: float, limit: float = 180.0, counter: str = REPORTED, poll: float = 0.5) -> tuple[float, float]:
+    """Wait until the kernel's free page reporting (virtio-balloon: freed memory handed back to the host) has
+    reported nothing for `quiet` seconds, at most `limit` seconds in all: (seconds waited, MiB reported meanwhile).
+    On a VM whose kernel does this, the memory a run frees (llama.cpp's 17 GB of repacked weights) is reported for
+    20-25 s after it exits, and the host's work on it shows in the next run as CPU steal and stalled steps
+    (bench/RESULTS.md, twenty-second session). Where the counter is missing (another kernel, not a VM) it returns
+    (0, 0) at once."""
+
+    def read() -> int:
+        with open(counter) as f:
+            return int(f.read())
+
+    try:
+        first = last = read()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    t0 = still = time.monotonic()
+    while time.monotonic() - still < quiet and time.monotonic() - t0 < limit:
+        time.sleep(poll)
+        now = read()
+        if now != last:
+            last, still = now, time.monotonic()
+    return time.monotonic() - t0, (last - first) / 1024
+
+
 def parse_size(text: str | int) -> int:
     """'8G', '512M', '1.5GiB', '100000' -> bytes (binary units)."""
     if isinstance(text, int):

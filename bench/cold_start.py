@@ -25,7 +25,9 @@ with mincore) and runs as a child process, timed by wall clock:
 A model split into shards is given by its first shard (every shard is evicted). --ab OTHER_STREAM_RUN runs
 the ttft part alternately with a second build (labelled "(B)"; e.g. a non-editable install of main in another
 venv) and prints the ratio of the medians. Use --rounds 2 or 3 for alternating rounds. Results: one JSON line per measurement on stdout (and --json),
-then a summary table. Run it on a quiet machine as root, with the project venv's python.
+then a summary table. Run it on a quiet machine as root, with the project venv's python. On a VM whose kernel hands
+freed memory back to the host (free page reporting), --settle S waits before each timed run until that has been idle
+for S seconds, so no run pays for the memory the one before it freed.
 """
 
 from __future__ import annotations
@@ -208,12 +210,20 @@ class DiskActivity:
 
 
 def timed(
-    label: str, cmd: list[str], path: str, cap: str | None = None, timeout: float = 900, breakdown: bool = False
+    label: str,
+    cmd: list[str],
+    path: str,
+    cap: str | None = None,
+    timeout: float = 900,
+    breakdown: bool = False,
+    settle: float = 0.0,
 ) -> dict:
-    """Evict `path`, run cmd (under a cgroup cap if given), return its wall time and counters. breakdown: the
-    command is stream-run's; it also reports its start-up timeline (streamer/timing.py), seconds from the
-    moment before it was forked: the result's "timing", and the disk's activity meanwhile (DiskActivity)."""
+    """Evict `path`, wait for the free page reporting to settle (settle > 0: --settle), run cmd (under a cgroup cap if given),
+    return its wall time and counters. breakdown: the command is stream-run's; it also reports its start-up
+    timeline (streamer/timing.py), seconds from the moment before it was forked: the result's "timing", and the
+    disk's activity meanwhile (DiskActivity)."""
     left = cold(path)
+    settled = cgroup.settle(settle) if settle else None
     env, disk = None, None
     if breakdown:
         t0 = time.time()
@@ -226,6 +236,8 @@ def timed(
     if disk is not None:
         out.update(disk.summary(t0))
     out.update(label=label, cached_after_evict=left, stdout_tail=r.stdout[-400:], stderr_tail=r.stderr[-600:])
+    if settled is not None:
+        out.update(settle_s=round(settled[0], 1), settle_reported_mib=round(settled[1]))
     timing = [line for line in r.stderr.splitlines() if line.startswith("timing: ")]
     if timing:
         out["timing"] = json.loads(timing[-1][len("timing: ") :])
@@ -328,6 +340,11 @@ def main(argv=None) -> int:
         help="ttft: seconds idle before each run (a VM's host takes back memory freed seconds ago, and a run "
              "that gets memory the last one freed faults it in faster: a pause gives every run the same start)",
     )  # fmt: skip
+    ap.add_argument(
+        "--settle", type=float, default=0.0, metavar="S",
+        help="before each timed run (after evicting the file), wait until the kernel's free page reporting has been "
+             "idle for S seconds (bench/cgroup.py's settle: on a VM that hands freed memory back to the host)",
+    )  # fmt: skip
     ap.add_argument("--llama-python", default="/opt/llamavenv/bin/python")
     ap.add_argument("--json", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
@@ -362,14 +379,14 @@ def main(argv=None) -> int:
     elif args.disk_gb_s:
         disk_gb_s = args.disk_gb_s
     if "pagein" in parts:
-        r = timed("pagein", [args.python, "-c", _PAGEIN, model], model)
+        r = timed("pagein", [args.python, "-c", _PAGEIN, model], model, settle=args.settle)
         rec = json.loads(r["stdout_tail"].strip().splitlines()[-1]) if r["returncode"] == 0 else {}
         emit({**r, **rec, "file_bytes": size})
     fib = None
     for rnd in range(args.rounds):
         if "run" in parts:
             cmd = [args.stream_run, "run", model, "-p", PROMPT, "-n", str(args.n_predict), "-t", str(args.threads)]
-            emit({**timed("stream-run cold run", cmd, model), "round": rnd})
+            emit({**timed("stream-run cold run", cmd, model, settle=args.settle), "round": rnd})
         if "llama" in parts:
             fib = fib or prompt_ids(model, None, args.python)
             cmd = [
@@ -377,7 +394,7 @@ def main(argv=None) -> int:
                 "--pp", str(len(fib)), "--tg", str(args.n_predict), "--prompt-tokens", ",".join(map(str, fib)),
                 "--no-repack", "--no-warmup",
             ]  # fmt: skip
-            emit({**timed("llama.cpp no-repack cold run", cmd, model), "round": rnd})
+            emit({**timed("llama.cpp no-repack cold run", cmd, model, settle=args.settle), "round": rnd})
     if "ttft" in parts:
         for n in map(int, args.prompt_tokens.split(",")):
             ids = prompt_ids(model, n, args.python)
@@ -387,7 +404,7 @@ def main(argv=None) -> int:
                 for tag, exe in runs if rnd % 2 == 0 else runs[::-1]:  # alternate which goes first
                     cmd = ttft_cmd(args, model, ids, exe)
                     time.sleep(args.pause)
-                    r = timed(f"stream-run ttft {n}{tag}", cmd, model, cap=args.cap, breakdown=True)
+                    r = timed(f"stream-run ttft {n}{tag}", cmd, model, cap=args.cap, breakdown=True, settle=args.settle)
                     emit(ttft_record(r, need, n, rnd, disk_gb_s, random_gb_s))
     print("\nsummary (wall seconds; GB/s):", file=sys.stderr)
     for r in results:

@@ -20,6 +20,10 @@ run pushed out, and Linux may hold that in small folios: 10.0 of 17.4 GB in 2 Mi
 favour stream-run: on this KVM guest its runs were slower after a fresh read (bench/RESULTS.md, twelfth
 session), so --rewarm stays the protocol. Both print the read's seconds and the page cache's 2 MiB folios
 (FileHugePages) after it.
+--settle S waits, after any re-read and before every run, until the guest kernel's free page reporting has been idle
+for S seconds: on a VM whose kernel reports freed memory to the host, the 17 GB llama.cpp frees at exit is reported
+for 20-25 s afterwards, and a run during that suffers CPU steal and stalled steps (a mapped file's decode most, the
+anonymous copies of --no-mmap and llama.cpp's repacking hardly: they leave the kernel little free memory to report).
 --read PYTHON runs bench/decode_roofline.py --read-only under PYTHON (one with numba and stream-run installed)
 right after every timed run: the one-region read of 16 decode steps' weight bytes, so each decode is paired with
 the memory bandwidth of its moment (on the KVM guest of the sixth to twelfth sessions it flips between ~30 and
@@ -33,7 +37,7 @@ Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time th
 its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms; llama_run.py times each step the
 same way).
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
-llama.cpp and against the first build. Only the standard library: runs under any Python.
+llama.cpp and against the first build. Only the standard library (and bench/cgroup.py, which is too): runs under any Python.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cgroup  # noqa: E402  (bench/cgroup.py: settle)
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,6 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fresh", action="store_true", help="drop the model from the page cache and read it back before every run"
     )
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0,
+        metavar="S",
+        help="before every run, wait until the kernel's free page reporting has been idle for S seconds (at most "
+        "3 minutes; nothing where the kernel has no such counter: bench/cgroup.py's settle)",
+    )
     ap.add_argument("--read", metavar="PYTHON", help="after every run, time a read of the step's bytes under PYTHON")
     ap.add_argument("--slow-gb-s", type=float, default=36.0, help="--read: reads below this are the slow phase")
     a = ap.parse_args(argv)
@@ -186,6 +201,9 @@ def main(argv=None) -> int:
                 took = rewarm(a.model, drop=a.fresh)
                 what = "dropped and read" if a.fresh else "re-read"
                 print(f"  page cache {what} in {took:.1f} s, {file_huge_gb():.1f} GB in 2 MiB folios", flush=True)
+            if a.settle:
+                waited, mib = cgroup.settle(a.settle)
+                print(f"  free page reporting idle after {waited:.1f} s ({mib:.0f} MiB reported meanwhile)", flush=True)
             j0 = cpu_jiffies()
             pp, tg, steps = fn()
             j1 = cpu_jiffies()
