@@ -30,6 +30,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType as V
 from gguf.constants import GGMLQuantizationType
 from numba.core import event as numba_event
+from numba.core.dispatcher import Dispatcher
 
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
@@ -180,10 +181,23 @@ class CompilePause(numba_event.Listener):
     """A numba event listener that stops the hang guard's clock while numba compiles: a mutated tensor type may need
     kernels of a format that no earlier test in this process put in numba's cache (with the tests spread over
     processes, nothing says which ran first), and a minute of compiling is not a hang in the loader. Nor is the
-    compiler's memory the variant's: `compiles` counts them, and the memory checks skip a variant that compiled."""
+    compiler's memory the variant's: `compiles` counts them, and the memory checks skip a variant that compiled.
+    `loads` counts kernels added to a dispatcher, compiled or loaded from numba's cache (counted(), installed by
+    the harness): a cached kernel loaded for the first time in this process costs memory too (tens of MB for a
+    new format's, LLVM's), and whether a format's kernels come from the cache or the compiler depends on what
+    ran before on this machine."""
 
     def __init__(self):
-        self.depth, self.left, self.compiles = 0, 0.0, 0
+        self.depth, self.left, self.compiles, self.loads = 0, 0.0, 0, 0
+
+    def counted(self, add_overload):
+        """Dispatcher.add_overload, counting into `loads`."""
+
+        def add(dispatcher, cres):
+            self.loads += 1
+            return add_overload(dispatcher, cres)
+
+        return add
 
     def on_start(self, event):
         self.compiles += 1
@@ -234,6 +248,8 @@ def harness(files):
     old = signal.signal(signal.SIGALRM, _on_alarm)
     pause = CompilePause()
     numba_event.register("numba:compile", pause)
+    add_overload = Dispatcher.add_overload
+    Dispatcher.add_overload = pause.counted(add_overload)
     rss = [_max_rss()]
     stats = {"loaded": 0, "rejected": 0, "traced": 0, "compiled": 0, "worst_s": 0.0, "worst_traced_mb": 0.0}
 
@@ -241,7 +257,7 @@ def harness(files):
         limit = MEM_SLACK + 2 * os.path.getsize(path)
         if traced:
             tracemalloc.start()
-        t0, compiles = time.perf_counter(), pause.compiles
+        t0, compiles, loads = time.perf_counter(), pause.compiles, pause.loads
         signal.setitimer(signal.ITIMER_REAL, TIMEOUT_S)
         msg = None
         try:
@@ -260,7 +276,7 @@ def harness(files):
         stats["traced"] += traced
         stats["worst_traced_mb"] = max(stats["worst_traced_mb"], peak / 2**20)
         grown = _max_rss() - rss[0]
-        if pause.compiles > compiles:  # numba's memory, not the variant's: judge the next ones from here
+        if pause.compiles > compiles or pause.loads > loads:  # numba's memory, not the variant's: judge from here
             rss[0] = _max_rss()
             stats["compiled"] += 1
         else:
@@ -277,6 +293,7 @@ def harness(files):
 
     check.stats = stats
     yield check
+    Dispatcher.add_overload = add_overload
     numba_event.unregister("numba:compile", pause)
     signal.signal(signal.SIGALRM, old)
     numba.set_num_threads(threads)
