@@ -218,10 +218,10 @@ def timed(
     breakdown: bool = False,
     settle: float = 0.0,
 ) -> dict:
-    """Evict `path`, wait for the free page reporting to settle (settle > 0: --settle), run cmd (under a cgroup cap if given),
-    return its wall time and counters. breakdown: the command is stream-run's; it also reports its start-up
-    timeline (streamer/timing.py), seconds from the moment before it was forked: the result's "timing", and the
-    disk's activity meanwhile (DiskActivity)."""
+    """Evict `path`, wait for the free page reporting to settle (settle > 0: --settle), run cmd (under a cgroup
+    cap if given), return its wall time and counters. breakdown: the command is stream-run's; it also reports its
+    start-up timeline (streamer/timing.py), seconds from the moment before it was forked: the result's "timing",
+    and the disk's activity meanwhile (DiskActivity)."""
     left = cold(path)
     settled = cgroup.settle(settle) if settle else None
     env, disk = None, None
@@ -420,12 +420,12 @@ def main(argv=None) -> int:
             print(f"    disk: first read at {r['disk_first_read_s']:.2f} s, busy {r['disk_busy_s']:.2f} s, "
                   f"{r['disk_read_bytes'] / 1e9:.2f} GB read; idle {r['disk_idle_s']:.2f} s ({gaps})", file=sys.stderr)  # fmt: skip
     for n in map(int, args.prompt_tokens.split(",")) if "ttft" in parts else ():
+        target = [r["target_s"] for r in results if r["label"] == f"stream-run ttft {n}" and "target_s" in r]
         for key, what in (("wall_s", "wall"), ("first_token_s", "first token")):
             a, b = (
                 [r[key] for r in results if r["label"] == f"stream-run ttft {n}{tag}" and key in r]
                 for tag in ("", " (B)")
             )
-            target = [r["target_s"] for r in results if r["label"] == f"stream-run ttft {n}" and "target_s" in r]
             if a and b:
                 print(f"  ttft {n}: median {what} {median(a):.3g} s vs (B) {median(b):.3g} s: {median(a) / median(b):.3f}x"
                       f" (A {' '.join(f'{x:.3g}' for x in a)}; B {' '.join(f'{x:.3g}' for x in b)})", file=sys.stderr)  # fmt: skip

@@ -37,7 +37,8 @@ Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time th
 its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms; llama_run.py times each step the
 same way).
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
-llama.cpp and against the first build. Only the standard library (and bench/cgroup.py, which is too): runs under any Python.
+llama.cpp and against the first build. Only the standard library (and bench/cgroup.py, which is too): runs under
+any Python.
 """
 
 from __future__ import annotations

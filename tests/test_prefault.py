@@ -87,7 +87,7 @@ def test_the_streamed_cache_prefaults_after_the_first_layer_and_its_session_stop
         real_call = type(s.model.ffn).__call__
 
         def call(ffn, layer, h):  # the thread's state as each layer call begins
-            layers.append((layer, cache.prefaulter._started))
+            layers.append((layer, cache.prefaulter.started))
             return real_call(ffn, layer, h)
 
         monkeypatch.setattr(type(s.model.ffn), "__call__", call)

@@ -39,14 +39,16 @@ class Prefaulter:
         self.done = threading.Event()
         self.error = 0  # the errno that stopped it early (0: none)
         self.thread = threading.Thread(target=self._run, daemon=True, name="arena-prefault")
-        self._started = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # start() and stop() in either order, from any thread
+
+    @property
+    def started(self) -> bool:
+        return self.thread.ident is not None
 
     def start(self) -> Prefaulter:
         """Start the thread (once; not after stop())."""
         with self._lock:
-            if not self._started and not self._stop.is_set():
-                self._started = True
+            if not self.started and not self._stop.is_set():
                 self.thread.start()
         return self
 
@@ -73,5 +75,5 @@ class Prefaulter:
     def stop(self) -> None:
         with self._lock:
             self._stop.set()
-            if not self._started:  # never ran: nothing to wait for
+            if not self.started:  # never ran: nothing to wait for
                 self.done.set()
