@@ -430,19 +430,20 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
         advise_pages(gf)
         start_pagein(session, options.ram_budget, early)
     timing.mark("model_built")
-    from streamer.warmup import cached, decode_formats, model_kernels, warmup
+    from streamer.warmup import cached, decode_formats, model_kernels, warmup_shared
 
     session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
     if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
         with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
-            model.warmup()
+            qtypes, only = None, ()
             if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
                 qtypes = {p.qtype for parts in moe.source.layout.parts for p in parts}  # this model's expert formats
                 tiles = ("expert-tiles",) if moe.needs_tiles() else ()
                 only = ("experts", "decode", "decode-moe", "expert-int8", "expert-lanes") + tiles
-                warmup(only=only, qtypes=qtypes, decode_combos=decode_formats(model, moe))
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
-                warmup(only=only, decode_combos=decode_formats(model))
+            combos = decode_formats(model, moe)
+            # a second compiling process needs memory of its own: not under a budget the user set
+            warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=options.ram_budget is None)
     timing.mark("warmed_up")
     return session

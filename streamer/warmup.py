@@ -14,6 +14,11 @@ tests/test_first_run.py checks that a model run afterwards compiles nothing new.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -522,6 +527,90 @@ def warmup(
     return reports
 
 
+COMPILE_JOBS_ENV = "STREAM_RUN_COMPILE_JOBS"  # processes compiling a first run's kernels (default: up to 2)
+HELPER_TIMEOUT_S = 900.0
+
+
+def compile_jobs() -> int:
+    """How many processes may compile a first run's kernels: STREAM_RUN_COMPILE_JOBS, else the CPUs this
+    process may run on, at most 2 (numba compiles one kernel at a time per process, under a global lock)."""
+    text = os.environ.get(COMPILE_JOBS_ENV, "")
+    if text.strip().isdigit():
+        return max(1, int(text))
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
+def _claim(claims: str, i: int) -> bool:
+    """Take job i of a shared list (the first process to create its claim file runs it)."""
+    try:
+        os.close(os.open(os.path.join(claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _run_claimed(jobs: list[Group], claims: str) -> None:
+    for i, g in enumerate(jobs):
+        if _claim(claims, i):
+            g.run()
+
+
+def warmup_shared(
+    first: Callable[[], None] | None, only, qtypes=None, decode_combos=None, helper_allowed: bool = True
+) -> None:
+    """Compile `first` (this process's own work, e.g. Model.warmup) and the groups named in `only`, with a
+    helper process taking groups from the same list while this one works (compile_jobs() > 1): numba's
+    compiler holds one lock per process, and the helper's machine code reaches this process through numba's
+    on-disk cache (kernels/_cachelock.py makes its saves whole). Each group is then run here too: the ones
+    the helper compiled load from the cache. A helper that fails or cannot start only costs the speed-up.
+    helper_allowed: False where a second process's memory (about 300 MB while it compiles) is not to be had,
+    e.g. under a RAM budget the user set."""
+    jobs = [g for g in groups(qtypes, decode_combos) if g.name in only]
+    helper = None
+    with tempfile.TemporaryDirectory(prefix="stream-run-compile-") as claims:
+        if jobs and helper_allowed and compile_jobs() > 1:
+            spec = {
+                "claims": claims,
+                "only": list(only),
+                "qtypes": None if qtypes is None else sorted(int(q) for q in qtypes),
+                "decode_combos": None
+                if decode_combos is None
+                else {k: [[int(f) for f in c] for c in v] for k, v in decode_combos.items()},
+            }
+            try:
+                helper = subprocess.Popen(
+                    [sys.executable, "-m", "streamer.warmup", json.dumps(spec)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            except OSError:
+                helper = None
+        if first is not None:
+            first()
+        if helper is not None:
+            _run_claimed(jobs, claims)
+            try:
+                helper.wait(HELPER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
+    for g in jobs:  # compiled here, loaded from the helper's cache entries, or compiled now if the helper failed
+        g.run()
+
+
+def _helper_main(argv: list[str]) -> None:
+    """`python -m streamer.warmup SPEC`: the helper process of warmup_shared."""
+    from gguf import GGMLQuantizationType
+
+    spec = json.loads(argv[0])
+    qtypes = None if spec["qtypes"] is None else {GGMLQuantizationType(q) for q in spec["qtypes"]}
+    combos = spec["decode_combos"]
+    combos = None if combos is None else {k: [tuple(c) for c in v] for k, v in combos.items()}
+    jobs = [g for g in groups(qtypes, combos) if g.name in spec["only"]]
+    _run_claimed(jobs, spec["claims"])
+
+
 __all__ = [
     "Group",
     "Report",
@@ -535,4 +624,8 @@ __all__ = [
     "model_kernels",
     "recipe_formats",
     "warmup",
+    "warmup_shared",
 ]
+
+if __name__ == "__main__":
+    _helper_main(sys.argv[1:])
