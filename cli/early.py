@@ -83,6 +83,7 @@ def start(argv: list[str]) -> None:
         if not os.path.isfile(path):
             return
         _read_header_ahead(path)  # the CLI reads the header whatever the flags say: have it on its way
+        from streamer.budget import resolve as resolve_budget
         from streamer.config import ModelConfig
         from streamer.gguf_file import GGUFFile
         from streamer.options import StreamOptions
@@ -96,7 +97,8 @@ def start(argv: list[str]) -> None:
         cfg = ModelConfig.from_gguf(gf)
         timing.mark("header")
         _held.update(path=path, gf=gf, cfg=cfg)
-        ranges, whole = early_plan(gf, cfg, options, n_ctx, rss_margin=RSS_MARGIN)
+        budget = resolve_budget(options.ram_budget)
+        ranges, whole = early_plan(gf, cfg, options, budget, n_ctx, rss_margin=RSS_MARGIN)
         if ranges and gf.mm is not None:
             _held.update(ranges=ranges, pagein=start_pagein_of(gf, ranges, whole))
     except Exception:  # a hint only: the CLI reports whatever is wrong, in its own words

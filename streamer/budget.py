@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import psutil
 
 from streamer.errors import StreamerError
-from streamer.io import human, parse_size
+from streamer.io import human
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,11 @@ def available_memory() -> int:
     return avail if limit is None else min(avail, limit)
 
 
-def default_budget() -> int:
-    return int(DEFAULT_FRACTION * available_memory())
+def resolve(ram_budget: int | None) -> int:
+    """The run's RAM budget in bytes: the one given (StreamOptions parsed its text), else DEFAULT_FRACTION of
+    the memory available now. open_model calls this once and hands the figure down (the CLI's early page-in,
+    a hint before the options are parsed, calls it for its own check)."""
+    return int(DEFAULT_FRACTION * available_memory()) if ram_budget is None else int(ram_budget)
 
 
 @dataclass(frozen=True)
@@ -104,13 +107,11 @@ def plan_at(
     return Plan(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
 
 
-def make_plan(
-    budget: int | str | None, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0
-) -> Plan:
+def make_plan(budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0) -> Plan:
     """paged_in() -> bytes of non-expert weights a page-in has mapped into this process so far: they are in
     its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
     RSS is, so what is mapped meanwhile errs on the safe side)."""
-    b = default_budget() if budget is None else parse_size(budget) if isinstance(budget, str) else int(budget)
+    b = budget
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     mapped = paged_in()
     mem = psutil.Process().memory_info()

@@ -62,7 +62,8 @@ def probe_path(path, direct: bool) -> Path:
 def probe_disk(gf, layout, seconds: float, n_threads: int, progress=None) -> dict:
     """Random whole-expert reads with the runtime's ExpertReader: a third of the time one at a time, the rest
     with n_threads in parallel."""
-    from streamer.experts.store import ExpertReader, aligned_empty
+    from streamer.buffers import aligned_empty
+    from streamer.experts.store import ExpertReader
 
     reader = ExpertReader(gf.files, layout)
     rng = np.random.default_rng()
@@ -309,8 +310,8 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     if trace is not None:
         parts = dict(trace.header["plan"])
     else:
-        import streamer.experts.build  # noqa: F401  the baseline counts what a run has imported when it plans
         import streamer.model  # noqa: F401
+        import streamer.moe_build  # noqa: F401  the baseline counts what a run has imported when it plans
 
         parts = {
             "budget": None,

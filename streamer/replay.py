@@ -2,7 +2,7 @@
 other eviction policies, without the model's weights or any reads.
 
 The simulation is the runtime's own code, not a model of it: the budget plan (budget.plan_at) and slot
-arithmetic (experts/build.cache_slots), the ExpertCache (tiers, reserve for demand reads, experts in use
+arithmetic (experts/cache.cache_slots), the ExpertCache (tiers, reserve for demand reads, experts in use
 never evicted; built without its arena), StreamingSource's request/prefetch/wait/release/drain, and
 the MoE's scheduling loop (experts.source.serve: decode requests all, prefetches the lookahead set, waits,
 releases; prefill keeps a window of requests), with reads replaced by futures that land at once (demand) or at the cache op clock the
@@ -26,8 +26,7 @@ import numpy as np
 
 from streamer.budget import plan_at
 from streamer.errors import StreamerError
-from streamer.experts.build import cache_slots
-from streamer.experts.cache import ExpertCache, grows
+from streamer.experts.cache import ExpertCache, cache_slots, grows
 from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource, serve
 from streamer.experts.usage import choose_pins
 from streamer.moe import apply_top_p

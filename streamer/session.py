@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from streamer import timing
+from streamer.budget import resolve as resolve_budget
 from streamer.config import ModelConfig
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
@@ -178,22 +179,20 @@ def forward_order(gf: GGUFFile, ranges) -> list[tuple[int, int]]:
     return sorted(ranges, key=lambda r: (kinds.get(r[0], 1), r[0]))
 
 
-def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int | None) -> list[tuple[int, int]]:
+def pagein_ranges(gf: GGUFFile, moe: MoEFFN | None, budget: int) -> list[tuple[int, int]]:
     """What to read into RAM up front, in forward order, and never more than the RAM budget keeps resident:
     - streaming: the non-expert weights (the plan counts them in the budget; experts go to the expert cache)
       but the embedding table, unless it is also the output head: each token faults in its own row;
     - a MoE whose plan found every expert fits: the whole file;
     - otherwise (dense, --no-stream): everything used in place if it fits in `budget`
-      (None: the default share of available memory), else nothing (the OS pages it as it is used)."""
-    from streamer.budget import default_budget
-
+      (the run's budget in bytes), else nothing (the OS pages it as it is used)."""
     streaming = moe is not None and moe.source.streams
     ranges = resident_ranges(gf, streaming)
     if streaming and "output.weight" in gf.tensors:  # untied: a prompt needs a few rows of the embedding table
         embd = gf.tensors["token_embd.weight"]
         ranges = [r for r in ranges if r[0] != embd.offset]
     if not streaming and not (moe is not None and moe.plan is not None and moe.plan.fits_resident):
-        if sum(n for _, n in ranges) > (default_budget() if budget is None else budget):
+        if sum(n for _, n in ranges) > budget:
             return []
     return forward_order(gf, ranges)
 
@@ -212,7 +211,7 @@ def advise_pages(gf: GGUFFile) -> None:
     )
 
 
-def start_pagein(session: Session, budget: int | None, early: PageIn | None = None) -> None:
+def start_pagein(session: Session, budget: int, early: PageIn | None = None) -> None:
     """Read what the budget keeps resident in the background, in the order the forward pass needs it, so the
     first token waits for its own bytes only and the rest arrives at the disk's sequential speed. early: the
     page-in open_model started before the kernels loaded (early_ranges); it goes on with the rest."""
@@ -238,14 +237,26 @@ def early_tensors(gf: GGUFFile) -> list:
 
 
 def early_ranges(
-    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0, mapped: int = 0
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    options: StreamOptions,
+    budget: int,
+    n_ctx: int | None,
+    rss_margin: int = 0,
+    mapped: int = 0,
 ) -> list[tuple[int, int]]:
     """What open_model may start reading before any kernel loads: early_plan's ranges."""
-    return early_plan(gf, cfg, options, n_ctx, rss_margin, mapped)[0]
+    return early_plan(gf, cfg, options, budget, n_ctx, rss_margin, mapped)[0]
 
 
 def early_plan(
-    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, rss_margin: int = 0, mapped: int = 0
+    gf: GGUFFile,
+    cfg: ModelConfig,
+    options: StreamOptions,
+    budget: int,
+    n_ctx: int | None,
+    rss_margin: int = 0,
+    mapped: int = 0,
 ) -> tuple[list[tuple[int, int]], bool]:
     """(ranges, whole): what open_model may start reading before any kernel loads, early_tensors in forward
     order, when the budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds
@@ -254,10 +265,7 @@ def early_plan(
     (dense, --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. whole: the plan
     keeps every byte of the file resident, so the page-in may read in 2 MiB pages (PageIn's huge mode).
     mapped: bytes of those weights an early page-in has mapped already (in the RSS as file pages: not the
-    process's own share, as make_plan counts them)."""
-    from streamer.budget import default_budget
-
-    budget = default_budget() if options.ram_budget is None else options.ram_budget
+    process's own share, as make_plan counts them). budget: the run's RAM budget in bytes (budget.resolve)."""
     tensors = early_tensors(gf)
     if cfg.is_moe and options.stream:
         if options.expert_cache_bytes is None:
@@ -285,13 +293,13 @@ def early_plan(
 
 
 def start_early_pagein(
-    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, started=None
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, started=None
 ) -> PageIn | None:
     """Start reading early_ranges in the background (None: nothing to read). started: (ranges, PageIn) a
     caller began before it had the options (the CLI's entry point, cli/early.py): it goes on if it reads
     exactly these ranges, else it is stopped."""
     held = started[1] if started is not None else None
-    ranges, whole = early_plan(gf, cfg, options, n_ctx, mapped=held.done if held is not None else 0)
+    ranges, whole = early_plan(gf, cfg, options, budget, n_ctx, mapped=held.done if held is not None else 0)
     if held is not None:
         if started[0] == ranges:
             if held.huge and not whole:
@@ -340,17 +348,16 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 
 
 def read_model_into_memory(
-    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None, progress=None
+    gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
     """--no-mmap: check that the whole file, the KV cache and the scratch fit the RAM budget (one error line
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    from streamer.budget import default_budget, scratch_bytes
+    from streamer.budget import scratch_bytes
     from streamer.errors import StreamerError
     from streamer.io import human
 
-    budget = default_budget() if options.ram_budget is None else options.ram_budget
     rest = cfg.kv_bytes_per_token * cfg.context(n_ctx) + scratch_bytes(cfg)
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
@@ -394,22 +401,23 @@ def open_model(
         from streamer.errors import StreamerError
 
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
+    budget = resolve_budget(options.ram_budget)  # once: every check below uses this figure
     if options.mmap:
-        early = start_early_pagein(gf, cfg, options, n_ctx, started_pagein)  # before the kernels load
+        early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
     else:
         if started_pagein is not None:
             started_pagein[1].stop()
-        read_model_into_memory(gf, cfg, options, n_ctx, load_progress)
+        read_model_into_memory(gf, cfg, options, budget, n_ctx, load_progress)
         early = None
     try:
-        return _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels)
+        return _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, lazy_kernels)
     except BaseException:
         if early is not None:  # the budget plan refused, Ctrl-C, ...: no reads left running
             early.stop()
         raise
 
 
-def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
+def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
     from streamer import kernels
     from streamer.model import Model
 
@@ -417,23 +425,24 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
     timing.mark("kernels_imported")
     moe = None
     if cfg.is_moe:
-        from streamer.experts.build import build_moe_ffn
+        from streamer.moe_build import build_moe_ffn
 
         paged_in = (lambda: early.done) if early is not None else (lambda: 0)
-        moe = build_moe_ffn(gf, cfg, options, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
-    elif options.ram_budget is not None:
-        warn_dense_budget(gf, cfg, n_ctx, options.ram_budget)
+        moe = build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
+    elif options.ram_budget is not None:  # a budget the user gave
+        warn_dense_budget(gf, cfg, n_ctx, budget)
     watch = None if gf.in_memory else FileWatch([s.path for s in gf.shards])  # a copy: the file may change
     model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=watch)
     session = Session(gf, cfg, model, moe, tokenizer)
     if not gf.in_memory:
         advise_pages(gf)
-        start_pagein(session, options.ram_budget, early)
+        start_pagein(session, budget, early)
     timing.mark("model_built")
     from streamer.warmup import cached, decode_formats, model_kernels, warmup_shared
 
     session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
-    if not (lazy_kernels and cached(session.kernels)):  # compile now, not inside the first token
+    all_cached = cached(session.kernels)
+    if not (lazy_kernels and all_cached):  # compile now, not inside the first token
         with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
             qtypes, only = None, ()
             if cfg.is_moe:  # the multi-expert kernels, or their compile time would land in the first token
@@ -443,7 +452,9 @@ def _open(gf, cfg, options, n_ctx, threads, tokenizer, trace, early, lazy_kernel
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
             combos = decode_formats(model, moe)
-            # a second compiling process needs memory of its own: not under a budget the user set
-            warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=options.ram_budget is None)
+            # a second compiling process: only when there is something to compile, and it needs memory of its
+            # own, so not under a budget the user set
+            helper = not all_cached and options.ram_budget is None
+            warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=helper)
     timing.mark("warmed_up")
     return session

@@ -107,7 +107,7 @@ def test_too_small_budget_names_a_budget_that_works(streaming_moe, monkeypatch):
     layout = ExpertLayout(gf, cfg)
     args = (cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
     with pytest.raises(StreamerError) as err:
-        make_plan("100M", *args)
+        make_plan(100 * 2**20, *args)
     need = float(re.search(r"needs at least ([\d.]+) MiB", str(err.value)).group(1))
     make_plan(int((need + 0.01) * 2**20), *args)  # the printed figure, rounded up to its last digit: accepted
     with pytest.raises(StreamerError):
@@ -214,7 +214,7 @@ def test_pages_a_pagein_mapped_are_not_counted_twice(streaming_moe, monkeypatch)
     gf = GGUFFile(streaming_moe)
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
-    args = ("8G", cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
+    args = (8 * 2**30, cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
     none, some, more = (make_plan(*args, paged_in=lambda n=n: n * MiB) for n in (0, 200, 400))
     assert (none.baseline, some.baseline, more.baseline) == (500 * MiB, 300 * MiB, 200 * MiB)
     assert some.expert_cache - none.expert_cache == 200 * MiB and some.nonexpert == none.nonexpert

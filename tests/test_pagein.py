@@ -16,6 +16,7 @@ import pytest
 from gguf import GGUFReader
 from procfs import vma_fields
 
+from streamer.budget import resolve as resolve_budget
 from streamer.gguf_file import GGUFFile
 from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
 from streamer.options import StreamOptions
@@ -206,7 +207,7 @@ def test_pagein_keeps_to_what_the_budget_keeps_resident(synth_model):
 
     def ranges_for(options):
         with open_model(path, options) as s:
-            return pagein_ranges(s.gf, s.moe, options.ram_budget), s.pagein
+            return pagein_ranges(s.gf, s.moe, resolve_budget(options.ram_budget)), s.pagein
 
     # streaming (an expert cache of four slots): the non-expert weights only, every one of them but the
     # embedding table (a prompt needs a row per token)
@@ -235,7 +236,7 @@ def test_forward_order_and_warmup_progress(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
     names = {int(t.data_offset): t.name for t in GGUFReader(str(path)).tensors}
     with open_model(path, StreamOptions(learn=False, stream=False)) as s:
-        order = [names[o] for o, _ in pagein_ranges(s.gf, s.moe, None)]
+        order = [names[o] for o, _ in pagein_ranges(s.gf, s.moe, resolve_budget(None))]
         seen = []
         p = s.populate(lambda done, total: seen.append((done, total)))
     kinds = ["embd" if n == "token_embd.weight" else "exp" if "_exps." in n else "w" for n in order]
@@ -243,7 +244,7 @@ def test_forward_order_and_warmup_progress(synth_model):
     layers = [int(n.split(".")[1]) for n in order if "_exps." in n]
     assert layers == sorted(layers)  # experts layer by layer, as the forward pass needs them
     assert seen and seen[-1] == (p.total, p.total) and p.done == p.total
-    assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, None))) * PAGE
+    assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, resolve_budget(None)))) * PAGE
 
 
 def test_warmup_progress_lines(capsys):
@@ -294,17 +295,17 @@ def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never
     nonexpert_pages = _covered([(s, n) for s, n, e, rows in ts if not e and not rows])
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    got = early_ranges(gf, cfg, StreamOptions(learn=False, ram_budget=4 * 2**30), None)
+    got = early_ranges(gf, cfg, StreamOptions(learn=False), 4 * 2**30, None)
     assert _covered(got) == nonexpert_pages  # neither an expert nor the embedding table's rows
     # a budget the plan refuses: nothing is read up front, and opening fails with the plan's error
     slot = ExpertLayout(gf, cfg).slot_bytes
     tiny = StreamOptions(learn=False, ram_budget=64 * 2**20)
-    assert early_ranges(gf, cfg, tiny, None) == []
+    assert early_ranges(gf, cfg, tiny, tiny.ram_budget, None) == []
     with pytest.raises(StreamerError, match="too small"):
         open_model(path, tiny)
     # --no-stream under a budget smaller than the weights: nothing (the OS pages them), as pagein_ranges
     total = sum(n for _, n, _, _ in ts)
-    assert early_ranges(gf, cfg, StreamOptions(learn=False, stream=False, ram_budget=total // 2), None) == []
+    assert early_ranges(gf, cfg, StreamOptions(learn=False, stream=False), total // 2, None) == []
     # the session's page-in is the early one, gone on with the rest: streaming, nothing more
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=4 * slot)) as s:
         p = s.populate()

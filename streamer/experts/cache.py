@@ -20,8 +20,8 @@ from concurrent.futures import Future
 
 from cachetools import LRUCache
 
+from streamer.buffers import arena_empty
 from streamer.experts.prefault import Prefaulter
-from streamer.experts.store import arena_empty
 
 PREFAULT = True  # fault in never-used slots ahead of need, on idle CPU (experts/prefault.py); tests turn it off
 
@@ -235,3 +235,12 @@ class ExpertCache:
                 self.used.pop(e.key, None)
                 self.free.append(e.slot)
                 self.n_pinned -= e.pinned
+
+
+def cache_slots(
+    expert_cache_bytes: int, slot_bytes: int, n_layer: int, n_expert: int, n_used: int, pin_share: float
+) -> tuple[int, int]:
+    """(slots, pin capacity) of an expert cache of this many bytes: pins never take the last two layers' worth
+    of slots. The trace replay sizes its simulated caches with this too."""
+    n_slots = min(expert_cache_bytes // slot_bytes, n_layer * n_expert)
+    return n_slots, max(min(int(pin_share * n_slots), n_slots - 2 * n_used), 0)

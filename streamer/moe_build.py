@@ -7,7 +7,7 @@ import logging
 
 from streamer.budget import make_plan
 from streamer.errors import StreamerError
-from streamer.experts.cache import ExpertCache
+from streamer.experts.cache import ExpertCache, cache_slots
 from streamer.experts.source import ResidentSource, StreamingSource
 from streamer.experts.store import ExpertLayout
 from streamer.experts.usage import Usage
@@ -18,17 +18,10 @@ from streamer.profiler import Profiler
 logger = logging.getLogger(__name__)
 
 
-def cache_slots(
-    expert_cache_bytes: int, slot_bytes: int, n_layer: int, n_expert: int, n_used: int, pin_share: float
-) -> tuple[int, int]:
-    """(slots, pin capacity) of an expert cache of this many bytes: pins never take the last two layers' worth
-    of slots. The trace replay sizes its simulated caches with this too."""
-    n_slots = min(expert_cache_bytes // slot_bytes, n_layer * n_expert)
-    return n_slots, max(min(int(pin_share * n_slots), n_slots - 2 * n_used), 0)
-
-
-def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, trace=None, paged_in=lambda: 0) -> MoEFFN:
-    """options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
+def build_moe_ffn(
+    gf, cfg, options: StreamOptions, budget: int, n_ctx: int | None = None, trace=None, paged_in=lambda: 0
+) -> MoEFFN:
+    """budget: the run's RAM budget in bytes (budget.resolve). options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
     options.pin_share of the expert cache is pinned; the rest stays LRU. trace: a path to record the run's
     routing trace to (written when the session closes). paged_in: make_plan's (non-expert bytes a page-in
     started before the plan has mapped)."""
@@ -39,7 +32,7 @@ def build_moe_ffn(gf, cfg, options: StreamOptions, n_ctx: int | None = None, tra
     plan = None
     kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if expert_cache_bytes is None and stream:
-        plan = make_plan(options.ram_budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
+        plan = make_plan(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
         logger.info(plan.line())
         if plan.fits_resident:
             stream = False
