@@ -33,8 +33,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import cgroup  # noqa: E402  (bench/cgroup.py: evict_all)
 
+from streamer.buffers import aligned_empty, arena_empty  # noqa: E402
 from streamer.config import ModelConfig  # noqa: E402
-from streamer.experts.store import ExpertLayout, ExpertReader, aligned_empty, arena_empty  # noqa: E402
+from streamer.experts.store import ExpertLayout, ExpertReader  # noqa: E402
 from streamer.gguf_file import GGUFFile  # noqa: E402
 
 KINDS = {"2 MiB pages": aligned_empty, "4 KiB pages": arena_empty}

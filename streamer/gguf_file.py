@@ -7,6 +7,7 @@ only located, then decoded when somebody asks for them. Constants and sizes stil
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import stat
@@ -510,3 +511,13 @@ class GGUFFile:
     def close(self) -> None:
         self._buf.release()
         self.mm = None
+
+
+def model_key(gf) -> str:
+    """Identity of a model file: hash of its header (metadata + tensor table) and its size. Cheap, and it
+    changes when the file is replaced by a different model."""
+    h = hashlib.sha256()
+    for s in gf.shards:  # every file of a split model (one file: its header, then its size, as always)
+        h.update(gf.mm[s.base : s.base + s.data_start].tobytes())
+        h.update(str(s.size).encode())
+    return h.hexdigest()[:24]

@@ -19,15 +19,7 @@ from streamer.gguf_file import GGUFFile
 from streamer.kernels import QMatrix, decode, ops
 from streamer.kernels.experts import ExpertScratch
 from streamer.kv_cache import KVCache
-
-
-def qmatrix(gf: GGUFFile, name: str, expert: int | None = None) -> QMatrix:
-    """A weight as a zero-copy QMatrix; for a 3-D expert stack, the slab of one expert."""
-    t = gf.tensors[name]
-    if expert is None:
-        return QMatrix(gf.view(name), t.qtype, t.shape[-1], name)
-    return QMatrix(gf.view(name)[expert], t.qtype, t.shape[-1], f"{name}[{expert}]")
-
+from streamer.weights import qmatrix
 
 MATVEC_ROWS = 3  # up to this many rows, one matvec per row beats a dequantized tile (measured on 768x2048)
 

@@ -26,7 +26,8 @@ from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, exper
 from streamer.kernels.gemm import TILE
 from streamer.kernels.grouped import grouped_down, grouped_gate_up, grouped_matmul, prepare_rows, scatter_add
 from streamer.kernels.routing import topk_softmax
-from streamer.model import MATVEC_ROWS, linear, qmatrix
+from streamer.model import MATVEC_ROWS, linear
+from streamer.weights import qmatrix
 
 
 def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -99,7 +100,7 @@ class Router:
 # 2-token lanes read each weight row once for both tokens (7.0 ns per (row, token, super-block) against the row
 # dots' 19.5 in bench/lanes_bench.py --min 1 --max 3, loaded machine), but on the 17 GB 30B-A3B file a 32-token
 # prefill (nearly every expert with 1-3 tokens) ran 13.2-15.9 tok/s that way against 14.2-16.4 with the row dots
-# (fifth session, noisy), so the row dots keep them.
+# (2026-12-01, noisy), so the row dots keep them.
 GROUPED_MAX = MATVEC_ROWS
 GROUPED_MAX_LANES = GROUPED_MAX
 

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
+from streamer.budget import scratch_bytes
 from streamer.errors import StreamerError
+from streamer.gguf_file import model_key
 from streamer.io import atomic_write
 
 FORMAT = "stream-run-trace"
@@ -66,11 +69,6 @@ GROUPS = {"c": "calls", "r": "routes", "l": "lookahead", "q": "requests", "p": "
 
 def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usage) -> dict:
     """Everything a replay needs besides the arrays: the model's identity and geometry and the run's setup."""
-    import psutil
-
-    from streamer.budget import scratch_bytes
-    from streamer.experts.usage import model_key
-
     cache = getattr(ffn.source, "cache", None)
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     # what the budget pays for besides the expert cache: the run's own plan, or (a cache sized directly, or
@@ -354,7 +352,6 @@ def _check(t: Trace) -> None:
 
 def check_model(trace: Trace, gf) -> None:
     """The trace must be of this very model (header hash and size), or one error line."""
-    from streamer.experts.usage import model_key
 
     m = trace.header["model"]
     if m.get("key") != model_key(gf) or m.get("size") != gf.size:

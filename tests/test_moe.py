@@ -103,7 +103,7 @@ def test_the_arena_is_page_aligned_in_small_pages():
     """O_DIRECT reads land in the arena (4 KiB alignment), and its mapping is private (no "sh" flag: not
     tmpfs pages, whose faults and teardown were slower) and advised MADV_NOHUGEPAGE (the kernel's "nh" flag): a
     2 MiB page's first fault ran 2-8x slower than 4 KiB faults on a VM that lent its free memory back
-    (store.arena_empty)."""
+    (buffers.arena_empty)."""
     from streamer.experts.cache import ExpertCache
 
     cache = ExpertCache(n_slots=24, slot_bytes=3 * 2**20)
@@ -118,7 +118,7 @@ def test_the_arena_is_page_aligned_in_small_pages():
 def test_an_arena_too_large_to_map_is_a_memory_error():
     """The CLI turns MemoryError into one line that suggests a smaller budget (np.empty raised it; mmap's
     ENOMEM would have been a bare OSError)."""
-    from streamer.experts.store import arena_empty
+    from streamer.buffers import arena_empty
 
     with pytest.raises(MemoryError, match="expert cache"):
         arena_empty(1 << 62)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from procfs import rss_bytes
 
+from streamer.buffers import arena_empty
 from streamer.experts.prefault import Prefaulter
-from streamer.experts.store import arena_empty
 
 pytestmark = pytest.mark.skipif(
     not (os.path.exists("/proc/self/smaps") and hasattr(os, "SCHED_IDLE")), reason="Linux only"

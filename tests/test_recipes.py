@@ -12,7 +12,8 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader, LlamaFileType
 from reference import Reference
 
-from streamer.experts.store import ALIGN, ExpertLayout
+from streamer.buffers import ALIGN
+from streamer.experts.store import ExpertLayout
 from streamer.options import StreamOptions
 from streamer.session import open_model
 from streamer.synth.writer import spec_for, typed_tensors

@@ -108,7 +108,7 @@ def test_populate_advise_and_watch_cover_every_shard(models, monkeypatch):
 
 
 def test_usage_key_counts_every_shard(models, tmp_path):
-    from streamer.experts.usage import model_key
+    from streamer.gguf_file import model_key
 
     _, by_size, _ = models
     k1 = model_key(GGUFFile(by_size))

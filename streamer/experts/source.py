@@ -22,8 +22,8 @@ from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
 from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
 from streamer.kernels import QMatrix
-from streamer.model import qmatrix
 from streamer.profiler import Profiler
+from streamer.weights import qmatrix
 
 DEMAND, PREFETCH = 0, 1
 PINNED, LRU, PREFETCHED, MISS = 0, 1, 2, 3  # how a request was served (the trace's tier codes)

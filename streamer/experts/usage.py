@@ -6,7 +6,6 @@ routing would give (mean + 4 standard deviations of a Poisson count, and at leas
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from streamer.gguf_file import model_key
 from streamer.io import atomic_write
 
 FORMAT = "stream-run-usage/1"
@@ -26,16 +26,6 @@ def cache_dir() -> Path:
     if os.environ.get("STREAM_RUN_CACHE"):
         return Path(os.environ["STREAM_RUN_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stream-run"
-
-
-def model_key(gf) -> str:
-    """Identity of a model file: hash of its header (metadata + tensor table) and its size. Cheap, and it
-    changes when the file is replaced by a different model."""
-    h = hashlib.sha256()
-    for s in gf.shards:  # every file of a split model (one file: its header, then its size, as always)
-        h.update(gf.mm[s.base : s.base + s.data_start].tobytes())
-        h.update(str(s.size).encode())
-    return h.hexdigest()[:24]
 
 
 def sidecar_path(gf) -> Path:

@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import types
 
 from ._bits import intrinsic
-from .activations import XD_MAX
+from .activations import XD1_MAX, XD_MAX
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales
 
 ROWS = 32  # weight rows per tile: two 16-lane halves
@@ -384,7 +384,62 @@ for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
             globals()[f"gemm_{_isa}_{_d}_{_g}_{_m}"] = _gemm_intrinsic(N_TOK, _g, _m, _dp, _d)
 
 
-# ---- activation digits in the tile kernel's layout: one 32-element group per call, vectorized ------------
+# ---- activation digits: one 32-element group per call, vectorized (simd_vnni's quantizers use them too) --
+
+
+def _vcall(e, name, v):
+    """A one-argument LLVM vector intrinsic (llvm.fabs / llvm.rint) on v."""
+    return e.b.call(e.declare(f"{name}.v{v.type.count}f32", v.type, [v.type]), [v])
+
+
+def int_sum(e, v):
+    """The sum of an integer vector's lanes (a tree: exact while it fits)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = e.b.add(e.shuffle(v, v, list(range(n))), e.shuffle(v, v, list(range(n, 2 * n))))
+    return e.b.extract_element(v, I32(0))
+
+
+def abs_max(e, a):
+    """The largest lane of a (|x| values): exact, a tree of maxima."""
+    bb = e.b
+    n = a.type.count
+    while n > 1:
+        n //= 2
+        lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
+        a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
+    return bb.extract_element(a, I32(0))
+
+
+def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
+    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as
+    <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32,
+    a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
+    dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
+    float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
+    offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, 2026-12-02;
+    tests/test_int8.py and test_decode_digits.py check the bound). amax: the scale's max|x| if the
+    caller took it over more than the group (digits256: one per super-block). Shared by digits32 and
+    digits256 (simd_vnni) and digits_i8 (here), which store the digits in their layouts."""
+    bb = e.b
+    c = lambda k: ir.Constant(I64, k)  # noqa: E731
+    v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
+    if amax is None:
+        amax = abs_max(e, _vcall(e, "llvm.fabs", v))
+    lv = ir.Constant(F32, float(levels))
+    gi = bb.mul(g, c(4))
+    dx = bb.fdiv(amax, lv)
+    bb.store(dx, e.ptr(dxb, gi, F32), align=4)
+    inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
+    q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
+    if levels == XD1_MAX:  # one digit: the sum of the rounded x (an exact int32 sum, one f32 rounding)
+        bb.store(bb.fmul(bb.sitofp(int_sum(e, q), F32), dx), e.ptr(xsb, gi, F32), align=4)
+    else:
+        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
+    k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
+    lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
+    return q, bb.ashr(bb.sub(q, lo), k8), lo
 
 
 @intrinsic
@@ -403,8 +458,6 @@ def digits_i8(typingctx, x, xq, dx, xs, xc, g, off):
         return None
 
     def codegen(context, builder, sig, args):
-        from .simd_vnni import group_digits, int_sum
-
         e = _Emit(context, builder)
         bb = builder
         x_, xq_, dx_, xs_, xc_, g_, off_ = args

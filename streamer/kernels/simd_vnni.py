@@ -34,7 +34,7 @@ The same bodies can sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubs
 the nibbles, so the same int32 lanes and the same bits as vpdpbusd (tests/test_decode_digits.py checks them against
 each other where both run). The one-digit decode uses that where the CPU has no AVX512-VNNI; the two-digit decode
 there uses simd_avx2.py's body instead, which folds the sub-block scales into vpmaddwd over one activation scale
-per super-block (1.16-1.19x this AVX2 body on 2 Zen 3 cores, nineteenth session). simd_avx2.q4_k_digit_dot is the
+per super-block (1.16-1.19x this AVX2 body on 2 AVX2-only AMD EPYC cores, 2026-12-03). simd_avx2.q4_k_digit_dot is the
 decode's choice. int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a
 cached kernel: the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when
 given the activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16
@@ -49,7 +49,7 @@ from numba import types
 from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
 from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _kquant_mins, _row_intrinsic
-from .simd_i8 import _dp_vnni
+from .simd_i8 import _dp_vnni, _vcall, abs_max, group_digits
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
 SB_BYTES1 = 256  # ... with one digit per element: [h = 0, 1][nibble n = lo, hi][64 bytes], elements as above
@@ -168,31 +168,6 @@ def row_dots(isa):
 # ---- activation digits: one 32-element group per call, vectorized -------------------------------------
 
 
-def _vcall(e, name, v):
-    """A one-argument LLVM vector intrinsic (llvm.fabs / llvm.rint) on v."""
-    return e.b.call(e.declare(f"{name}.v{v.type.count}f32", v.type, [v.type]), [v])
-
-
-def int_sum(e, v):
-    """The sum of an integer vector's lanes (a tree: exact while it fits)."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        v = e.b.add(e.shuffle(v, v, list(range(n))), e.shuffle(v, v, list(range(n, 2 * n))))
-    return e.b.extract_element(v, I32(0))
-
-
-def abs_max(e, a):
-    """The largest lane of a (|x| values): exact, a tree of maxima."""
-    bb = e.b
-    n = a.type.count
-    while n > 1:
-        n //= 2
-        lo_, hi_ = e.shuffle(a, a, list(range(n))), e.shuffle(a, a, list(range(n, 2 * n)))
-        a = bb.select(bb.fcmp_ordered(">", hi_, lo_), hi_, lo_)
-    return bb.extract_element(a, I32(0))
-
-
 def store_digits(e, xdb, g, digits, q, hi, lo):
     """Group g's digits (hi and lo, or q alone) at their digit_offset bytes of the buffer at xdb (SB_BYTES or
     SB_BYTES1 per super-block)."""
@@ -204,36 +179,6 @@ def store_digits(e, xdb, g, digits, q, hi, lo):
     at = bb.add(at, bb.add(bb.mul(bb.and_(j, c(1)), c(64 * digits)), bb.mul(bb.and_(bb.lshr(j, c(1)), c(1)), c(32))))
     for k, v in enumerate((hi, lo) if digits == 2 else (q,)):
         bb.store(bb.trunc(v, V(I8, 32)), e.ptr(xdb, e.off(at, 64 * k), V(I8, 32)), align=1)
-
-
-def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
-    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as
-    <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32,
-    a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
-    dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
-    float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
-    offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, twelfth
-    session; tests/test_int8.py and test_decode_digits.py check the bound). amax: the scale's max|x| if the
-    caller took it over more than the group (digits256: one per super-block). Shared by digits32 and
-    digits256 (here) and simd_i8.digits_i8, which store the digits in their layouts."""
-    bb = e.b
-    c = lambda k: ir.Constant(I64, k)  # noqa: E731
-    v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)
-    if amax is None:
-        amax = abs_max(e, _vcall(e, "llvm.fabs", v))
-    lv = ir.Constant(F32, float(levels))
-    gi = bb.mul(g, c(4))
-    dx = bb.fdiv(amax, lv)
-    bb.store(dx, e.ptr(dxb, gi, F32), align=4)
-    inv = bb.select(bb.fcmp_ordered(">", amax, ir.Constant(F32, 0.0)), bb.fdiv(lv, amax), ir.Constant(F32, 0.0))
-    q = bb.fptosi(_vcall(e, "llvm.rint", bb.fmul(v, e.splat(inv, 32))), V(I32, 32))
-    if levels == XD1_MAX:  # one digit: the sum of the rounded x (an exact int32 sum, one f32 rounding)
-        bb.store(bb.fmul(bb.sitofp(int_sum(e, q), F32), dx), e.ptr(xsb, gi, F32), align=4)
-    else:
-        bb.store(e.hsum(v), e.ptr(xsb, gi, F32), align=4)
-    k128, k255, k8 = (e.const(I32, 32, k) for k in (128, 255, 8))
-    lo = bb.sub(bb.and_(bb.add(q, k128), k255), k128)
-    return q, bb.ashr(bb.sub(q, lo), k8), lo
 
 
 def buffer_digits(x, xd, dx, xs):
