@@ -3,6 +3,7 @@ the oracles the tests compare against are not)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,10 +13,68 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 
 def pytest_sessionstart(session):
-    """Kernel sources edited in place: drop their stale numba cache before any test loads a kernel."""
+    """Kernel sources edited in place: drop their stale numba cache before any test loads a kernel. Under
+    pytest-xdist, the controller then compiles the kernels most tests share (the common formats' groups of
+    streamer/warmup.py) in two processes before the workers start, so the workers load them from numba's
+    cache instead of each compiling them at once."""
     from streamer.kernels._cache import drop_stale_numba_cache
 
     drop_stale_numba_cache()
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        _compile_common_kernels()
+
+
+def _compile_common_kernels() -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from streamer import warmup
+    from streamer.kernels.experts import FORMATS
+
+    qtypes = {T.Q8_0, T.Q4_K, T.Q6_K}
+    codes = sorted(FORMATS[q] for q in qtypes)
+    combos = {
+        "decode": [(f,) * 4 for f in codes],
+        "decode-ffn": [(f,) * 3 for f in codes],
+        "decode-moe": [(-1, f, f) for f in codes],
+    }
+    names = [g.name for g in warmup.groups(qtypes, combos)]
+    warmup.warmup_shared(None, names, qtypes, combos)
+
+
+# ---- test tiers: the default run (fast) and `-m slow` (the exhaustive cases) ----
+# The fast tier's cost is numba compiling: each weight format outside kernels/specialise.SPECIALISED, each other
+# instruction set and each other activation kind compiles kernels of its own. So a case parametrised over those runs
+# in the fast tier for the formats real uploads use (Q8_0, Q4_K, Q6_K, the float types, the Q4_K_M mix), for this
+# CPU's own kernels, and every other combination in the slow tier.
+FAST_FORMATS = {"F32", "F16", "BF16", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"}
+SLOW_VARIANTS = {"digit", "int16"}  # decode activation kinds a VNNI/AVX2 CPU does not run by default
+
+
+def _formats() -> set[str]:
+    from gguf import GGMLQuantizationType
+
+    from streamer.synth.recipes import RECIPES
+
+    return {t.name for t in GGMLQuantizationType} | set(RECIPES)
+
+
+def _tier_slow(tokens: set[str], formats: set[str], host_int8: bool, host_digits: bool) -> bool:
+    if (tokens & formats) - FAST_FORMATS:
+        return True
+    if host_int8 and "generic" in tokens:  # the portable fallback of a kernel this CPU runs natively
+        return True
+    return host_digits and bool(tokens & SLOW_VARIANTS)
+
+
+def pytest_collection_modifyitems(config, items):
+    from streamer.kernels import int8
+
+    formats = _formats()
+    host_int8, host_digits = int8.ISA is not None, int8.DECODE_ISA is not None
+    for item in items:
+        m = re.search(r"\[(.*)\]$", item.name)
+        if m and _tier_slow(set(re.split(r"[-,\s]", m.group(1))), formats, host_int8, host_digits):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -89,6 +89,7 @@ def test_matvec_of_a_strided_x(kind):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 @needs_digits
 @pytest.mark.parametrize("qtype", DIGIT_TYPES, ids=[t.name for t in DIGIT_TYPES])
 def test_digits_are_at_least_as_accurate_as_int16(qtype):

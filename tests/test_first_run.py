@@ -184,6 +184,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 def test_warmup_compiles_every_kernel_a_run_uses(synth_model, tmp_path):
     from streamer.kernels.dispatch import SUPPORTED
 

@@ -102,6 +102,7 @@ def test_two_digits_are_finer_than_one():
     assert err[2] * 50 < err[1]
 
 
+@pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs only the generic kernel")
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
 def test_vnni_and_generic_agree(qtype):

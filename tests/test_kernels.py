@@ -335,6 +335,7 @@ def _mxfp4_from_the_spec(raw: np.ndarray) -> np.ndarray:
     return (scale[:, None] * sign * mag).reshape(raw.shape[0], -1)
 
 
+@pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 @pytest.mark.parametrize("regime", ["normal", "extreme"])
 def test_mxfp4_against_the_format_definition(regime):
     rng = np.random.default_rng(11)

@@ -61,6 +61,7 @@ def test_lanes_against_oracle(n_out, n_in, isa, regime):
             assert np.all(got[t == 3] == 0)
 
 
+@pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 def test_lanes_isas_agree_and_token_independent():
     """vpdpbusd, its AVX2 form, the AMX tiles and the generic dot form the same integer sums (results agree to f32
     rounding; AVX2's and the generic dot's, same lanes, are the same bits); a token's result does not depend on
