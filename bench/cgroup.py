@@ -40,7 +40,7 @@ def settle(quiet: float, limit: float = 180.0, counter: str = REPORTED, poll: fl
     reported nothing for `quiet` seconds, at most `limit` seconds in all: (seconds waited, MiB reported meanwhile).
     On a VM whose kernel does this, the memory a run frees (llama.cpp's 17 GB of repacked weights) is reported for
     20-25 s after it exits, and the host's work on it shows in the next run as CPU steal and stalled steps
-    (bench/RESULTS.md, twenty-second session). Where the counter is missing (another kernel, not a VM) it returns
+    (bench/RESULTS.md, 2026-12-04). Where the counter is missing (another kernel, not a VM) it returns
     (0, 0) at once."""
 
     def read() -> int:

@@ -30,7 +30,7 @@ the memory bandwidth of its moment (on the KVM guest of the sixth to twelfth ses
 ~50 GB/s within a minute). Each run then also prints its decode as a share of that read (tok/s x bytes per
 token / read GB/s), and the summary splits the rounds at --slow-gb-s: where the read is slow every decoder of
 the same bytes is near memory-bound, and the ratio between them is bounded by their shares of the read. Measured
-in the thirteenth session (bench/RESULTS.md): over 28 runs of each engine the read after a run did not predict
+on 2026-12-02 (bench/RESULTS.md): over 28 runs of each engine the read after a run did not predict
 its decode (correlation 0.14 for stream-run, -0.05 for llama.cpp), so the split says little on this VM; the
 per-run step spread (stream-run's) and steal are the other clues printed.
 Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others) and,

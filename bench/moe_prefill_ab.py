@@ -4,7 +4,7 @@ router on random hidden states), under two or more splits of the experts between
 model resident. A split is NAME=GROUPED_MAX,LANES_MAX[,ISA]: experts with at most GROUPED_MAX tokens by the int16 row
 dots, then up to LANES_MAX by lanes.grouped (on ISA: vnni or amx; default lanes.best_isa's), the rest by the
 integer tiles. Default: "rowdots=3,16" (the
-1..3-token experts by row dots: the fourth session) against "lanes=0,16" (every expert up to 16 tokens in lanes).
+1..3-token experts by row dots, the default since 2026-12-01) against "lanes=0,16" (every expert up to 16 tokens in lanes).
 
     python bench/moe_prefill_ab.py /work/models/qwen3-30b-a3b-4L-Q4_K.gguf [-m 128] [-t 2] [--rounds 7]
     python bench/moe_prefill_ab.py MODEL --split tiles=3,0 --split lanes=3,16

@@ -90,7 +90,7 @@ def test_gguf_metadata_is_what_the_converter_writes(qwen_path):
 
 def test_matches_llama_cpp(tok):
     """Ids, decoded pieces of all 151,936 tokens, EOG set and BOS/EOS policy as llama.cpp itself produced them
-    (tests/tok_llama_golden.json, from llama-cpp-python; regenerate: /opt/dev/bin/python tests/tok_fixtures.py)."""
+    (tests/tok_llama_golden.json, from llama-cpp-python; regenerate: python tests/tok_fixtures.py)."""
     g = json.loads(LLAMA_GOLDEN.read_text(encoding="utf-8"))
     for text, ids in zip(g["texts"], g["ids"], strict=True):
         ours = tok.encode_raw(text)

@@ -355,7 +355,7 @@ def golden_texts() -> list[str]:
 
 def write_llama_golden(llama_python: str = "/opt/llamavenv/bin/python") -> None:
     """Regenerate tests/tok_llama_golden.json with llama.cpp (llama-cpp-python in another venv):
-    /opt/dev/bin/python tests/tok_fixtures.py [LLAMA_PYTHON]"""
+    python tests/tok_fixtures.py [LLAMA_PYTHON]"""
     import subprocess
     import tempfile
 

@@ -6,7 +6,7 @@ activation rows. The register block is chosen for the host's vector registers, o
 - 4x4 (16 accumulators, 8 vectors loaded per 16 FMAs) where there are 32 (AVX-512, and other targets);
 - 4x3 (12 accumulators, 7 loads per 12 FMAs) on x86 without AVX-512, whose 16 ymm registers cannot hold
   the 4x4 block's 24 live vectors: LLVM spilled 6 accumulators to the stack inside the K loop, and the 4x4
-  block ran at 77-83 GFLOP/s on 2 Zen 3 cores where 4x3 ran at 119-123 (bench/RESULTS.md, sixteenth session).
+  block ran at 77-83 GFLOP/s on 2 AVX2-only AMD EPYC cores where 4x3 ran at 119-123 (bench/RESULTS.md, 2026-12-03).
 Both compute every output as a vectorised f32 dot along K, but not to the same last bits (LLVM orders each
 block's sums its own way); only one runs on a given CPU. The choice depends on the CPU alone, which is part of
 numba's cache key, so a cached caller cannot hold the other.

@@ -253,9 +253,8 @@ def host_isa() -> str | None:
 def best_isa(isa: str | None) -> str | None:
     """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: vpdpbusd, or the AMX
     tiles in its place where usable and asked for (STREAM_RUN_AMX=1; a forced "generic" stays generic). Not the
-    default: on the 17 GB 30B-A3B file (Emerald Rapids VM, 2 threads, fifth session) the tiles prefilled 32 tokens
-    at 7.5-12.8 tok/s against 13.2-16.4 with vpdpbusd, and 128 tokens no faster (19.0 against 20.4, medians of 3,
-    noisy), although the 4-layer file's MoE FFN steered 1.45x (bench/RESULTS.md, "Fifth session")."""
+    default: on the 17 GB 30B-A3B file (Intel Xeon with AMX, 2 threads, 2026-12-01) the tiles prefilled 32 tokens
+    slower than vpdpbusd (7.5-12.8 against 13.2-16.4 tok/s) and 128 tokens no faster (bench/RESULTS.md)."""
     return "amx" if isa == "vnni" and os.environ.get("STREAM_RUN_AMX", "").strip() == "1" and simd_amx.enable() else isa
 
 

@@ -1,7 +1,7 @@
 """The attention's inner products as numba intrinsics (ops.attention): scores q.k over blocks of 16 (head,
 position) pairs with one transposed reduction, and the value sums p.V with the output rows held in registers.
 
-Plain numba loops (the earlier ops.attention) spent 80-100 cycles per (head, position) at head_dim 128 on Zen 4:
+Plain numba loops (the earlier ops.attention) spent 80-100 cycles per (head, position) at head_dim 128 (AMD EPYC Zen 4):
 each score ended in its own horizontal sum of a 16-lane vector, and each value row was added into `out` through
 memory. Here:
 - `qk{H}`: H query heads x P = 16 / H consecutive cached positions. Per 16 elements of head_dim: H loads of q,
