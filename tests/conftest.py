@@ -37,8 +37,8 @@ def _compile_common_kernels() -> None:
         "decode-ffn": [(f,) * 3 for f in codes],
         "decode-moe": [(-1, f, f) for f in codes],
     }
-    names = [g.name for g in warmup.groups(qtypes, combos)]
-    warmup.warmup_shared(None, names, qtypes, combos)
+    # common_groups: not the other ISA's integer kernels, nor the f32 expert tiles where an integer kernel runs
+    warmup.warmup_shared(None, warmup.common_groups(qtypes), qtypes, combos)
 
 
 # ---- test tiers: the default run (fast) and `-m slow` (the exhaustive cases) ----
