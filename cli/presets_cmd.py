@@ -15,7 +15,7 @@ def presets() -> None:
     your own."""
     from streamer.budget import DEFAULT_FRACTION, available_memory
     from streamer.io import human, parse_size
-    from streamer.options import PRESET_KEYS, available_presets, describe_preset
+    from streamer.options import PRESET_KEYS, StreamOptions, available_presets, describe_preset
 
     entries = [(name, *describe_preset(name)) for name in available_presets()]
     # share-of-memory presets first (by share), then the fixed budgets (by size)
@@ -36,14 +36,15 @@ def presets() -> None:
         )
         print(f"  {name:<{width}}  {description}")
         print(f"  {'':<{width}}  {settings}")
+    d = StreamOptions()  # the defaults an unset key keeps, from the one place they are set
     print()
     print(
         textwrap.fill(
             f"Memory available now: {human(avail)} (the cgroup limit included). Your own preset: --preset "
             f'PATH.toml, a TOML file anywhere, with any of: {", ".join(PRESET_KEYS)}. ram_budget is a size ("7G"); '
             "budget_fraction (0 < f <= 1) is a share of the memory available when the model opens; give one or "
-            f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch true, "
-            "expert_top_p 1.0, pin_share 0.5, readers 4).",
+            f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch "
+            f"{_value(d.prefetch)}, expert_top_p {d.expert_top_p}, pin_share {d.pin_share}, readers {d.readers}).",
             100,
         )
     )

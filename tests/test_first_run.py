@@ -125,6 +125,11 @@ def test_profiles_command_lists_every_builtin():
         for k in opts:
             assert f"{k}=" in r.stdout
     assert "--preset PATH.toml" in r.stdout and "budget_fraction" in r.stdout
+    # the defaults it states are StreamOptions' own (it once said readers 4 where the default is 8)
+    d = StreamOptions()
+    text = " ".join(r.stdout.split())
+    for k in ("expert_top_p", "pin_share", "readers"):
+        assert f"{k} {getattr(d, k)}" in text, k
 
 
 def test_profile_help_names_the_builtins():
