@@ -577,24 +577,31 @@ def warmup_shared(
                 if decode_combos is None
                 else {k: [[int(f) for f in c] for c in v] for k, v in decode_combos.items()},
             }
+            # run from this package's parent directory: `-m` puts the working directory first on sys.path, so the
+            # helper imports this very package, not another `streamer` the caller's directory may hold
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             try:
                 helper = subprocess.Popen(
                     [sys.executable, "-m", "streamer.warmup", json.dumps(spec)],
+                    cwd=root,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
             except OSError:
                 helper = None
-        if first is not None:
-            first()
-        if helper is not None:
-            _run_claimed(jobs, claims)
-            try:
+        try:
+            if first is not None:
+                first()
+            if helper is not None:
+                _run_claimed(jobs, claims)
                 helper.wait(HELPER_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
+        except BaseException:  # Ctrl-C, an error, or a helper past its time: it does not outlive this call
+            if helper is not None and helper.poll() is None:
                 helper.kill()
                 helper.wait()
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
     for g in jobs:  # compiled here, loaded from the helper's cache entries, or compiled now if the helper failed
         g.run()
 
