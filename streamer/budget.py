@@ -111,28 +111,27 @@ def make_plan(budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes
     """paged_in() -> bytes of non-expert weights a page-in has mapped into this process so far: they are in
     its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
     RSS is, so what is mapped meanwhile errs on the safe side)."""
-    b = budget
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     mapped = paged_in()
     mem = psutil.Process().memory_info()
     baseline = mem.rss - min(mapped, getattr(mem, "shared", 0))  # mapped model pages are file-backed (RssFile)
-    plan = plan_at(b, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
+    plan = plan_at(budget, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget
         rest = plan.baseline + nonexpert + kv_bytes + plan.scratch + need_cache
         need = -(-(rest + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
         raise StreamerError(
-            f"--ram-budget {human(b)} is too small for this model: it needs at least {human(need)} "
+            f"--ram-budget {human(budget)} is too small for this model: it needs at least {human(need)} "
             f"(process {human(plan.baseline)} + non-expert weights {human(nonexpert)} + KV cache "
             f"{human(kv_bytes)} + scratch {human(plan.scratch)} + one layer's {cfg.n_expert_used} "
             f"experts {human(need_cache)}, plus a margin of 64 MiB + 1/32 of the budget); "
             f"lower -c/--ctx-size or raise the budget"
         )
     can_have = plan.baseline + available_memory()
-    if b > can_have and not plan.fits_resident:
+    if budget > can_have and not plan.fits_resident:
         logger.warning(
-            f"--ram-budget {human(b)} is more than this process can have ({human(can_have)}: what it "
+            f"--ram-budget {human(budget)} is more than this process can have ({human(can_have)}: what it "
             f"holds plus the memory available, cgroup limit included); the expert cache would outgrow "
             f"RAM and the run may be OOM-killed"
         )

@@ -214,7 +214,7 @@ def advise_pages(gf: GGUFFile) -> None:
 def start_pagein(session: Session, budget: int, early: PageIn | None = None) -> None:
     """Read what the budget keeps resident in the background, in the order the forward pass needs it, so the
     first token waits for its own bytes only and the rest arrives at the disk's sequential speed. early: the
-    page-in open_model started before the kernels loaded (early_ranges); it goes on with the rest."""
+    page-in open_model started before the kernels loaded (early_plan); it goes on with the rest."""
     from streamer.pagein import PageIn
 
     ranges = pagein_ranges(session.gf, session.moe, budget)
@@ -234,19 +234,6 @@ def early_tensors(gf: GGUFFile) -> list:
     also the output head (a prompt needs a few of its rows)."""
     untied = "output.weight" in gf.tensors
     return [t for t in gf.tensors.values() if "_exps." not in t.name and not (untied and t.name == "token_embd.weight")]
-
-
-def early_ranges(
-    gf: GGUFFile,
-    cfg: ModelConfig,
-    options: StreamOptions,
-    budget: int,
-    n_ctx: int | None,
-    rss_margin: int = 0,
-    mapped: int = 0,
-) -> list[tuple[int, int]]:
-    """What open_model may start reading before any kernel loads: early_plan's ranges."""
-    return early_plan(gf, cfg, options, budget, n_ctx, rss_margin, mapped)[0]
 
 
 def early_plan(
@@ -295,7 +282,7 @@ def early_plan(
 def start_early_pagein(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, started=None
 ) -> PageIn | None:
-    """Start reading early_ranges in the background (None: nothing to read). started: (ranges, PageIn) a
+    """Start reading early_plan's ranges in the background (None: nothing to read). started: (ranges, PageIn) a
     caller began before it had the options (the CLI's entry point, cli/early.py): it goes on if it reads
     exactly these ranges, else it is stopped."""
     held = started[1] if started is not None else None

@@ -596,12 +596,12 @@ def warmup_shared(
             if helper is not None:
                 _run_claimed(jobs, claims)
                 helper.wait(HELPER_TIMEOUT_S)
-        except BaseException:  # Ctrl-C, an error, or a helper past its time: it does not outlive this call
+        except subprocess.TimeoutExpired:
+            pass  # what it has not saved is compiled below
+        finally:  # Ctrl-C, an error, or a helper past its time: it does not outlive this call
             if helper is not None and helper.poll() is None:
                 helper.kill()
                 helper.wait()
-            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-                raise
     for g in jobs:  # compiled here, loaded from the helper's cache entries, or compiled now if the helper failed
         g.run()
 

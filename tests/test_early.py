@@ -15,7 +15,7 @@ import pytest
 
 from streamer.cli import early
 from streamer.options import StreamOptions
-from streamer.session import early_ranges, open_model
+from streamer.session import early_plan, open_model
 
 STREAM_RUN = Path(sys.executable).parent / "stream-run"
 
@@ -57,7 +57,7 @@ def test_started_early_then_adopted_and_logits_unchanged(synth_model):
     gf, cfg = early.take_file(path)
     assert early.take_file(Path(str(path) + "x")) is None  # another path: not this one
     options = StreamOptions(learn=False, ram_budget=4 * 2**30)
-    assert early._held["ranges"] == early_ranges(gf, cfg, options, options.ram_budget, None)
+    assert early._held["ranges"] == early_plan(gf, cfg, options, options.ram_budget, None)[0]
     ids = np.array([3, 17, 5, 9])
     with open_model(gf, options, started_pagein=early.take_pagein(gf)) as s:
         assert s.pagein is p  # the same page-in, gone on with the rest of what the budget keeps
@@ -75,7 +75,7 @@ def test_refused_budget_reads_nothing_early_and_other_ranges_stop_the_hint(synth
     assert "gf" in early._held and "pagein" not in early._held
     # the margin for the imports still to come: a budget that passes only without it starts nothing
     gf, cfg = early.take_file(path)
-    assert early_ranges(gf, cfg, StreamOptions(), 4 * 2**30, None, rss_margin=2**40) == []
+    assert early_plan(gf, cfg, StreamOptions(), 4 * 2**30, None, rss_margin=2**40)[0] == []
     # the entry point guessed a budget open_model's own check disagrees with: the early reads stop
     early.start(["stream-run", "run", str(path), "--ram-budget", "4G"])
     p = early._held["pagein"]
@@ -162,6 +162,6 @@ def test_pages_the_early_page_in_mapped_are_not_the_process_s_own(synth_model, m
     monkeypatch.setattr(psutil.Process, "memory_info", lambda self: mem)
     options = StreamOptions(learn=False, ram_budget=budget)
     assert (
-        early_ranges(gf, cfg, options, options.ram_budget, None) == []
+        early_plan(gf, cfg, options, options.ram_budget, None)[0] == []
     )  # the mapped pages counted as the process's own
-    assert early_ranges(gf, cfg, options, options.ram_budget, None, mapped=mapped) != []
+    assert early_plan(gf, cfg, options, options.ram_budget, None, mapped=mapped)[0] != []

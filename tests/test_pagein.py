@@ -288,24 +288,24 @@ def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never
     from streamer.config import ModelConfig
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
-    from streamer.session import early_ranges
+    from streamer.session import early_plan
 
     path = synth_model("tiny-moe", "Q8_0")
     ts = _tensors(path)
     nonexpert_pages = _covered([(s, n) for s, n, e, rows in ts if not e and not rows])
     gf = GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
-    got = early_ranges(gf, cfg, StreamOptions(learn=False), 4 * 2**30, None)
+    got = early_plan(gf, cfg, StreamOptions(learn=False), 4 * 2**30, None)[0]
     assert _covered(got) == nonexpert_pages  # neither an expert nor the embedding table's rows
     # a budget the plan refuses: nothing is read up front, and opening fails with the plan's error
     slot = ExpertLayout(gf, cfg).slot_bytes
     tiny = StreamOptions(learn=False, ram_budget=64 * 2**20)
-    assert early_ranges(gf, cfg, tiny, tiny.ram_budget, None) == []
+    assert early_plan(gf, cfg, tiny, tiny.ram_budget, None)[0] == []
     with pytest.raises(StreamerError, match="too small"):
         open_model(path, tiny)
     # --no-stream under a budget smaller than the weights: nothing (the OS pages them), as pagein_ranges
     total = sum(n for _, n, _, _ in ts)
-    assert early_ranges(gf, cfg, StreamOptions(learn=False, stream=False), total // 2, None) == []
+    assert early_plan(gf, cfg, StreamOptions(learn=False, stream=False), total // 2, None)[0] == []
     # the session's page-in is the early one, gone on with the rest: streaming, nothing more
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=4 * slot)) as s:
         p = s.populate()
