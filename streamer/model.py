@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from streamer import interrupts
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.filewatch import FileWatch
@@ -210,16 +211,17 @@ class Model:
             self.watch.check()
         cache.check_room(len(ids))
         outs = []
-        for s in range(0, len(ids), self.ubatch):
-            chunk = ids[s : s + self.ubatch]
-            last = s + self.ubatch >= len(ids)
-            x = self._layers(chunk, cache)
-            if all_logits:
-                outs.append(self._head(x))
-            elif last:
-                outs.append(self._head(x[-1:])[0])
-            if progress is not None and len(ids) > self.ubatch:
-                progress(s + len(chunk), len(ids))
+        with interrupts.deferred():  # Ctrl-C lands between layers, not inside an expert read's bookkeeping
+            for s in range(0, len(ids), self.ubatch):
+                chunk = ids[s : s + self.ubatch]
+                last = s + self.ubatch >= len(ids)
+                x = self._layers(chunk, cache)
+                if all_logits:
+                    outs.append(self._head(x))
+                elif last:
+                    outs.append(self._head(x[-1:])[0])
+                if progress is not None and len(ids) > self.ubatch:
+                    progress(s + len(chunk), len(ids))
         return np.concatenate(outs) if all_logits else outs[0]
 
     def _head(self, x: np.ndarray) -> np.ndarray:
@@ -235,6 +237,7 @@ class Model:
             cache.n = pos0 + 1
             return x
         for i, L in enumerate(self.layers):
+            interrupts.check()
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
             q, k, v = L.qkv(h)
             q = q.reshape(m, cfg.n_head, cfg.head_dim)
@@ -257,6 +260,7 @@ class Model:
         (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' per-call path."""
         attn, tail, ffn = self._decode
         for i in range(len(self.layers)):
+            interrupts.check()
             decode.attn_block(x, h, *attn[i], pos, cache.k[i], cache.v[i], *tail[i])
             for hook in self.hooks:
                 hook.after_attention(i, x)

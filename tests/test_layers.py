@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORS = [
     # facts and small helpers: errors, formats, sizes, options, the budget's arithmetic, mappings, buffers
     ("base", ["streamer", "streamer.errors", "streamer.formats", "streamer.io", "streamer.timing",
-              "streamer.filewatch", "streamer.budget", "streamer.options", "streamer.mapping", "streamer.buffers"]),
+              "streamer.filewatch", "streamer.budget", "streamer.options", "streamer.mapping", "streamer.buffers",
+              "streamer.interrupts"]),
     ("kernels", ["streamer.kernels"]),  # numba only
     # bytes to named tensors, the model's configuration, tokens; per-sequence state
     ("file", ["streamer.gguf_file", "streamer.config", "streamer.tokenizer", "streamer.pretokenize",
