@@ -83,7 +83,7 @@ def main() -> None:
 
     def tiles_gu():
         out = np.empty((2, R, f), np.float32)
-        if args.isa == "f32":  # the rows gathered, as MoEFFN._grouped_mm without the integer kernel
+        if args.isa == "f32":  # the rows gathered, as moe_compute.Fused._grouped_mm without the integer kernel
             x = np.zeros((R, d), np.float32)
             x[tok >= 0] = X[tok[tok >= 0]]
             grouped.grouped_matmul(Q4_K, base, gu_offs, rb_gu, x, rstarts, out, scratch[d])

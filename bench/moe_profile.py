@@ -105,6 +105,7 @@ def instrument(session) -> None:
     import numba
 
     import streamer.moe as moe_mod
+    import streamer.moe_compute as compute_mod
     from streamer.kernels import dispatch, ops
     from streamer.model import Model
 
@@ -122,8 +123,7 @@ def instrument(session) -> None:
     for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu", "swiglu_rows"):
         fn = getattr(ops, name)
         setattr(ops, name, timed_kernel(fn, name, is_parallel(fn)))
-    mods = [moe_mod] + [m for m in (sys.modules.get("streamer.moe_prefill"),) if m is not None]
-    for mod in mods:  # every numba kernel the MoE layer calls by module-level name (its own and new ones)
+    for mod in (moe_mod, compute_mod):  # every numba kernel the MoE layer calls by module-level name
         for name, fn in list(vars(mod).items()):
             if isinstance(fn, numba.core.registry.CPUDispatcher):
                 setattr(mod, name, timed_kernel(fn, name, is_parallel(fn)))

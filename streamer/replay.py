@@ -284,7 +284,7 @@ def simulate(
         layer, m = int(layer), int(m)
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
-        src.grow = grows(roomy, m, int(step))  # as MoEFFN.__call__
+        src.grow = grows(roomy, m, int(step))  # as MoEFFN._starting
         used = ids >= 0
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None

@@ -108,8 +108,8 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
             "prefetch": bool(ffn.prefetch),
             "stream": cache is not None,
             "pin_share": pin_share,
-            "window": ffn.window,
-            "group": ffn.group,  # a streamed prefill computes this many experts together, window ahead of them
+            "window": ffn.tuning.window,
+            "group": ffn.tuning.group,  # a streamed prefill computes this many experts together, window ahead of them
         },
         "usage_saved": usage.saved is not None,
     }

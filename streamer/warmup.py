@@ -194,7 +194,7 @@ def _run_decode_ffn(combos=None) -> None:
 
 
 def _run_decode_moe(combos=None) -> None:
-    """decode.moe_block with MoEFFN.decode's argument types, for each (fr, fgu, fd) of combos (fr -1: a float
+    """decode.moe_block with moe_compute.WholeLayer's argument types, for each (fr, fgu, fd) of combos (fr -1: a float
     router, whose logits the caller computes)."""
     for combo in combos or [c for f, *rest in _uniform(3) for c in ((f, *rest), (-1, *rest))]:
         _decode_moe(*combo)
@@ -204,7 +204,7 @@ def _decode_moe(fr: int, fgu: int, fd: int) -> None:
     n, k, n_exp = N_IN, 2, 4
     rb = N_IN // 32 * 34
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
-    s1, sk = experts.ExpertScratch(1, n), experts.ExpertScratch(k, n)  # MoEFFN's scratch_x, scratch_a
+    s1, sk = experts.ExpertScratch(1, n), experts.ExpertScratch(k, n)  # moe_compute.Fused's scratch_x, scratch_a
     x1, aux1 = s1.xq[0], s1.aux[0]
     base = _readonly(np.zeros(3 * n_exp * n * rb, np.uint8))
     starts, sizes = np.arange(3, dtype=np.int64) * (n_exp * n * rb), np.full(3, n * rb, np.int64)
@@ -263,7 +263,7 @@ def _run_int8_grouped(qtypes=None, isas=()) -> None:
 
 
 def _run_lanes(qtypes=None, isas=()) -> None:
-    """The few-token experts' kernel (MoEFFN._grouped_lanes) of the Q4_K experts (if of qtypes), on the
+    """The few-token experts' kernel (moe_compute.Fused._grouped_lanes) of the Q4_K experts (if of qtypes), on the
     activations quantized once (int8.quantize) and a read-only flat byte array, as _run_int8_grouped."""
     if not _lanes(T.Q4_K) or (qtypes is not None and T.Q4_K not in qtypes):
         return

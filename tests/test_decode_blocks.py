@@ -65,7 +65,7 @@ def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
         if name == "per-call":
             s.model._decode = None
         runs[name] = (steps(s.model)[0], s.moe.prof.report()["totals"], s.moe.usage.counts.copy())
-        assert (s.moe._dec is not None) == (name == "one-call")  # the path under test was taken
+        assert (s.moe.whole_layer._dec is not None) == (name == "one-call")  # the path under test was taken
     (a, ta, ua), (b, tb, ub) = runs["one-call"], runs["per-call"]
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()
     assert ta == tb and ua.sum() > 0 and np.array_equal(ua, ub)

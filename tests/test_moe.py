@@ -207,15 +207,15 @@ def test_budget_too_small_is_one_clear_error(synth_model):
         open_model(path, StreamOptions(learn=False, expert_cache_bytes=3 * slot_bytes(path)))
 
 
-@pytest.mark.parametrize("method,n_tokens", [("_grouped", 5), ("_fused", 1)])  # prefill and decode paths
+@pytest.mark.parametrize("method,n_tokens", [("_grouped", 5), ("_decode_group", 1)])  # prefill and decode paths
 def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatch, method, n_tokens):
     """Ctrl-C (or an I/O error) mid-layer must release every requested expert, or its slot would be stuck."""
-    from streamer.moe import MoEFFN
+    from streamer.moe_compute import Fused
 
     path = synth_model("tiny-moe", "Q8_0")
     resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=8 * slot_bytes(path)))
-    real, calls = getattr(MoEFFN, method), []
+    real, calls = getattr(Fused, method), []
 
     def flaky(*args):
         calls.append(1)
@@ -223,7 +223,7 @@ def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatc
             raise KeyboardInterrupt
         real(*args)
 
-    monkeypatch.setattr(MoEFFN, method, staticmethod(flaky) if method == "_expert" else flaky)
+    monkeypatch.setattr(Fused, method, flaky)
     with pytest.raises(KeyboardInterrupt):
         s.model.forward(PROMPT[:n_tokens], s.model.new_cache())
     cache = s.model.ffn.source.cache
@@ -364,7 +364,7 @@ def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatc
     rss0 = arena_rss()  # (the mapping may share its VMA with a few pages of others)
     c = s.model.new_cache()
     got = [s.model.forward(PROMPT[:N_PREFILL], c, all_logits=True)]
-    in_flight = ffn.group + ffn.window  # the prefill's reads run this many experts ahead
+    in_flight = ffn.tuning.group + ffn.tuning.window  # the prefill's reads run this many experts ahead
     read = s.profiler.totals().miss  # a growing cache would have taken a slot for each
     assert cache.touched_slots <= in_flight < read
     assert cache.touched_slots * sb - 8192 <= arena_rss() - rss0 <= cache.touched_slots * sb + 8192

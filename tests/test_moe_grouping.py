@@ -110,8 +110,8 @@ def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, i
         assert lanes.best_isa(isa) == "amx"
     monkeypatch.setattr(int8, "ISA", isa)
     s = open_model(path, StreamOptions(stream=False, learn=False))
-    s.moe.grouped_max = grouped_max
-    s.moe.lanes_max = lanes_max
+    s.moe.tuning.grouped_max = grouped_max
+    s.moe.tuning.lanes_max = lanes_max
     cfg, ref, rng = s.cfg, Reference(str(path)), np.random.default_rng(3)
     m = 20
     for layer in range(cfg.n_layer):
@@ -127,7 +127,7 @@ def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, i
 def test_moe_prefill_grouping_streamed_equals_resident(synth_model, grouped_max):
     path = synth_model("tiny-moe", "Q4_K")
     s = open_model(path, StreamOptions(stream=False, learn=False))
-    s.moe.grouped_max = grouped_max
+    s.moe.tuning.grouped_max = grouped_max
     rng = np.random.default_rng(5)
     m, cfg = 20, s.cfg
     cases = [(layer, *_routing(m, cfg.n_expert, cfg.n_expert_used, rng)) for layer in range(cfg.n_layer)]
@@ -135,7 +135,7 @@ def test_moe_prefill_grouping_streamed_equals_resident(synth_model, grouped_max)
     resident = [_chunk(s, layer, h, ids, w) for layer, ids, w in cases]
     for slots in (4, 7, 64):
         st = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot_bytes(path)))
-        st.moe.grouped_max = grouped_max
+        st.moe.tuning.grouped_max = grouped_max
         for (layer, ids, w), want in zip(cases, resident):
             assert np.array_equal(_chunk(st, layer, h, ids, w), want), (slots, layer)
         assert st.moe.source.cache.census()["in_use"] == 0

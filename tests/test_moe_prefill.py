@@ -30,7 +30,7 @@ class FixedRouter:
 def test_grouped_prefill_equals_per_token_path(synth_model, qtype, grouped_max):
     s = open_model(synth_model("tiny-moe", qtype), StreamOptions(stream=False, learn=False))
     ffn = s.moe
-    ffn.grouped_max = grouped_max
+    ffn.tuning.grouped_max = grouped_max
     h = np.random.default_rng(0).standard_normal((6, s.cfg.n_embd)).astype(np.float32)
     n_matmul = n_exact = 0
     for layer in range(s.cfg.n_layer):
@@ -62,7 +62,7 @@ def test_grouped_prefill_equals_per_token_path(synth_model, qtype, grouped_max):
 def test_whole_prompt_prefill_matches_float64_reference(synth_model, qtype, grouped_max):
     path = synth_model("tiny-moe", qtype)
     s = open_model(path, StreamOptions(stream=False, learn=False))
-    s.moe.grouped_max = grouped_max
+    s.moe.tuning.grouped_max = grouped_max
     got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
     want = Reference(str(path)).logits(PROMPT)
     assert cosines(got, want).min() >= 0.999
@@ -73,12 +73,12 @@ def test_whole_prompt_prefill_matches_float64_reference(synth_model, qtype, grou
 def test_streamed_whole_prompt_prefill_is_bit_identical_to_resident(synth_model, grouped_max):
     path = synth_model("tiny-moe", "Q4_K")
     s = open_model(path, StreamOptions(stream=False, learn=False))
-    s.moe.grouped_max = grouped_max
+    s.moe.tuning.grouped_max = grouped_max
     resident = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
     sb = slot_bytes(path)
     for slots in (4, 7, 24, 64):
         st = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * sb))
-        st.moe.grouped_max = grouped_max
+        st.moe.tuning.grouped_max = grouped_max
         got = st.model.forward(PROMPT, st.model.new_cache(), all_logits=True)
         assert np.array_equal(got, resident), slots
         assert st.moe.source.cache.census()["in_use"] == 0
