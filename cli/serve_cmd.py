@@ -58,25 +58,12 @@ def serve(
         import uvicorn
     except ImportError:
         raise StreamerError(INSTALL_HINT) from None
-    import socket
-
     from streamer.cli.common import open_session, probe
-    from streamer.io import parse_size
     from streamer.server.app import ServerOptions, create_app
     from streamer.server.engine import Engine
     from streamer.server.schemas import Limits
 
-    if queue < 0:
-        raise StreamerError(f"--queue must be >= 0, got {queue}")
-    if max_tokens is not None and max_tokens < 1:
-        raise StreamerError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if max_messages < 1:
-        raise StreamerError(f"--max-messages must be >= 1, got {max_messages}")
-    if not 0 < port < 65536:
-        raise StreamerError(f"--port must be in 1..65535, got {port}")
-    body = parse_size(max_body)
-    if body < 1:
-        raise StreamerError(f"--max-body must be positive, got {max_body}")
+    body = _checked(queue, max_tokens, max_messages, port, max_body)
     gf, cfg = probe(model)  # a file we can run, checked before the socket is bound
     cfg.context(ctx_size)
     opts = ServerOptions(
@@ -98,15 +85,7 @@ def serve(
         server.should_exit = True
 
     app = create_app(load, opts, on_fatal)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise StreamerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    sock, shown = _bound(host, port)
     print(
         f"listening on http://{shown}:{port}/v1 (model '{opts.alias}' loading; /health says when ready)",
         file=sys.stderr,
@@ -116,3 +95,39 @@ def serve(
     server.run(sockets=[sock])
     if fatal:
         raise fatal[0]
+
+
+def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, max_body: str) -> int:
+    """The server's own flags checked (one error line each); the body limit in bytes."""
+    from streamer.errors import StreamerError
+    from streamer.io import parse_size
+
+    if queue < 0:
+        raise StreamerError(f"--queue must be >= 0, got {queue}")
+    if max_tokens is not None and max_tokens < 1:
+        raise StreamerError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if max_messages < 1:
+        raise StreamerError(f"--max-messages must be >= 1, got {max_messages}")
+    if not 0 < port < 65536:
+        raise StreamerError(f"--port must be in 1..65535, got {port}")
+    body = parse_size(max_body)
+    if body < 1:
+        raise StreamerError(f"--max-body must be positive, got {max_body}")
+    return body
+
+
+def _bound(host: str, port: int):
+    """(a socket bound to host:port, the host as a URL shows it); one error line if the address is taken."""
+    import socket
+
+    from streamer.errors import StreamerError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StreamerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock, f"[{host}]" if family == socket.AF_INET6 else host

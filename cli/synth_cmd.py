@@ -9,34 +9,48 @@ from typing import Annotated, Optional
 
 import typer
 
+Preset = Annotated[
+    str,
+    typer.Option(
+        "--preset",
+        help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, tiny-qwen2, qwen2.5-coder-7b.",
+    ),
+]
+
+QType = Annotated[
+    Optional[str],
+    typer.Option(
+        "--qtype",
+        help="Weight format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
+        "Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, "
+        "IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, F16, BF16, F32 [default: Q8_0].",
+    ),
+]
+
+Recipe = Annotated[
+    Optional[str],
+    typer.Option(
+        "--recipe",
+        help="A llama-quantize mix instead of one --qtype: "
+        "Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS, IQ2_XXS, IQ1_S, ... "
+        "(per-tensor and per-layer types as llama-quantize assigns them).",
+    ),
+]
+
+SplitMaxSize = Annotated[
+    Optional[str],
+    typer.Option(
+        "--split-max-size",
+        help="Write shards of at most SIZE (e.g. 2G; binary units) as gguf-split does: OUT-00001-of-0000N.gguf ...",
+    ),
+]
+
 
 def synth(
     out: Annotated[Path, typer.Argument(help="Output .gguf path.")],
-    preset: Annotated[
-        str,
-        typer.Option(
-            "--preset",
-            help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, tiny-qwen2, qwen2.5-coder-7b.",
-        ),
-    ] = "tiny",
-    qtype: Annotated[
-        Optional[str],
-        typer.Option(
-            "--qtype",
-            help="Weight format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, "
-            "Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_NL, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, "
-            "IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, F16, BF16, F32 [default: Q8_0].",
-        ),
-    ] = None,
-    recipe: Annotated[
-        Optional[str],
-        typer.Option(
-            "--recipe",
-            help="A llama-quantize mix instead of one --qtype: "
-            "Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS, IQ2_XXS, IQ1_S, ... "
-            "(per-tensor and per-layer types as llama-quantize assigns them).",
-        ),
-    ] = None,
+    preset: Preset = "tiny",
+    qtype: QType = None,
+    recipe: Recipe = None,
     head_qtype: Annotated[
         Optional[str], typer.Option("--head-qtype", help="Format of output.weight [default: --qtype].")
     ] = None,
@@ -47,13 +61,7 @@ def synth(
     ] = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Random seed of the weights.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
-    split_max_size: Annotated[
-        Optional[str],
-        typer.Option(
-            "--split-max-size",
-            help="Write shards of at most SIZE (e.g. 2G; binary units) as gguf-split does: OUT-00001-of-0000N.gguf ...",
-        ),
-    ] = None,
+    split_max_size: SplitMaxSize = None,
     split_max_tensors: Annotated[
         int, typer.Option("--split-max-tensors", help="Write shards of at most N tensors (0: no limit).")
     ] = 0,

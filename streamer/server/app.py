@@ -58,15 +58,41 @@ def error_response(e: APIError) -> JSONResponse:
 def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callable[[BaseException], None] = None):
     """load() builds the Engine (opens the model); it runs in a background thread once the server is up, so
     /health answers 503 until it returns. If it raises, on_fatal(error) is called (the CLI stops the server)."""
-    state = State()
+    api = Api(load, opts, on_fatal)
+    auth, public = api.endpoint, api.public
+    routes = [
+        Route("/health", public(api.health), methods=["GET"]),
+        Route("/v1/health", public(api.health), methods=["GET"]),
+        Route("/v1/models", auth(api.models), methods=["GET"]),
+        Route("/models", auth(api.models), methods=["GET"]),
+        Route("/v1/chat/completions", auth(api.chat), methods=["POST"]),
+        Route("/chat/completions", auth(api.chat), methods=["POST"]),
+        Route("/v1/completions", auth(api.completions), methods=["POST"]),
+        Route("/completions", auth(api.completions), methods=["POST"]),
+        Route("/tokenize", auth(api.tokenize), methods=["POST"]),
+        Route("/detokenize", auth(api.detokenize), methods=["POST"]),
+        Route("/metrics", auth(api.prometheus), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=api.lifespan, exception_handlers={HTTPException: http_error})
+    app.state.server = api.state
+    return app
 
-    def loader() -> None:
+
+class Api:
+    """The handlers over one State: each validates its request, then answers or runs a generation job."""
+
+    def __init__(self, load: Callable[[], Engine], opts: ServerOptions, on_fatal=None):
+        self.load, self.opts, self.on_fatal = load, opts, on_fatal
+        self.state = State()
+
+    def _loader(self) -> None:
+        state = self.state
         try:
-            engine = load()
+            engine = self.load()
         except BaseException as e:  # noqa: BLE001 - reported through on_fatal, never swallowed
             state.error = e
-            if on_fatal is not None:
-                on_fatal(e)
+            if self.on_fatal is not None:
+                self.on_fatal(e)
             return
         if state.closing:
             engine.close()
@@ -74,19 +100,22 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
             state.engine = engine
 
     @asynccontextmanager
-    async def lifespan(app):
-        threading.Thread(target=loader, name="serve-loader", daemon=True).start()
+    async def lifespan(self, app):
+        threading.Thread(target=self._loader, name="serve-loader", daemon=True).start()
         yield
-        state.closing = True
-        if state.engine is not None:
-            await run_in_threadpool(state.engine.close)
+        self.state.closing = True
+        if self.state.engine is not None:
+            await run_in_threadpool(self.state.engine.close)
 
-    def endpoint(fn, public: bool = False):
+    def endpoint(self, fn, public: bool = False):
+        """fn as a route handler: the API key checked (unless public), errors as JSON bodies."""
+        key = self.opts.api_key
+
         async def handler(request: Request):
             try:
-                if opts.api_key is not None and not public:
+                if key is not None and not public:
                     got = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(got.encode(), f"Bearer {opts.api_key}".encode()):
+                    if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
                         raise APIError(
                             401,
                             "invalid or missing API key (send 'Authorization: Bearer KEY')",
@@ -104,54 +133,28 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
 
         return handler
 
-    def engine() -> Engine:
-        if state.engine is None:
-            raise APIError(503, "Loading model", "unavailable_error", "loading")
-        return state.engine
+    def public(self, fn):
+        return self.endpoint(fn, public=True)
 
-    async def body_of(request: Request) -> dict:
-        limit = opts.limits.max_body_bytes
-        cl = request.headers.get("content-length", "")
-        if cl.isdigit() and int(cl) > limit:
-            raise APIError(
-                413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
-            )
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise APIError(
-                    413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
-                )
-            chunks.append(chunk)
-        return schemas.parse_json(b"".join(chunks))
+    def engine(self) -> Engine:
+        if self.state.engine is None:
+            raise APIError(503, "Loading model", "unavailable_error", "loading")
+        return self.state.engine
 
     # ---- plain endpoints ----
-    async def health(request):
-        if state.engine is None:
+    async def health(self, request):
+        if self.state.engine is None:
             return error_response(APIError(503, "Loading model", "unavailable_error", "loading"))
         return JSONResponse({"status": "ok"})
 
-    async def models(request):
-        e = state.engine
+    async def models(self, request):
+        e = self.state.engine
         meta = {"n_ctx": e.n_ctx, "n_vocab": e.n_vocab} if e is not None else {}
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": opts.alias,
-                        "object": "model",
-                        "created": state.created,
-                        "owned_by": "stream-run",
-                        "meta": meta,
-                    }
-                ],
-            }
-        )
+        model = {"id": self.opts.alias, "object": "model", "created": self.state.created, "owned_by": "stream-run"}
+        return JSONResponse({"object": "list", "data": [{**model, "meta": meta}]})
 
-    async def tokenize(request):
-        body, eng = await body_of(request), engine()
+    async def tokenize(self, request):
+        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
         content = schemas.string(body, "content")
         if content is None:
             raise schemas.bad("'content' is required", "missing_field")
@@ -169,20 +172,18 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
             out.append({"id": t, "piece": piece})
         return JSONResponse({"tokens": out})
 
-    async def detokenize(request):
-        body, eng = await body_of(request), engine()
+    async def detokenize(self, request):
+        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
         ids = schemas.token_ids(body.get("tokens", []), eng.n_vocab)
         return JSONResponse({"content": eng.tok.decode(ids)})
 
-    async def prometheus(request):
-        return PlainTextResponse(
-            metrics.render(state.engine, state.engine is not None), media_type="text/plain; version=0.0.4"
-        )
+    async def prometheus(self, request):
+        engine = self.state.engine
+        return PlainTextResponse(metrics.render(engine, engine is not None), media_type="text/plain; version=0.0.4")
 
     # ---- generation ----
-    async def chat(request):
-        body, eng = await body_of(request), engine()
-        lim = opts.limits
+    async def chat(self, request):
+        body, eng, lim = await body_of(request, self.opts.limits.max_body_bytes), self.engine(), self.opts.limits
         msgs = schemas.messages(body, lim)
         think = thinking(msgs, schemas.enable_thinking(body))
         params, com = schemas.chat_sampling(body, think), schemas.common(body, lim, eng.n_ctx)
@@ -192,115 +193,115 @@ def create_app(load: Callable[[], Engine], opts: ServerOptions, on_fatal: Callab
         req = GenRequest(
             ids=tuple(ids), params=params, text=text, think=think, head="" if think else EMPTY_THINK, **com
         )
-        return await run_job(request, eng, req, ChatShape(opts.alias))
+        return await run_job(request, eng, req, ChatShape(self.opts.alias))
 
-    async def completions(request):
-        body, eng = await body_of(request), engine()
+    async def completions(self, request):
+        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
         p = schemas.prompt(body, eng.n_vocab)
-        params, com = schemas.completion_sampling(body), schemas.common(body, opts.limits, eng.n_ctx)
+        params, com = schemas.completion_sampling(body), schemas.common(body, self.opts.limits, eng.n_ctx)
         ids = await run_in_threadpool(eng.tok.encode, p) if isinstance(p, str) else p
         if not ids:
             raise schemas.bad("the prompt is empty")
         check_context(eng, len(ids))
         req = GenRequest(ids=tuple(ids), params=params, **com)
-        return await run_job(request, eng, req, CompletionShape(opts.alias))
+        return await run_job(request, eng, req, CompletionShape(self.opts.alias))
 
-    def check_context(eng: Engine, n: int) -> None:
-        if n > eng.n_ctx:
-            raise APIError(
-                400,
-                f"the prompt has {n} tokens, more than the context size {eng.n_ctx}",
-                "invalid_request_error",
-                "context_length_exceeded",
-            )
 
-    async def run_job(request: Request, eng: Engine, req: GenRequest, shape):
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+async def body_of(request: Request, limit: int) -> dict:
+    """The request's JSON body, refused with a 413 past `limit` bytes (declared or streamed)."""
+    too_large = APIError(
+        413, f"the request body is larger than {limit} bytes", "invalid_request_error", "request_too_large"
+    )
+    cl = request.headers.get("content-length", "")
+    if cl.isdigit() and int(cl) > limit:
+        raise too_large
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large
+        chunks.append(chunk)
+    return schemas.parse_json(b"".join(chunks))
 
-        def emit(kind, payload):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
 
-        job = Job(req, emit)
-        try:
-            eng.submit(job)
-        except QueueFull as e:
-            raise APIError(
-                503, f"the server is busy: {e}; try again later", "unavailable_error", "queue_full"
-            ) from None
-        if req.stream:
-            return SSEResponse(sse(events, job, req, shape), on_close=lambda: eng.cancel(job))
-        try:
-            return await collect(request, events, eng, job, shape)
-        finally:
-            eng.cancel(job)  # no-op once finished; stops it if this handler was cancelled
-
-    async def collect(request, events, eng, job, shape):
-        """Wait for the job's result, checking every 0.25 s that the client is still there."""
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
-        while True:
-            try:
-                kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
-            except TimeoutError:
-                kind = payload = None
-            if loop.time() - checked >= 0.25:
-                checked = loop.time()
-                if await request.is_disconnected():
-                    eng.cancel(job)
-                    return JSONResponse({}, status_code=499)  # nobody reads it
-            if kind == "error":
-                return error_response(payload)
-            if kind == "done":
-                return JSONResponse(shape.whole(payload))
-
-    async def sse(events, job, req, shape):
-        if isinstance(shape, ChatShape):
-            yield data(shape.chunk(role=True))
-        while True:
-            kind, payload = await events.get()
-            if kind == "delta":
-                yield data(shape.chunk(delta=payload))
-            elif kind == "error":
-                yield data(payload.body())
-                break
-            else:
-                if payload.finish_reason == "cancelled":
-                    break
-                yield data(shape.chunk(result=payload))
-                if req.include_usage:
-                    yield data(shape.usage_chunk(payload))
-                break
-        yield "data: [DONE]\n\n"
-
-    def public(fn):
-        return endpoint(fn, public=True)
-
-    routes = [
-        Route("/health", public(health), methods=["GET"]),
-        Route("/v1/health", public(health), methods=["GET"]),
-        Route("/v1/models", endpoint(models), methods=["GET"]),
-        Route("/models", endpoint(models), methods=["GET"]),
-        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/chat/completions", endpoint(chat), methods=["POST"]),
-        Route("/v1/completions", endpoint(completions), methods=["POST"]),
-        Route("/completions", endpoint(completions), methods=["POST"]),
-        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
-        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
-        Route("/metrics", endpoint(prometheus), methods=["GET"]),
-    ]
-
-    async def http_error(request, exc: HTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return error_response(
-            APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind, str(exc.status_code))
+def check_context(eng: Engine, n: int) -> None:
+    if n > eng.n_ctx:
+        raise APIError(
+            400,
+            f"the prompt has {n} tokens, more than the context size {eng.n_ctx}",
+            "invalid_request_error",
+            "context_length_exceeded",
         )
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    app.state.server = state
-    return app
+
+async def run_job(request: Request, eng: Engine, req: GenRequest, shape):
+    """Queue the generation and answer with its result (one JSON body) or its events (SSE)."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(kind, payload):
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+    job = Job(req, emit)
+    try:
+        eng.submit(job)
+    except QueueFull as e:
+        raise APIError(503, f"the server is busy: {e}; try again later", "unavailable_error", "queue_full") from None
+    if req.stream:
+        return SSEResponse(sse(events, job, req, shape), on_close=lambda: eng.cancel(job))
+    try:
+        return await collect(request, events, eng, job, shape)
+    finally:
+        eng.cancel(job)  # no-op once finished; stops it if this handler was cancelled
+
+
+async def collect(request, events, eng, job, shape):
+    """Wait for the job's result, checking every 0.25 s that the client is still there."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
+    while True:
+        try:
+            kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
+        except TimeoutError:
+            kind = payload = None
+        if loop.time() - checked >= 0.25:
+            checked = loop.time()
+            if await request.is_disconnected():
+                eng.cancel(job)
+                return JSONResponse({}, status_code=499)  # nobody reads it
+        if kind == "error":
+            return error_response(payload)
+        if kind == "done":
+            return JSONResponse(shape.whole(payload))
+
+
+async def sse(events, job, req, shape):
+    if isinstance(shape, ChatShape):
+        yield data(shape.chunk(role=True))
+    while True:
+        kind, payload = await events.get()
+        if kind == "delta":
+            yield data(shape.chunk(delta=payload))
+        elif kind == "error":
+            yield data(payload.body())
+            break
+        else:
+            if payload.finish_reason == "cancelled":
+                break
+            yield data(shape.chunk(result=payload))
+            if req.include_usage:
+                yield data(shape.usage_chunk(payload))
+            break
+    yield "data: [DONE]\n\n"
+
+
+async def http_error(request, exc: HTTPException):
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    return error_response(
+        APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind, str(exc.status_code))
+    )
 
 
 def data(obj) -> str:
