@@ -54,7 +54,6 @@ def plan(
     and a recommended --ram-budget."""
     from streamer.cli.common import progress_printer
     from streamer.errors import StreamerError
-    from streamer.plan import PlanOptions, format_plan, make_plan_report
 
     budgets = None
     if ram_budget is not None:
@@ -74,6 +73,8 @@ def plan(
 
     def say(msg):
         print(msg, file=sys.stderr, flush=True)
+
+    from streamer.plan import PlanOptions, format_plan, make_plan_report  # numba: after the input is checked
 
     opts = PlanOptions(budgets, trace, ctx_size, prompt_tokens, probe_seconds, reprobe, threads=threads)
     r = make_plan_report(

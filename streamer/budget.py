@@ -58,7 +58,7 @@ def resolve(ram_budget: int | None) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BudgetSplit:
     budget: int
     baseline: int  # process RSS before the model's memory
     nonexpert: int
@@ -100,14 +100,16 @@ def scratch_bytes(cfg, ubatch: int = 512) -> int:
     return 32 * 2**20 + ubatch * 12 * widest * 4 + cfg.n_vocab * 4 * 2
 
 
-def plan_at(
+def split_at(
     budget: int, baseline: int, nonexpert: int, kv: int, scratch: int, expert_total: int, slot_bytes: int
-) -> Plan:
+) -> BudgetSplit:
     """The plan for `budget` given everything else it pays for (the trace replay re-plans recorded runs with it)."""
-    return Plan(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
+    return BudgetSplit(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
 
 
-def make_plan(budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0) -> Plan:
+def split_budget(
+    budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0
+) -> BudgetSplit:
     """paged_in() -> bytes of non-expert weights a page-in has mapped into this process so far: they are in
     its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
     RSS is, so what is mapped meanwhile errs on the safe side)."""
@@ -115,7 +117,7 @@ def make_plan(budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes
     mapped = paged_in()
     mem = psutil.Process().memory_info()
     baseline = mem.rss - min(mapped, getattr(mem, "shared", 0))  # mapped model pages are file-backed (RssFile)
-    plan = plan_at(budget, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
+    plan = split_at(budget, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:
         # the smallest budget B with B - margin(B) >= everything else: the margin grows with the budget

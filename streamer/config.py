@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 from gguf.constants import GGMLQuantizationType as T, Keys
 
+from streamer import budget
 from streamer.errors import StreamerError
 from streamer.formats import FORMATS, NAMES
 from streamer.gguf_file import GGUFFile
+from streamer.io import human
 
 ARCHS = ("qwen3", "qwen3moe", "qwen2")
 
@@ -55,11 +57,8 @@ class ModelConfig:
         """Refuse, before allocating anything, a context whose KV cache and RoPE tables cannot fit in memory: a
         file may claim a context of 2**40 tokens, or heads so wide that even 4096 positions are too many.
         The RoPE tables are computed at once (float64 angles, cos and sin: ~16 bytes per channel at peak)."""
-        from streamer.budget import available_memory
-        from streamer.io import human
-
         need = n_ctx * (self.kv_bytes_per_token + 16 * self.head_dim)
-        avail = available_memory()
+        avail = budget.available_memory()  # the module's: tests patch it
         if need > avail:
             raise StreamerError(
                 f"a context of {n_ctx} tokens needs {human(need)} for its KV cache and RoPE tables, "

@@ -14,7 +14,9 @@ A file replaced by rename (cp new && mv new model.gguf) is harmless: the process
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import weakref
 
 from streamer.errors import ModelFileChanged
@@ -58,9 +60,6 @@ _handlers: dict = {}  # path -> (engine, address): keeps each compiled handler a
 def install_bus_error_exit(path: str) -> None:
     """On SIGBUS (a mapped page of `path` vanished: truncated under us), print one error line, exit 2. `path`
     is only words in that line: a split model gives "<first shard> (or one of its N shards)"."""
-    import ctypes
-    import signal
-
     if path not in _handlers:
         _handlers[path] = _compile_handler(path)
     libc = ctypes.CDLL(None)
@@ -71,7 +70,7 @@ def install_bus_error_exit(path: str) -> None:
 
 def _compile_handler(path: str):
     """(engine, address) of a native `void on_sigbus(int)` that writes the error line and calls _exit(2)."""
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # numba's compiler: loaded when a handler is installed, not on import
     from llvmlite import ir
 
     msg = f"error: {path} was truncated or changed while in use (bus error reading its mapping)\n".encode(

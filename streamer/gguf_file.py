@@ -18,6 +18,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, Keys
 
 from streamer.errors import StreamerError
+from streamer.inram import read_into_memory
 from streamer.mapping import madvise, map_files
 
 # GGUFValueType -> (struct code, size) for scalars; 8 = STRING, 9 = ARRAY.
@@ -493,8 +494,6 @@ class GGUFFile:
     def read_into_memory(self, direct: bool | None = None, progress=None) -> None:
         """--no-mmap: replace the mapping by a copy of every file in the process's own memory, same layout
         (streamer/inram.py). Call it before taking any tensor view: views taken after it are into the copy."""
-        from streamer.inram import read_into_memory
-
         shards = [(s.path, s.base, s.size) for s in self.shards]
         self.mm = read_into_memory(shards, self.mm.size, direct, progress)
         self._buf = memoryview(self.mm)  # the mapping goes when nothing else holds it (metadata arrays may)

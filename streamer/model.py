@@ -127,7 +127,7 @@ class Model:
         self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.hooks: list = [self.ffn] if hasattr(self.ffn, "after_attention") else []  # after_attention(layer, x)
         self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
-        self._decode = self._decode_plan()
+        self._decode = self._decode_args()
 
     @property
     def decodes_in_blocks(self) -> bool:
@@ -139,7 +139,7 @@ class Model:
         """Whether one-token steps run the dense FFN as decode.ffn_block (dense, block-quantized FFN)."""
         return self._decode is not None and self._decode[2] is not None
 
-    def _decode_plan(self):
+    def _decode_args(self):
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
         cfg = self.cfg

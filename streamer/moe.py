@@ -14,12 +14,12 @@ import weakref
 
 import numpy as np
 
-from streamer.budget import Plan
+from streamer.budget import BudgetSplit
 from streamer.experts.cache import grows
 from streamer.kernels import ops
 from streamer.kernels.routing import topk_softmax
 from streamer.model import linear
-from streamer.moe_compute import Fused, PerExpert, Tuning, WholeLayer, fused_plan, needs_tiles
+from streamer.moe_compute import Fused, PerExpert, Tuning, WholeLayer, expert_rows, needs_tiles
 from streamer.weights import qmatrix
 
 
@@ -99,7 +99,7 @@ class MoEFFN:
         usage=None,
         expert_top_p: float = 1.0,
         prefetch: bool = True,
-        plan: Plan | None = None,
+        plan: BudgetSplit | None = None,
     ):
         """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming)."""
         self.gf, self.cfg, self.source, self.prof, self.usage = gf, cfg, source, profiler, usage
@@ -107,7 +107,7 @@ class MoEFFN:
         self.router = Router(gf, cfg, expert_top_p)
         self.predicted: dict[int, np.ndarray] = {}
         self.tuning = Tuning(window=cfg.n_expert_used, group=cfg.n_expert_used)
-        self.fused = [fused_plan(source.layout.parts[i]) for i in range(cfg.n_layer)]
+        self.fused = [expert_rows(source.layout.parts[i]) for i in range(cfg.n_layer)]
         fused = Fused(cfg, source, self.fused, self.tuning)
         per_expert = PerExpert(source, self.tuning)
         self.compute = [per_expert if p is None else fused for p in self.fused]

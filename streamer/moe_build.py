@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from streamer.budget import make_plan
+from streamer.budget import split_budget
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache, cache_slots
 from streamer.experts.source import ResidentSource, StreamingSource
@@ -14,6 +14,7 @@ from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
 from streamer.options import StreamOptions
 from streamer.profiler import Profiler
+from streamer.trace import TraceRecorder, run_header
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ def build_moe_ffn(
 ) -> MoEFFN:
     """budget: the run's RAM budget in bytes (budget.resolve). options.expert_cache_bytes overrides the budget plan (tests size the cache exactly). At most
     options.pin_share of the expert cache is pinned; the rest stays LRU. trace: a path to record the run's
-    routing trace to (written when the session closes). paged_in: make_plan's (non-expert bytes a page-in
+    routing trace to (written when the session closes). paged_in: split_budget's (non-expert bytes a page-in
     started before the plan has mapped)."""
     stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
     prof = Profiler(cfg.n_layer)
@@ -32,7 +33,7 @@ def build_moe_ffn(
     plan = None
     kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if expert_cache_bytes is None and stream:
-        plan = make_plan(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
+        plan = split_budget(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
         logger.info(plan.line())
         if plan.fits_resident:
             stream = False
@@ -53,8 +54,6 @@ def build_moe_ffn(
         source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers, direct=options.io.direct)
     ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch, plan=plan)
     if trace is not None:
-        from streamer.trace import TraceRecorder, run_header
-
         prof.trace = ffn.router.trace = TraceRecorder(
             trace, run_header(gf, cfg, layout, ffn, plan, kv, options.pin_share, usage), usage.saved
         )

@@ -73,7 +73,7 @@ def _int8_serves(fmt: int) -> bool:
     return int8.ISA is not None and fmt in int8.CODES
 
 
-class FusedPlan(NamedTuple):
+class ExpertRows(NamedTuple):
     """How the multi-expert decode kernels read one layer's experts: format code and bytes per row."""
 
     gate_up_format: int
@@ -82,12 +82,12 @@ class FusedPlan(NamedTuple):
     down_row_bytes: int
 
 
-def fused_plan(parts) -> FusedPlan | None:
-    """The layer's FusedPlan if the multi-expert kernels handle its formats (gate and up alike), else None."""
+def expert_rows(parts) -> ExpertRows | None:
+    """The layer's ExpertRows if the multi-expert kernels handle its formats (gate and up alike), else None."""
     gate, up, down = parts
     if gate.qtype != up.qtype or gate.qtype not in FORMATS or down.qtype not in FORMATS:
         return None
-    return FusedPlan(FORMATS[gate.qtype], gate.nbytes // gate.n_rows, FORMATS[down.qtype], down.nbytes // down.n_rows)
+    return ExpertRows(FORMATS[gate.qtype], gate.nbytes // gate.n_rows, FORMATS[down.qtype], down.nbytes // down.n_rows)
 
 
 def needs_tiles(plans) -> bool:

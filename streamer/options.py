@@ -85,7 +85,7 @@ class StreamOptions:
         given = {k: v for k, v in given.items() if v is not None}
         fraction = values.pop("budget_fraction", None)
         if fraction is not None and "ram_budget" not in given:
-            from streamer.budget import available_memory
+            from streamer.budget import available_memory  # psutil and numpy: not on the --help path
 
             values["ram_budget"] = int(fraction * available_memory())
         return cls(**{**values, **given})

@@ -4,7 +4,7 @@ Inputs:
 - a disk probe: random whole-expert reads of the model file with the runtime's own reader (O_DIRECT where the
   filesystem allows it), first one at a time (latency), then with as many threads as the runtime's readers
   (throughput); a few seconds, cached per device and read mode;
-- the per-layer expert sizes and the budget plan (the runtime's arithmetic, budget.plan_at);
+- the per-layer expert sizes and the budget plan (the runtime's arithmetic, budget.split_at);
 - the compute time of one decode step, measured: the same one-token step is run cold once (its weights come
   into memory), then timed warm, so it is the kernels and the Python around them, without I/O;
 - a hit-rate model: the replay of a routing trace (`--trace`, the runtime's pinned-LRU policy, decode steps),
@@ -26,9 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
+import streamer.model  # noqa: F401  the RSS baseline counts what a run has imported when it plans
+import streamer.moe_build  # noqa: F401
+from streamer.budget import MARGIN_DIV, MARGIN_FIXED, cgroup_limit, scratch_bytes, split_at
+from streamer.buffers import aligned_empty
+from streamer.config import ModelConfig
 from streamer.errors import StreamerError
-from streamer.options import READERS
+from streamer.experts.store import ExpertLayout, ExpertReader
+from streamer.experts.usage import cache_dir
+from streamer.gguf_file import GGUFFile
+from streamer.io import atomic_write, human
+from streamer.options import READERS, StreamOptions
+from streamer.replay import ReplayOptions, recorded_policy, replay, slots_at
+from streamer.session import open_model
+from streamer.trace import check_model, load_trace
 
 PROBE_FORMAT = "stream-run-disk-probe/1"
 
@@ -54,17 +67,12 @@ def device_id(path) -> str:
 
 
 def probe_path(path, direct: bool) -> Path:
-    from streamer.experts.usage import cache_dir
-
     return cache_dir() / "disk" / f"dev-{device_id(path)}-{'direct' if direct else 'buffered'}.json"
 
 
 def probe_disk(gf, layout, seconds: float, n_threads: int, progress=None) -> dict:
     """Random whole-expert reads with the runtime's ExpertReader: a third of the time one at a time, the rest
     with n_threads in parallel."""
-    from streamer.buffers import aligned_empty
-    from streamer.experts.store import ExpertReader
-
     reader = ExpertReader(gf.files, layout)
     rng = np.random.default_rng()
     t_end = [0.0]
@@ -121,9 +129,6 @@ def layout_sizes(layout) -> list[int]:
 
 def disk_figures(gf, layout, opts: PlanOptions, progress=None) -> dict:
     """The cached probe of this device and read mode, else a fresh one (saved atomically)."""
-    from streamer.experts.store import ExpertReader
-    from streamer.io import atomic_write
-
     r = ExpertReader(gf.files, layout)
     direct = r.direct
     r.close()
@@ -155,9 +160,6 @@ def disk_figures(gf, layout, opts: PlanOptions, progress=None) -> dict:
 def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
     """Seconds of one warm decode step (the median): the same token at position 0 run once cold, then `repeats`
     times warm (same routing, so every weight it uses is already in memory)."""
-    from streamer.options import StreamOptions
-    from streamer.session import open_model
-
     with open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=n_ctx, threads=threads) as s:
         tok = np.array([min(1000, s.cfg.n_vocab - 1)], np.int64)
         s.model.forward(tok, s.model.new_cache())
@@ -174,9 +176,6 @@ def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
 
 
 def machine_memory() -> int:
-    import psutil
-
-    from streamer.budget import cgroup_limit
 
     total = psutil.virtual_memory().total
     limit = cgroup_limit()
@@ -186,8 +185,6 @@ def machine_memory() -> int:
 def budget_ladder(plan_parts: dict, geometry: dict, top: int) -> list[int]:
     """From the smallest budget that runs to `top`: powers of two GiB, the smallest and the all-resident
     budget; nothing beyond the first all-resident one but `top`."""
-    from streamer.budget import MARGIN_DIV, MARGIN_FIXED, plan_at
-
     p = plan_parts
     rest = p["baseline"] + p["nonexpert"] + p["kv"] + p["scratch"]
     lo = -(-(rest + geometry["n_expert_used"] * geometry["slot_bytes"] + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
@@ -201,7 +198,7 @@ def budget_ladder(plan_parts: dict, geometry: dict, top: int) -> list[int]:
     cands |= {resident} if resident <= top else set()
     out = []
     for b in sorted(c for c in cands if lo <= c <= top):
-        fits = plan_at(
+        fits = split_at(
             b, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"]
         ).fits_resident
         out.append(b)
@@ -225,8 +222,6 @@ def predict(
     parts: dict, geometry: dict, budgets, step_s: float, disk: dict, prompt_tokens: int, replayed: dict | None
 ) -> list[dict]:
     """One row per budget (and per policy, with a replay): hit rate, bytes per token, tok/s, TTFT."""
-    from streamer.replay import slots_at
-
     bw = disk["throughput_Bps"]
     mean_expert = float(np.mean(geometry["expert_bytes"]))
     ttft_io = parts["nonexpert"] / bw + distinct_experts(prompt_tokens, geometry) * mean_expert / bw
@@ -278,12 +273,6 @@ def recommend(rows: list[dict], policy: str) -> dict | None:
 
 
 def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
-    import psutil
-
-    from streamer.budget import scratch_bytes
-    from streamer.config import ModelConfig
-    from streamer.experts.store import ExpertLayout
-    from streamer.gguf_file import GGUFFile
 
     say = say or (lambda msg: None)
     gf = GGUFFile(model)
@@ -295,8 +284,6 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
         )
     trace = None
     if opts.trace is not None:
-        from streamer.trace import check_model, load_trace
-
         trace = load_trace(opts.trace)
         check_model(trace, gf)
     layout = ExpertLayout(gf, cfg)
@@ -310,9 +297,6 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     if trace is not None:
         parts = dict(trace.header["plan"])
     else:
-        import streamer.model  # noqa: F401
-        import streamer.moe_build  # noqa: F401  the baseline counts what a run has imported when it plans
-
         parts = {
             "budget": None,
             "baseline": psutil.Process().memory_info().rss,
@@ -330,13 +314,9 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
     step_s = measure_decode_step(model, opts.n_ctx, opts.threads)
     replayed = None
     if trace is not None:
-        from streamer.replay import ReplayOptions, replay
-
         say(f"hit rates: replaying {trace.path.name} at {len(budgets)} budgets")
         replayed = replay(trace, ReplayOptions(tuple(budgets), ("pinned-lru", "lru", "lfu", "belady")))
     rows = predict(parts, geometry, budgets, step_s, disk, opts.prompt_tokens, replayed)
-    from streamer.replay import recorded_policy
-
     policy = "uniform" if trace is None else recorded_policy(trace)
     return {
         "model": str(model),
@@ -356,8 +336,6 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
 
 
 def format_plan(r: dict) -> str:
-    from streamer.io import human
-
     g, d = r["geometry"], r["disk"]
     sizes = sorted(set(g["expert_bytes"]))
     size_txt = ", ".join(f"{human(s)} ({sum(1 for b in g['expert_bytes'] if b == s)} layers)" for s in sizes)

@@ -1,7 +1,7 @@
 """`stream-run replay`: re-run the expert cache of a recorded routing trace offline, at other budgets and with
 other eviction policies, without the model's weights or any reads.
 
-The simulation is the runtime's own code, not a model of it: the budget plan (budget.plan_at) and slot
+The simulation is the runtime's own code, not a model of it: the budget plan (budget.split_at) and slot
 arithmetic (experts/cache.cache_slots), the ExpertCache (tiers, reserve for demand reads, experts in use
 never evicted; built without its arena), StreamingSource's request/prefetch/wait/release/drain, and
 the MoE's scheduling loop (experts.source.serve: decode requests all, prefetches the lookahead set, waits,
@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streamer.budget import plan_at
+from streamer.budget import split_at
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache, cache_slots, grows
 from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource, serve
 from streamer.experts.usage import choose_pins
+from streamer.io import human
 from streamer.moe import apply_top_p
 from streamer.profiler import Profiler
 from streamer.trace import Trace, TraceRecorder
@@ -373,7 +374,7 @@ def recorded_policy(trace: Trace) -> str:
 def slots_at(p: dict, g: dict, budget: int, pin_share: float = 0.5) -> tuple[int, int, str | None]:
     """(slots, pin capacity, None) of the runtime's cache at this RAM budget, or (0, 0, 'resident'/'too small'):
     p is what the budget pays for besides the expert cache (a trace header's "plan"), g the geometry."""
-    plan = plan_at(budget, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"])
+    plan = split_at(budget, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"])
     if plan.fits_resident:
         return 0, 0, "resident"
     if plan.expert_cache < g["n_expert_used"] * g["slot_bytes"]:
@@ -463,8 +464,6 @@ def _pct(v) -> str:
 
 
 def format_replay(r: dict, per_layer: bool = False) -> str:
-    from streamer.io import human
-
     how = (
         f"replayed with expert top-p {r['expert_top_p']:g}, prefetch {'on' if r['prefetch'] else 'off'}; "
         f"pinned-lru pins from {r['pins_from']}; hit = served by the pinned or LRU tier (prefetched uses and "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -10,19 +11,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psutil
+
 from streamer import timing
-from streamer.budget import resolve as resolve_budget
+from streamer.budget import resolve as resolve_budget, scratch_bytes, split_at
 from streamer.config import ModelConfig
+from streamer.errors import StreamerError
+from streamer.experts.store import ExpertLayout
 from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
+from streamer.io import human
 from streamer.options import StreamOptions
+from streamer.pagein import PageIn, readahead_bytes
+from streamer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the heavy modules (numba kernels) load when a model is opened, not on import
     from streamer.model import Model
     from streamer.moe import MoEFFN
-    from streamer.pagein import PageIn
     from streamer.profiler import Profiler
-    from streamer.tokenizer import Tokenizer
 
 
 logger = logging.getLogger(__name__)
@@ -74,8 +80,6 @@ class Session:
         sequential speed (benchmarks do this, as llama.cpp's load does): wait for the background page-in
         open_model started. progress(done, total) in bytes."""
         if self.pagein is None:  # nothing fits the budget (open_model decided): nothing is read up front
-            from streamer.pagein import PageIn
-
             self.pagein = PageIn(self.gf.mm, [])
             self.pagein.run(progress)
         else:
@@ -101,7 +105,7 @@ class Session:
                 expert_prefetch_bytes=sum(st.prefetch_bytes for st in layers),
                 expert_stall_s=round(sum(st.stall_s for st in layers), 4),
             )
-        from streamer.warmup import loaded
+        from streamer.warmup import loaded  # numba's (loaded by now); not on import, as _open's
 
         timing.mark("first_token", kernels_loaded=loaded(self.kernels), **figures)
 
@@ -138,8 +142,6 @@ class Session:
         if building is not None:
             building.join()
         if self._tokenizer is None:  # not started, or its build failed: build (and report) it here
-            from streamer.tokenizer import Tokenizer
-
             self._tokenizer = Tokenizer.from_gguf(self.gf)
         return self._tokenizer
 
@@ -151,8 +153,6 @@ class Session:
             return
 
         def build() -> None:
-            from streamer.tokenizer import Tokenizer
-
             try:
                 self._tokenizer = Tokenizer.from_gguf(self.gf)
             except Exception:  # .tokenizer builds it again and raises there, in the caller's thread
@@ -203,8 +203,6 @@ def advise_pages(gf: GGUFFile) -> None:
     (streamer/pagein.py) or, ahead of it, expert by expert as they are first needed (experts/source.py).
     So does an embedding table that is not the output head: a token's row faults in alone, not the
     read_ahead_kb around it. The page-in reads the rest in large requests; their faults keep readahead."""
-    import mmap
-
     rows = "token_embd.weight" if "output.weight" in gf.tensors else None
     gf.advise(
         [(t.offset, t.nbytes) for t in gf.tensors.values() if "_exps." in t.name or t.name == rows], mmap.MADV_RANDOM
@@ -215,8 +213,6 @@ def start_pagein(session: Session, budget: int, early: PageIn | None = None) -> 
     """Read what the budget keeps resident in the background, in the order the forward pass needs it, so the
     first token waits for its own bytes only and the rest arrives at the disk's sequential speed. early: the
     page-in open_model started before the kernels loaded (early_plan); it goes on with the rest."""
-    from streamer.pagein import PageIn
-
     ranges = pagein_ranges(session.gf, session.moe, budget)
     whole = sum(n for _, n in ranges) == sum(t.nbytes for t in session.gf.tensors.values())
     if early is not None:
@@ -252,21 +248,16 @@ def early_plan(
     (dense, --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. whole: the plan
     keeps every byte of the file resident, so the page-in may read in 2 MiB pages (PageIn's huge mode).
     mapped: bytes of those weights an early page-in has mapped already (in the RSS as file pages: not the
-    process's own share, as make_plan counts them). budget: the run's RAM budget in bytes (budget.resolve)."""
+    process's own share, as split_budget counts them). budget: the run's RAM budget in bytes (budget.resolve)."""
     tensors = early_tensors(gf)
     if cfg.is_moe and options.stream:
         if options.expert_cache_bytes is None:
-            import psutil
-
-            from streamer.budget import plan_at, scratch_bytes
-            from streamer.experts.store import ExpertLayout
-
             layout = ExpertLayout(gf, cfg)
             kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
             nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
             mem = psutil.Process().memory_info()
             rss = mem.rss - min(mapped, getattr(mem, "shared", 0)) + rss_margin
-            plan = plan_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
+            plan = split_at(budget, rss, nonexpert, kv, scratch_bytes(cfg), layout.total_bytes, layout.slot_bytes)
             if plan.expert_cache < cfg.n_expert_used * layout.slot_bytes:
                 return [], False
             whole = plan.fits_resident
@@ -300,8 +291,6 @@ def start_early_pagein(
 
 def start_pagein_of(gf: GGUFFile, ranges, whole: bool = False) -> PageIn:
     """A background page-in of `ranges` (in that order), started; whole: the file will be read whole (huge)."""
-    from streamer.pagein import PageIn
-
     p = PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole).start()
     timing.mark("pagein_start", early_pagein_bytes=p.total)
     return p
@@ -309,23 +298,18 @@ def start_pagein_of(gf: GGUFFile, ranges, whole: bool = False) -> PageIn:
 
 def readahead_step(gf: GGUFFile) -> int:
     """Bytes one MADV_WILLNEED may cover on every file of the model (shards may sit on different disks)."""
-    from streamer.pagein import readahead_bytes
-
     return min(readahead_bytes(s.path) for s in gf.shards)
 
 
 def physical_cores() -> int:
     """llama.cpp's default thread count: physical cores (not more than numba's pool)."""
-    import numba
-    import psutil
+    import numba  # not on import, as _open's
 
     return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
 
 
 def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> None:
     """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
-    from streamer.io import human
-
     need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
     if need > budget:
         logger.warning(
@@ -341,10 +325,6 @@ def read_model_into_memory(
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    from streamer.budget import scratch_bytes
-    from streamer.errors import StreamerError
-    from streamer.io import human
-
     rest = cfg.kv_bytes_per_token * cfg.context(n_ctx) + scratch_bytes(cfg)
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
@@ -385,8 +365,6 @@ def open_model(
     cfg = ModelConfig.from_gguf(gf)
     timing.mark("header")
     if trace is not None and not cfg.is_moe:
-        from streamer.errors import StreamerError
-
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     budget = resolve_budget(options.ram_budget)  # once: every check below uses this figure
     if options.mmap:
@@ -405,6 +383,8 @@ def open_model(
 
 
 def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
+    # numba and the kernels load here, when a model is opened, not when this module is imported (cli/early.py
+    # plans the page-in with it before they load)
     from streamer import kernels
     from streamer.model import Model
 
@@ -412,7 +392,7 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
     timing.mark("kernels_imported")
     moe = None
     if cfg.is_moe:
-        from streamer.moe_build import build_moe_ffn
+        from streamer.moe_build import build_moe_ffn  # numba, as above
 
         paged_in = (lambda: early.done) if early is not None else (lambda: 0)
         moe = build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
@@ -425,7 +405,7 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
         advise_pages(gf)
         start_pagein(session, budget, early)
     timing.mark("model_built")
-    from streamer.warmup import cached, decode_formats, model_kernels, warmup_shared
+    from streamer.warmup import cached, decode_formats, model_kernels, warmup_shared  # numba, as above
 
     session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
     all_cached = cached(session.kernels)

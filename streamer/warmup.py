@@ -26,12 +26,13 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGMLQuantizationType as T
 
 from streamer.kernels import blocks, decode, experts, grouped, int8, lanes, ops, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 from streamer.kernels.specialise import FormatKernel, Specialised
+from streamer.synth.writer import PRESETS, SynthSpec, typed_tensors
 
 N_IN = 256  # a multiple of every block size (32 and 256 elements)
 N_OUT = 4
@@ -147,7 +148,7 @@ def _run_experts(qtypes=None) -> None:
 
 
 def _decode_args():
-    """Tiny arguments of kernels/decode.py's attention and dense-FFN blocks, with the types Model._decode_plan
+    """Tiny arguments of kernels/decode.py's attention and dense-FFN blocks, with the types Model._decode_args
     passes. The rows are Q8_0's size, the largest of the block formats per element: they serve every format
     (each format's kernel is compiled apart, specialise.py)."""
     n, nh, nkv, hd, n_ctx = N_IN, 2, 1, N_IN // 2, 4
@@ -159,7 +160,7 @@ def _decode_args():
     kc = np.zeros((1, nkv, n_ctx, hd), np.uint16)[0]  # one layer of the cache
     qkv = np.zeros((nh + 2 * nkv) * hd, np.float32)
     q, kv = qkv[: nh * hd].reshape(1, nh, hd), qkv[nh * hd : (nh + nkv) * hd].reshape(1, nkv, hd)
-    s3, s1 = experts.ExpertScratch(3, n), experts.ExpertScratch(1, n)  # the buffers Model._decode_plan makes
+    s3, s1 = experts.ExpertScratch(3, n), experts.ExpertScratch(1, n)  # the buffers Model._decode_args makes
     xq, aux, x1, aux1 = s3.xq, s3.aux, s1.xq[0], s1.aux[0]
     x, h = np.zeros((1, n), np.float32), np.zeros((1, n), np.float32)
     wq = _readonly(np.zeros((nh * hd, rb), np.uint8))
@@ -404,8 +405,6 @@ COMMON_PRESETS = ("qwen3-0.6b", "qwen3-30b-a3b")
 def recipe_formats(recipes=COMMON_RECIPES, presets=COMMON_PRESETS) -> tuple[set, dict[str, list[tuple[int, ...]]]]:
     """(matrix types, decode blocks' format tuples by group name) of the files those mixes make at those
     geometries, computed from the recipes' rules without writing a file (as decode_formats reads a model)."""
-    from streamer.synth.writer import PRESETS, SynthSpec, typed_tensors
-
     F = experts.FORMATS
     qtypes: set = set()
     combos: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
@@ -608,8 +607,6 @@ def warmup_shared(
 
 def _helper_main(argv: list[str]) -> None:
     """`python -m streamer.warmup SPEC`: the helper process of warmup_shared."""
-    from gguf import GGMLQuantizationType
-
     spec = json.loads(argv[0])
     qtypes = None if spec["qtypes"] is None else {GGMLQuantizationType(q) for q in spec["qtypes"]}
     combos = spec["decode_combos"]

@@ -91,7 +91,7 @@ def test_too_small_budget_names_a_budget_that_works(streaming_moe, monkeypatch):
     """The 'needs at least X' figure is exact: X is accepted, a little less is refused."""
     import re
 
-    from streamer.budget import make_plan
+    from streamer.budget import split_budget
     from streamer.config import ModelConfig
     from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
@@ -107,11 +107,11 @@ def test_too_small_budget_names_a_budget_that_works(streaming_moe, monkeypatch):
     layout = ExpertLayout(gf, cfg)
     args = (cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
     with pytest.raises(StreamerError) as err:
-        make_plan(100 * 2**20, *args)
+        split_budget(100 * 2**20, *args)
     need = float(re.search(r"needs at least ([\d.]+) MiB", str(err.value)).group(1))
-    make_plan(int((need + 0.01) * 2**20), *args)  # the printed figure, rounded up to its last digit: accepted
+    split_budget(int((need + 0.01) * 2**20), *args)  # the printed figure, rounded up to its last digit: accepted
     with pytest.raises(StreamerError):
-        make_plan(int((need - 0.5) * 2**20), *args)
+        split_budget(int((need - 0.5) * 2**20), *args)
 
 
 def test_kv_cache_is_paid_for_out_of_the_budget(streaming_moe, monkeypatch):
@@ -199,7 +199,7 @@ def test_a_budget_beyond_available_memory_is_warned_about(streaming_moe, monkeyp
 def test_pages_a_pagein_mapped_are_not_counted_twice(streaming_moe, monkeypatch):
     """The non-expert weights a page-in mapped before the plan are in the process's RSS (as file pages) and
     in the plan's non-expert share: the process's share leaves them out, never more than its file pages."""
-    from streamer.budget import make_plan
+    from streamer.budget import split_budget
     from streamer.config import ModelConfig
     from streamer.experts.store import ExpertLayout
     from streamer.gguf_file import GGUFFile
@@ -215,6 +215,6 @@ def test_pages_a_pagein_mapped_are_not_counted_twice(streaming_moe, monkeypatch)
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
     args = (8 * 2**30, cfg, gf, layout.total_bytes, layout.slot_bytes, cfg.kv_bytes_per_token * 64)
-    none, some, more = (make_plan(*args, paged_in=lambda n=n: n * MiB) for n in (0, 200, 400))
+    none, some, more = (split_budget(*args, paged_in=lambda n=n: n * MiB) for n in (0, 200, 400))
     assert (none.baseline, some.baseline, more.baseline) == (500 * MiB, 300 * MiB, 200 * MiB)
     assert some.expert_cache - none.expert_cache == 200 * MiB and some.nonexpert == none.nonexpert

@@ -136,7 +136,7 @@ def test_ctrl_c_while_starting_is_exit_130_without_a_traceback(monkeypatch, caps
 
 
 def test_pages_the_early_page_in_mapped_are_not_the_process_s_own(synth_model, monkeypatch):
-    """open_model's check runs with the early page-in's pages mapped (RSS as file pages): as make_plan, it
+    """open_model's check runs with the early page-in's pages mapped (RSS as file pages): as split_budget, it
     leaves them out of the process's own share, else a budget that fits would look too small."""
     from collections import namedtuple
 

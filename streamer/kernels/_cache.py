@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def _cache_dirs(here: Path) -> list[Path]:
-    from numba.core import config
+    from numba.core import config  # numba loads when a cache is looked at, not on import
     from numba.core.caching import UserProvidedCacheLocator
 
     dirs = [here / "__pycache__"]

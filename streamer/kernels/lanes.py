@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from . import simd_amx
+from . import int8, simd_amx
 from ._bits import FASTMATH, isa_kernels, kernel
 from .int8 import _item  # work item -> (part, expert, row block), as the grouped integer kernel's
 from .simd_amx import SCRATCH, q4_k_amx_16, tiles_begin, tiles_end
@@ -232,8 +232,6 @@ def isas() -> list[str]:
     """The instruction sets lanes.grouped can use on this CPU: int8.usable_isas(), "avx2" where the CPU has AVX2,
     and "amx" where it has AMX-INT8 (and AVX512-VNNI) and the kernel grants the tile state (simd_amx.enable;
     STREAM_RUN_AMX=0: never)."""
-    from . import int8
-
     usable = int8.usable_isas() + (["avx2"] if int8.host_has_avx2() else [])
     return usable + (["amx"] if "vnni" in usable and simd_amx.enable() else [])
 
@@ -243,8 +241,6 @@ def host_isa() -> str | None:
     kernel runs; else "avx2" where the decode's digit row dots run on AVX2 (int8.DECODE_ISA: a CPU without VNNI,
     STREAM_RUN_ISA unset), although the larger experts' matmuls keep the f32 tiles there; else None (the tiles
     serve every expert)."""
-    from . import int8
-
     if int8.ISA is not None:
         return best_isa(int8.ISA)
     return "avx2" if int8.DECODE_ISA == "avx2" else None

@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 
 from streamer.errors import StreamerError
+from streamer.pretokenize import split_words
 from streamer.tokenizer import byte_to_unicode
 
 __all__ = [
@@ -59,8 +60,6 @@ _N_MERGES = 120
 def byte_vocab_tokens() -> tuple[list[str], list[str]]:
     """(tokens, merges) of the small byte-level vocabulary: 256 byte tokens (id = byte value), then one
     token per learned merge. Deterministic: ties go to the pair seen first in the text."""
-    from streamer.pretokenize import split_words
-
     b2u = byte_to_unicode()
     words: dict[tuple[str, ...], int] = {}
     for w in split_words(_TRAIN_TEXT):

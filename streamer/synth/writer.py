@@ -17,9 +17,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
 
 from streamer.errors import StreamerError
 from streamer.io import current_umask
+from streamer.synth.recipes import RECIPES, file_type, recipe_types
 from streamer.synth.vocab import add_vocab
 
 
@@ -162,8 +164,6 @@ def _grid_rms(qtype: T) -> float:
     """Root mean square of a random i-quant block's values at d = 1 (random grid indices, signs and scales),
     measured once on 64 blocks with gguf-py's dequantizer."""
     if qtype not in _GRID_RMS:
-        from gguf.quants import dequantize
-
         size = GGML_QUANT_SIZES[qtype][1]
         b = np.frombuffer(bytearray(np.random.default_rng(0).bytes(64 * size)), np.uint8).reshape(64, size)
         _set_iq_d(qtype, b, np.ones(64))
@@ -274,8 +274,6 @@ def typed_tensors(spec: SynthSpec, n_vocab: int) -> list[tuple[str, tuple[int, .
     tensors = list(_tensors(spec, n_vocab))
     if spec.recipe is None:
         return tensors
-    from streamer.synth.recipes import recipe_types
-
     g = spec.geometry
     types = recipe_types(
         spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv, g.n_expert
@@ -370,8 +368,6 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
         w.add_expert_feed_forward_length(g.n_ff_exp)
     tensors = typed_tensors(spec, n_vocab)
     if spec.recipe is not None:
-        from streamer.synth.recipes import file_type
-
         w.add_file_type(file_type(spec.recipe))
     for name, shape, qt, _ in tensors:
         sshape, dtype, nbytes = _storage(shape, qt)
@@ -419,8 +415,6 @@ def spec_for(preset: str, qtype: str = "Q8_0", layers: int | None = None, **kw) 
     if preset not in PRESETS:
         raise StreamerError(f"unknown preset '{preset}' (choose from {', '.join(PRESETS)})")
     if kw.get("recipe") is not None:
-        from streamer.synth.recipes import RECIPES
-
         if kw["recipe"] not in RECIPES:
             raise StreamerError(f"unknown recipe '{kw['recipe']}' (choose from {', '.join(RECIPES)})")
     try:

@@ -1,4 +1,5 @@
-"""python -m streamer.train {prepare,train,export,all} ... (see streamer/train/__init__.py)."""
+"""python -m streamer.train {prepare,train,export,all} ... (see streamer/train/__init__.py). tokenizers and torch,
+optional (the train extra), are imported by the steps that use them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from streamer.io import atomic_save_npy, atomic_write
 from streamer.train import corpus
+from streamer.train.bpe import train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = REPO / "tests" / "data" / "heldout_stdlib.py.txt"
@@ -45,8 +48,6 @@ def log_to(path: Path):
 def prepare(work: Path, log) -> None:
     from tokenizers import Tokenizer
 
-    from streamer.io import atomic_save_npy, atomic_write
-
     def atomic_write_text(path, text):
         atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
@@ -62,8 +63,6 @@ def prepare(work: Path, log) -> None:
     if TOKENIZER_JSON.exists():
         tok = Tokenizer.from_file(str(TOKENIZER_JSON))
     else:
-        from streamer.train.bpe import train_tokenizer
-
         tok = train_tokenizer(train_docs, VOCAB)
         atomic_write_text(TOKENIZER_JSON, tok.to_str(pretty=True))
     out = work / "train_tokens.npy"

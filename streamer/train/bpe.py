@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+import gguf
+
 from streamer.synth.vocab import SPECIALS
 
 # tokenizer.json of Qwen2/Qwen3 (pre_tokenizer.pretokenizers[0].pattern.Regex)
@@ -47,8 +49,6 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int):
 def gguf_vocab(tokenizer_json: str) -> tuple[list[str], list[int], list[str]]:
     """(tokens in id order, token types, merges as "a b") from a tokenizer.json, the way llama.cpp's
     convert_hf_to_gguf.py writes a Qwen3 vocabulary (added tokens CONTROL when special, else USER_DEFINED)."""
-    import gguf
-
     tj = json.loads(tokenizer_json)
     vocab = dict(tj["model"]["vocab"])
     added = {a["id"]: a for a in tj["added_tokens"]}
