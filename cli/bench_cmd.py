@@ -19,6 +19,7 @@ from streamer.cli.common import (
     progress_printer,
 )
 from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, TraceOut, with_stream_options
+from streamer.errors import StreamerError
 from streamer.options import StreamOptions
 
 
@@ -45,7 +46,6 @@ def bench(
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
     from streamer.bench import format_bench, run_bench
-    from streamer.errors import StreamerError
     from streamer.kv_cache import check_room
 
     if pp < 1 or tg < 1:
@@ -82,7 +82,6 @@ def profile(
     ] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
-    from streamer.errors import StreamerError
     from streamer.generate import Generator
     from streamer.io import atomic_write
     from streamer.sampler import Sampler, SamplerParams

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
+
+from streamer.errors import StreamerError
 
 
 def progress_printer(label: str, fmt=None, after_s: float = 0.0):
     """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
     total)` words the counts (default: byte sizes). Silent until `after_s` seconds have passed (fast work
     prints nothing)."""
-    import time
-
     from streamer.io import human
 
     fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
@@ -46,8 +47,6 @@ def prefill_progress():
 
 
 def parse_tokens(text: str) -> list[int]:
-    from streamer.errors import StreamerError
-
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
@@ -57,8 +56,6 @@ def parse_tokens(text: str) -> list[int]:
 def check_output_path(path: Path | None, flag: str) -> None:
     """Refuse, before any work, an output file that could not be written: a directory, or a missing or
     read-only parent directory."""
-    from streamer.errors import StreamerError
-
     if path is None:
         return
     parent = path.parent if str(path.parent) else Path(".")
@@ -85,8 +82,6 @@ def probe(model: Path):
 
 def check_trace(trace: Path | None, cfg) -> None:
     """--trace: a writable path, and a MoE model (a dense one has no routing to record)."""
-    from streamer.errors import StreamerError
-
     check_output_path(trace, "--trace")
     if trace is not None and not cfg.is_moe:
         raise StreamerError("--trace: this is a dense model: it has no experts, so there is no routing to trace")
@@ -119,7 +114,6 @@ def open_session(
 
 def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:
     """Token ids in the vocabulary, and a prompt that fits the context (checked again at every forward)."""
-    from streamer.errors import StreamerError
     from streamer.kv_cache import check_room
 
     if not ids:

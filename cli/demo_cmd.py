@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from streamer.cli.options import Threads
+from streamer.errors import StreamerError
 
 DEMO_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 DEMO_REPEAT_PENALTY = 1.15
@@ -33,7 +34,6 @@ def demo(
     """Generate code from the packaged Qwen3-MoE (trained on the Python standard library) with its experts
     streamed into a cache holding a quarter of them, and print the expert traffic."""
     from streamer.config import ModelConfig
-    from streamer.errors import StreamerError
     from streamer.experts.store import ExpertLayout
     from streamer.gguf_file import GGUFFile
     from streamer.io import human

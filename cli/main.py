@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 
 # command name -> (module in streamer.cli, function), in the order `stream-run --help` lists them
 COMMANDS = {
@@ -86,7 +87,6 @@ def leave(code) -> None:
     STREAM_RUN_TIMING line), stdout and stderr are flushed. code: as SystemExit's (None 0, a string printed, 1)."""
     import atexit
     import os
-    import threading
 
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)

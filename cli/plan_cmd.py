@@ -10,7 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.cli.common import progress_printer
 from streamer.cli.options import CtxSize, ModelArg, Threads
+from streamer.errors import StreamerError
 
 
 def plan(
@@ -52,9 +54,6 @@ def plan(
 ) -> None:
     """Will this MoE model run here, and how fast? Predicted decode tok/s and time to first token per budget,
     and a recommended --ram-budget."""
-    from streamer.cli.common import progress_printer
-    from streamer.errors import StreamerError
-
     budgets = None
     if ram_budget is not None:
         from streamer.cli.replay_cmd import _sizes

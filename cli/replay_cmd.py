@@ -9,6 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.cli.common import progress_printer
+from streamer.errors import StreamerError
+
 
 def _sizes(text: str) -> tuple:
     from streamer.io import parse_size
@@ -58,8 +61,6 @@ def replay(
 ) -> None:
     """Simulate the expert cache of a recorded run (the runtime's own cache, budget and scheduling code) at
     each budget and policy: hit rate and bytes read per token, overall and per layer, with Belady as the ceiling."""
-    from streamer.cli.common import progress_printer
-    from streamer.errors import StreamerError
     from streamer.replay import ReplayOptions, format_replay, replay as run_replay
     from streamer.trace import load_trace
 

@@ -34,6 +34,7 @@ from streamer.cli.options import (
     TraceOut,
     with_stream_options,
 )
+from streamer.errors import ModelFileChanged, StreamerError
 from streamer.options import StreamOptions
 
 
@@ -79,7 +80,6 @@ def run(
     from streamer import timing
 
     timing.mark("cli")
-    from streamer.errors import StreamerError
     from streamer.io import read_text
     from streamer.sampler import Sampler, SamplerParams
     from streamer.tokenizer import Tokenizer
@@ -214,8 +214,6 @@ def chat(
 
 
 def _repl(s, gen, conv) -> None:
-    from streamer.errors import ModelFileChanged, StreamerError
-
     tty = sys.stdin.isatty()
     if tty:
         print("chat: one message per line; Ctrl-C stops a reply, /reset starts over, /exit quits.", file=sys.stderr)

@@ -8,7 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.cli.common import open_session, probe
 from streamer.cli.options import CtxSize, ModelArg, Threads, with_stream_options
+from streamer.errors import StreamerError
 from streamer.options import StreamOptions
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
@@ -51,14 +53,11 @@ def serve(
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
     /detokenize, /metrics. One generation at a time from a FIFO queue; the KV cache is reused across requests
     that share a prompt prefix. Loads the model after the socket is bound (/health: 503, then 200)."""
-    from streamer.errors import StreamerError
-
     try:
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise StreamerError(INSTALL_HINT) from None
-    from streamer.cli.common import open_session, probe
     from streamer.server.app import ServerOptions, create_app
     from streamer.server.engine import Engine
     from streamer.server.schemas import Limits
@@ -99,7 +98,6 @@ def serve(
 
 def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, max_body: str) -> int:
     """The server's own flags checked (one error line each); the body limit in bytes."""
-    from streamer.errors import StreamerError
     from streamer.io import parse_size
 
     if queue < 0:
@@ -119,8 +117,6 @@ def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, m
 def _bound(host: str, port: int):
     """(a socket bound to host:port, the host as a URL shows it); one error line if the address is taken."""
     import socket
-
-    from streamer.errors import StreamerError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -9,6 +9,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.cli.common import progress_printer
+from streamer.errors import StreamerError
+
 Preset = Annotated[
     str,
     typer.Option(
@@ -75,8 +78,6 @@ def synth(
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
     from gguf.constants import GGMLQuantizationType as T
 
-    from streamer.cli.common import progress_printer
-    from streamer.errors import StreamerError
     from streamer.io import parse_size
     from streamer.synth.writer import Split, spec_for, write_model
 

@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from streamer.errors import StreamerError
+
 
 def tokenize(
     model: Path = typer.Argument(..., help="GGUF file whose tokenizer.* metadata to use.", show_default=False),
@@ -18,7 +20,6 @@ def tokenize(
     text: Optional[str] = typer.Option(None, "--text", help="Text to tokenize instead of FILE."),
 ) -> None:
     """Print the token ids of FILE (or --text), one per line, as llama-tokenize counts them."""
-    from streamer.errors import StreamerError
     from streamer.gguf_file import GGUFFile
     from streamer.tokenizer import Tokenizer
 
