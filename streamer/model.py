@@ -54,9 +54,9 @@ class DenseFFN:
         return [m for ws in self.w for m in ws]
 
     def block_args(self, layer: int) -> tuple | None:
-        """decode.ffn_block's weight arguments for this layer (None if a matrix is not block-quantized)."""
+        """decode.ffn_block's (fg, fu, fd, wg, wu, wd) for this layer (None if a matrix is not block-quantized)."""
         parts = [m.block for m in self.w[layer]]
-        return None if None in parts else tuple(a for p in parts for a in p)
+        return None if None in parts else tuple(p[0] for p in parts) + tuple(p[1] for p in parts)
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         gate, up, down = self.w[layer]
@@ -87,17 +87,18 @@ class Layer:
                 out += bias
         return q, k, v
 
-    def block_args(self, eps: float, cos: np.ndarray, sin: np.ndarray) -> tuple | None:
-        """decode.attn_block's per-layer arguments up to the position (None if a matrix is not block-quantized)."""
-        mats = [m.block for m in (self.wq, self.wk, self.wv)]
-        if None in mats or self.wo.block is None:
+    def block_args(self, eps: float, cos, sin, scale) -> tuple[tuple, decode.AttnWeights] | None:
+        """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer (None if a matrix is not
+        block-quantized)."""
+        mats = [m.block for m in (self.wq, self.wk, self.wv, self.wo)]
+        if None in mats:
             return None
         none = np.empty(0, np.float32)
         none.flags.writeable = False  # the same array type as the file's views
-        opt = [none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm)]
-        (fq, wq), (fk, wk), (fv, wv) = mats
-        return (self.attn_norm, self.ffn_norm, eps, fq, wq, opt[0], fk, wk, opt[1], fv, wv, opt[2], opt[3], opt[4],
-                cos, sin)  # fmt: skip
+        bq, bk, bv, qn, kn = (none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm))
+        (fq, wq), (fk, wk), (fv, wv), (fo, wo) = mats
+        w = decode.AttnWeights(self.attn_norm, self.ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, scale, wo)
+        return (fq, fk, fv, fo), w
 
     def norm_rope(self, x: np.ndarray, w, eps: float, cos, sin, pos0: int) -> None:
         if w is None:
@@ -143,7 +144,7 @@ class Model:
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
         cfg = self.cfg
-        attn = [L.block_args(cfg.rms_eps, self.cos, self.sin) for L in self.layers]
+        attn = [L.block_args(cfg.rms_eps, self.cos, self.sin, self.scale) for L in self.layers]
         if None in attn:
             return None
         nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
@@ -151,8 +152,7 @@ class Model:
         q = qkv[: nq * hd].reshape(1, nq, hd)
         k, v = qkv[nq * hd : (nq + nkv) * hd].reshape(1, nkv, hd), qkv[(nq + nkv) * hd :].reshape(1, nkv, hd)
         x3, xo = ExpertScratch(3, n), ExpertScratch(1, nq * hd)  # blocks.prepare's buffers, as the experts'
-        tail = [(self.scale, *L.wo.block, qkv, q, k, v, att, x3.xq, x3.aux, xo.xq[0], xo.aux[0])
-                for L in self.layers]  # fmt: skip
+        scratch = decode.AttnScratch(qkv, q, k, v, att, x3.xq, x3.aux, xo.xq[0], xo.aux[0])
         ffn = None
         if isinstance(self.ffn, DenseFFN):
             ffn = [self.ffn.block_args(i) for i in range(cfg.n_layer)]
@@ -161,9 +161,9 @@ class Model:
             else:
                 n_ff = self.ffn.w[0][0].n_out
                 xa = ExpertScratch(1, n_ff)
-                scratch = (np.empty((2, n_ff), np.float32), x3.xq, x3.aux, xa.xq[0], xa.aux[0])
-                ffn = [a + scratch for a in ffn]
-        return attn, tail, ffn
+                fs = decode.FFNScratch(np.empty((2, n_ff), np.float32), x3.xq, x3.aux, xa.xq[0], xa.aux[0])
+                ffn = [a + (fs,) for a in ffn]
+        return attn, scratch, ffn
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg, self.n_ctx)
@@ -258,10 +258,11 @@ class Model:
     def _decode_layers(self, x: np.ndarray, h: np.ndarray, cache: KVCache, pos: int) -> None:
         """One token through every layer: the attention as one kernel call (decode.attn_block), the FFN as one
         (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' per-call path."""
-        attn, tail, ffn = self._decode
+        attn, scratch, ffn = self._decode
         for i in range(len(self.layers)):
             interrupts.check()
-            decode.attn_block(x, h, *attn[i], pos, cache.k[i], cache.v[i], *tail[i])
+            formats, weights = attn[i]
+            decode.attn_block(x, h, pos, cache.k[i], cache.v[i], *formats, weights, scratch)
             for hook in self.hooks:
                 hook.after_attention(i, x)
             if ffn is not None:

@@ -309,19 +309,10 @@ class Fused:
 
 
 class _DecodeScratch(NamedTuple):
-    """WholeLayer's per-layer expert spans (starts, sizes: gate, up, down of expert 0 and bytes per expert)
-    and scratch."""
+    """WholeLayer's per-layer experts (decode.MoEExperts) and scratch (decode.MoEScratch)."""
 
-    spans: list
-    logits: np.ndarray
-    xqr: np.ndarray
-    auxr: np.ndarray
-    ids: np.ndarray
-    wts: np.ndarray
-    offs: np.ndarray
-    sw: np.ndarray
-    gu: np.ndarray
-    out: np.ndarray
+    experts: list
+    scratch: decode.MoEScratch
     no_router: np.ndarray
     no_counts: np.ndarray
 
@@ -341,25 +332,19 @@ class WholeLayer:
         if d is None:
             d = self._dec = self._scratch()
         mat = self.router_mats[layer]
-        blk = mat.block
-        if blk is None:
-            mat.matvec(h[0], d.logits[0])
-            blk = (-1, d.no_router)
-        starts, sizes = d.spans[layer]
-        sx, sa = self.fused.scratch_x, self.fused.scratch_a
-        decode.moe_block(x, h, *blk, d.logits, d.xqr, d.auxr, d.ids, d.wts, self.source.gf.mm, starts, sizes,
-                         plan.gate_up_format, plan.gate_up_row_bytes, plan.down_format, plan.down_row_bytes,
-                         d.offs, d.sw, d.gu, d.out, sx.xq[0], sx.aux[0], sa.xq, sa.aux,
-                         d.no_counts if counts is None else counts)  # fmt: skip
-        return d.ids
+        fr, wr = mat.block if mat.block is not None else (-1, d.no_router)
+        if fr < 0:
+            mat.matvec(h[0], d.scratch.logits[0])
+        counts = d.no_counts if counts is None else counts
+        decode.moe_block(x, h, fr, plan.gate_up_format, plan.down_format, wr, d.experts[layer], d.scratch, counts)
+        return d.scratch.ids
 
     def _scratch(self) -> _DecodeScratch:
         cfg, k = self.cfg, self.cfg.n_expert_used
         no_router = np.zeros((1, 1), np.uint8)
         no_router.flags.writeable = False  # the type of the file's views
-        xr = ExpertScratch(1, cfg.n_embd)
-        return _DecodeScratch(
-            spans=[self.source.spans(i) for i in range(cfg.n_layer)],
+        xr, sx, sa = ExpertScratch(1, cfg.n_embd), self.fused.scratch_x, self.fused.scratch_a
+        scratch = decode.MoEScratch(
             logits=np.empty((1, cfg.n_expert), np.float32),
             xqr=xr.xq[0],
             auxr=xr.aux[0],
@@ -369,6 +354,14 @@ class WholeLayer:
             sw=np.empty(k, np.float32),
             gu=np.empty((2 * k, cfg.n_ff_exp), np.float32),
             out=np.empty(cfg.n_embd, np.float32),
-            no_router=no_router,
-            no_counts=np.empty(0, np.float64),
+            xq=sx.xq[0],
+            aux=sx.aux[0],
+            xqa=sa.xq,
+            auxa=sa.aux,
         )
+        experts = []
+        for i, p in enumerate(self.plans):
+            starts, sizes = self.source.spans(i)
+            rb = (p.gate_up_row_bytes, p.down_row_bytes) if p is not None else (0, 0)
+            experts.append(decode.MoEExperts(self.source.gf.mm, starts, sizes, *rb))
+        return _DecodeScratch(experts, scratch, no_router, np.empty(0, np.float64))

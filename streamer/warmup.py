@@ -180,18 +180,20 @@ def _run_decode(combos=None) -> None:
     nq, nk = a.nh * a.hd, a.nkv * a.hd
     for fq, fk, fv, fo in combos or _uniform(4):
         for bias, qn in ((a.none, a.head_norm), (a.norm[:nq], a.none)):  # Qwen3, and Qwen2's biases without norms
-            decode.attn_block(a.x, a.h, a.norm, a.norm, 1e-6, fq, a.wq, bias, fk, a.wkv, bias[:nk], fv, a.wkv,
-                              bias[:nk], qn, qn, a.cos, a.sin, 0, a.kc, a.kc, np.float32(0.1), fo, a.w, a.qkv, a.q,
-                              a.kv, a.kv, np.empty((1, a.nh, a.hd), np.float32), a.xq, a.aux, a.x1, a.aux1)  # fmt: skip
+            w = decode.AttnWeights(a.norm, a.norm, 1e-6, a.wq, bias, a.wkv, bias[:nk], a.wkv, bias[:nk], qn, qn,
+                                   a.cos, a.sin, np.float32(0.1), a.w)  # fmt: skip
+            att = np.empty((1, a.nh, a.hd), np.float32)
+            scratch = decode.AttnScratch(a.qkv, a.q, a.kv, a.kv, att, a.xq, a.aux, a.x1, a.aux1)
+            decode.attn_block(a.x, a.h, 0, a.kc, a.kc, fq, fk, fv, fo, w, scratch)
 
 
 def _run_decode_ffn(combos=None) -> None:
     """decode.ffn_block: the dense FFN of one token (dense models only; a MoE's FFN is moe_block or MoEFFN's),
     for each (fg, fu, fd) of combos."""
     a = _decode_args()
-    scratch = (np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
+    scratch = decode.FFNScratch(np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
     for fg, fu, fd in combos or _uniform(3):
-        decode.ffn_block(a.x, a.h, fg, a.w, fu, a.w, fd, a.w, *scratch)
+        decode.ffn_block(a.x, a.h, fg, fu, fd, a.w, a.w, a.w, scratch)
 
 
 def _run_decode_moe(combos=None) -> None:
@@ -209,13 +211,13 @@ def _decode_moe(fr: int, fgu: int, fd: int) -> None:
     x1, aux1 = s1.xq[0], s1.aux[0]
     base = _readonly(np.zeros(3 * n_exp * n * rb, np.uint8))
     starts, sizes = np.arange(3, dtype=np.int64) * (n_exp * n * rb), np.full(3, n * rb, np.int64)
+    ex = decode.MoEExperts(base, starts, sizes, rb, rb)
+    scratch = decode.MoEScratch(np.zeros((1, n_exp), np.float32), x1, aux1, np.empty((1, k), np.int64),
+                                np.empty((1, k), np.float32), np.empty(3 * k, np.int64), np.empty(k, np.float32),
+                                np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1, sk.xq, sk.aux)  # fmt: skip
     for counts in (np.zeros(n_exp), np.empty(0)):  # with the usage counts, without
         wr = _readonly(np.zeros((n_exp if fr >= 0 else 1, rb if fr >= 0 else 1), np.uint8))
-        decode.moe_block(x, h, fr, wr, np.zeros((1, n_exp), np.float32),
-                         x1, aux1, np.empty((1, k), np.int64), np.empty((1, k), np.float32), base, starts, sizes,
-                         fgu, rb, fd, rb, np.empty(3 * k, np.int64), np.empty(k, np.float32),
-                         np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1,
-                         sk.xq, sk.aux, counts)  # fmt: skip
+        decode.moe_block(x, h, fr, fgu, fd, wr, ex, scratch, counts)
 
 
 def _run_expert_tiles(qtypes=None) -> None:
@@ -346,13 +348,10 @@ def groups(qtypes=None, decode_combos=None) -> list[Group]:
 def decode_formats(model, moe=None) -> dict[str, list[tuple[int, ...]]]:
     """The format tuples `model` calls the decode blocks with, by group name (each tuple is compiled apart)."""
     out: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
-    plan = model._decode
-    if plan is not None:
-        attn, tail, ffn = plan
-        for a, t in zip(attn, tail):
-            out["decode"].add((a[3], a[6], a[9], t[1]))
-        for f in ffn or ():
-            out["decode-ffn"].add((f[0], f[2], f[4]))
+    if model._decode is not None:
+        attn, _, ffn = model._decode
+        out["decode"].update(formats for formats, _ in attn)
+        out["decode-ffn"].update(f[:3] for f in ffn or ())
     if moe is not None:
         for layer, p in enumerate(moe.fused):
             if p is not None:
@@ -381,12 +380,6 @@ def common_groups(qtypes) -> list[str]:
     (every format of these mixes has one: MoEFFN.needs_tiles)."""
     skip = {"int8"} | (set() if int8.ISA is None else {"expert-tiles"})
     return [g.name for g in groups(qtypes) if g.name not in skip]
-
-
-def compiled_formats(kernels) -> set[tuple[str, tuple[int, ...]]]:
-    """(kernel name, format codes) of the specialisations that have machine code in this process now."""
-    return {(d.py_func.__name__, c) for d in kernels if isinstance(d, FormatKernel) for c, s in d.specs.items()
-            if s.signatures}  # fmt: skip
 
 
 def entry_points() -> list:
