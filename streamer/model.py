@@ -87,7 +87,7 @@ class Layer:
                 out += bias
         return q, k, v
 
-    def block_args(self, eps: float, cos, sin, scale) -> tuple[tuple, decode.AttnWeights] | None:
+    def block_args(self, eps: float, cos, sin, scale) -> tuple[tuple, tuple] | None:
         """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer (None if a matrix is not
         block-quantized)."""
         mats = [m.block for m in (self.wq, self.wk, self.wv, self.wo)]
@@ -98,7 +98,7 @@ class Layer:
         bq, bk, bv, qn, kn = (none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm))
         (fq, wq), (fk, wk), (fv, wv), (fo, wo) = mats
         w = decode.AttnWeights(self.attn_norm, self.ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, scale, wo)
-        return (fq, fk, fv, fo), w
+        return (fq, fk, fv, fo), tuple(w)  # a plain tuple: numba types it on its fast path (kernels/decode.py)
 
     def norm_rope(self, x: np.ndarray, w, eps: float, cos, sin, pos0: int) -> None:
         if w is None:
@@ -152,7 +152,7 @@ class Model:
         q = qkv[: nq * hd].reshape(1, nq, hd)
         k, v = qkv[nq * hd : (nq + nkv) * hd].reshape(1, nkv, hd), qkv[(nq + nkv) * hd :].reshape(1, nkv, hd)
         x3, xo = ExpertScratch(3, n), ExpertScratch(1, nq * hd)  # blocks.prepare's buffers, as the experts'
-        scratch = decode.AttnScratch(qkv, q, k, v, att, x3.xq, x3.aux, xo.xq[0], xo.aux[0])
+        scratch = tuple(decode.AttnScratch(qkv, q, k, v, att, x3.xq, x3.aux, xo.xq[0], xo.aux[0]))
         ffn = None
         if isinstance(self.ffn, DenseFFN):
             ffn = [self.ffn.block_args(i) for i in range(cfg.n_layer)]
@@ -161,7 +161,7 @@ class Model:
             else:
                 n_ff = self.ffn.w[0][0].n_out
                 xa = ExpertScratch(1, n_ff)
-                fs = decode.FFNScratch(np.empty((2, n_ff), np.float32), x3.xq, x3.aux, xa.xq[0], xa.aux[0])
+                fs = tuple(decode.FFNScratch(np.empty((2, n_ff), np.float32), x3.xq, x3.aux, xa.xq[0], xa.aux[0]))
                 ffn = [a + (fs,) for a in ffn]
         return attn, scratch, ffn
 

@@ -309,10 +309,12 @@ class Fused:
 
 
 class _DecodeScratch(NamedTuple):
-    """WholeLayer's per-layer experts (decode.MoEExperts) and scratch (decode.MoEScratch)."""
+    """WholeLayer's per-layer experts (decode.MoEExperts) and scratch (decode.MoEScratch), and the same as the
+    plain tuples moe_block gets (numba types those on its fast path: kernels/decode.py)."""
 
     experts: list
     scratch: decode.MoEScratch
+    plain: tuple
     no_router: np.ndarray
     no_counts: np.ndarray
 
@@ -336,7 +338,7 @@ class WholeLayer:
         if fr < 0:
             mat.matvec(h[0], d.scratch.logits[0])
         counts = d.no_counts if counts is None else counts
-        decode.moe_block(x, h, fr, plan.gate_up_format, plan.down_format, wr, d.experts[layer], d.scratch, counts)
+        decode.moe_block(x, h, fr, plan.gate_up_format, plan.down_format, wr, d.experts[layer], d.plain, counts)
         return d.scratch.ids
 
     def _scratch(self) -> _DecodeScratch:
@@ -363,5 +365,5 @@ class WholeLayer:
         for i, p in enumerate(self.plans):
             starts, sizes = self.source.spans(i)
             rb = (p.gate_up_row_bytes, p.down_row_bytes) if p is not None else (0, 0)
-            experts.append(decode.MoEExperts(self.source.gf.mm, starts, sizes, *rb))
-        return _DecodeScratch(experts, scratch, no_router, np.empty(0, np.float64))
+            experts.append(tuple(decode.MoEExperts(self.source.gf.mm, starts, sizes, *rb)))
+        return _DecodeScratch(experts, scratch, tuple(scratch), no_router, np.empty(0, np.float64))

@@ -184,7 +184,7 @@ def _run_decode(combos=None) -> None:
                                    a.cos, a.sin, np.float32(0.1), a.w)  # fmt: skip
             att = np.empty((1, a.nh, a.hd), np.float32)
             scratch = decode.AttnScratch(a.qkv, a.q, a.kv, a.kv, att, a.xq, a.aux, a.x1, a.aux1)
-            decode.attn_block(a.x, a.h, 0, a.kc, a.kc, fq, fk, fv, fo, w, scratch)
+            decode.attn_block(a.x, a.h, 0, a.kc, a.kc, fq, fk, fv, fo, tuple(w), tuple(scratch))
 
 
 def _run_decode_ffn(combos=None) -> None:
@@ -193,7 +193,7 @@ def _run_decode_ffn(combos=None) -> None:
     a = _decode_args()
     scratch = decode.FFNScratch(np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
     for fg, fu, fd in combos or _uniform(3):
-        decode.ffn_block(a.x, a.h, fg, fu, fd, a.w, a.w, a.w, scratch)
+        decode.ffn_block(a.x, a.h, fg, fu, fd, a.w, a.w, a.w, tuple(scratch))
 
 
 def _run_decode_moe(combos=None) -> None:
@@ -217,7 +217,7 @@ def _decode_moe(fr: int, fgu: int, fd: int) -> None:
                                 np.empty((2 * k, n), np.float32), np.empty(n, np.float32), x1, aux1, sk.xq, sk.aux)  # fmt: skip
     for counts in (np.zeros(n_exp), np.empty(0)):  # with the usage counts, without
         wr = _readonly(np.zeros((n_exp if fr >= 0 else 1, rb if fr >= 0 else 1), np.uint8))
-        decode.moe_block(x, h, fr, fgu, fd, wr, ex, scratch, counts)
+        decode.moe_block(x, h, fr, fgu, fd, wr, tuple(ex), tuple(scratch), counts)
 
 
 def _run_expert_tiles(qtypes=None) -> None:

@@ -21,9 +21,10 @@ resident runs both take these blocks: bit-identical to each other. Block formats
 the per-call path for float weights).
 
 Their arguments: the residual, the position and cache where they apply, the format codes (top level: each
-tuple of codes is compiled apart, specialise.py), then NamedTuples of the layer's weights and of scratch
-buffers (numba unboxes a NamedTuple's fields as it would the same arguments one by one; calling with two
-NamedTuples of 15 arrays cost 3.7 us against 1.5 us for 30 arrays, 2026-12-05, AMD EPYC Zen 4).
+tuple of codes is compiled apart, specialise.py), then tuples of the layer's weights and of scratch buffers,
+laid out by the NamedTuples below. Callers pass them as plain tuples: numba's dispatcher types a plain tuple
+on its fast path, a NamedTuple on its slow one (a call with two of 15 arrays: 1.9 us as plain tuples, 3.7 us
+as NamedTuples, 1.5 us as 30 arguments; 2026-12-05, AMD EPYC Zen 4).
 """
 
 from typing import NamedTuple
@@ -134,7 +135,7 @@ class AttnScratch(NamedTuple):
 @format_kernel("fq", "fk", "fv", "fo", parallel=True, fastmath=FASTMATH)
 def attn_block(x, h, pos, kc, vc, fq, fk, fv, fo, W, S):
     """One token at position pos, in place on the residual x (1, n_embd); leaves ffn_norm(x) in h. kc/vc the
-    layer's cache (n_kv, n_ctx, hd) uint16; W an AttnWeights, S an AttnScratch."""
+    layer's cache (n_kv, n_ctx, hd) uint16; W an AttnWeights, S an AttnScratch (as plain tuples)."""
     attn_norm, ffn_norm, eps, wq, bq, wk, bk, wv, bv, q_norm, k_norm, cos, sin, scale, wo = W
     qkv_out, q, k, v, att, xq, aux, xqo, auxo = S
     n = x.shape[1]
@@ -202,7 +203,8 @@ class FFNScratch(NamedTuple):
 
 @format_kernel("fg", "fu", "fd", parallel=True, fastmath=FASTMATH)
 def ffn_block(x, h, fg, fu, fd, wg, wu, wd, S):
-    """Dense SwiGLU of one token added into the residual: x += down(silu(gate h) * up h); S an FFNScratch."""
+    """Dense SwiGLU of one token added into the residual: x += down(silu(gate h) * up h); S an FFNScratch (as a
+    plain tuple)."""
     gu, xq, aux, xqa, auxa = S
     n = h.shape[1]
     ng = n >> 5
@@ -261,8 +263,8 @@ class MoEScratch(NamedTuple):
 @format_kernel("fr", "fgu", "fd", parallel=True, fastmath=FASTMATH)
 def moe_block(x, h, fr, fgu, fd, wr, E, S, counts):
     """One token's MoE FFN added into the residual x (1, n_embd), from h = ffn_norm(x). Router: if fr >= 0
-    logits = wr h (format fr), else S.logits already hold them. E a MoEExperts, S a MoEScratch; counts: the
-    layer's usage counts (+1 per routed expert), or size 0."""
+    logits = wr h (format fr), else S's logits already hold them. E a MoEExperts, S a MoEScratch (as plain
+    tuples); counts: the layer's usage counts (+1 per routed expert), or size 0."""
     base, starts, sizes, rb_gu, rb_d = E
     logits, xqr, auxr, ids, wts, offs, sw, gu, out, xq, aux, xqa, auxa = S
     if fr >= 0:
