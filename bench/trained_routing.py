@@ -5,7 +5,7 @@
                                     [--json-out routing.json]
 
 Correctness-type measurements (hit rates, recall, bytes, perplexity), not timings: safe on a busy machine.
-Every number comes from stream-run itself (the real cache, prefetcher, pinning and profiler), fed the held-out
+Every number comes from stream-run itself (the real cache, prefetcher, pinning and traffic), fed the held-out
 text (tests/data/heldout_stdlib.py.txt, never seen in training) teacher-forced, one token at a time as in
 decoding, in windows of --ctx tokens (the KV cache restarts each window; the expert cache carries on):
 
@@ -131,7 +131,7 @@ def decode_run(
     top_p: float = 1.0,
     trace: Path | None = None,
 ) -> dict:
-    """Teacher-forced decode of ids through a streaming session; the profiler's report. trace: record the run's
+    """Teacher-forced decode of ids through a streaming session; the traffic counters' report. trace: record the run's
     routing trace there (written when the session closes)."""
     from streamer.config import ModelConfig
     from streamer.experts.store import ExpertLayout
@@ -156,7 +156,7 @@ def decode_run(
             if i % ctx == 0:
                 cache.truncate(0)
             s.model.forward(np.array([t]), cache)
-        rep = s.profiler.report()
+        rep = s.traffic.report()
         pins = len(s.model.ffn.source.cache.pin_set)
         s.model.ffn.usage.learn = False  # never save this run's counts into the learned profile
     t = rep["totals"]

@@ -104,10 +104,10 @@ def profile(
         gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
         for _ in gen.generate(ids, n_predict):
             pass
-        report = s.profiler.report()
+        report = s.traffic.report()
         report["speed"] = gen.stats.line()
-        print(s.profiler.table())
-        print(s.profiler.summary())
+        print(s.traffic.table())
+        print(s.traffic.summary())
         print(gen.stats.line(), file=sys.stderr)
         counts = s.moe.usage.counts.copy()
     if plot is not None:

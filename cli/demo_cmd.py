@@ -120,6 +120,6 @@ def _generate(s, prompt: str, n_predict: int) -> None:
     sys.stdout.write(dec.flush() + "\n\n")
     print(f"prompt token ids: {ids}")
     print(f"generated token ids: {out}\n")
-    print(s.profiler.table())
-    print(s.profiler.summary())
+    print(s.traffic.table())
+    print(s.traffic.summary())
     print(gen.stats.line())

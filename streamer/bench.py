@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from streamer.profiler import disk_read_bytes
+from streamer.traffic import disk_read_bytes
 
 
 def prompt_tokens(n_vocab: int, pp: int, seed: int = 1234) -> np.ndarray:
@@ -37,7 +37,7 @@ def run_bench(
     """random_decode feeds each decode step a fresh random token instead of the greedy one: routing then
     never repeats (greedy text from random weights falls into loops), the worst case for an expert cache.
     progress(done, total): bytes of the warm-up's page-in."""
-    model, prof = session.model, session.profiler
+    model, traffic = session.model, session.traffic
     ids = prompt_tokens(session.cfg.n_vocab, pp)
     feed = prompt_tokens(session.cfg.n_vocab, tg, seed=99) if random_decode else None
     t0 = time.perf_counter()
@@ -48,16 +48,16 @@ def run_bench(
     pagein_disk = disk_read_bytes() - disk0
     model.forward(ids[:1], model.new_cache())
     warmup_s = time.perf_counter() - t0
-    if prof is not None:
-        prof.reset()
+    if traffic is not None:
+        traffic.reset()
     cache = model.new_cache()
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
     logits = model.forward(ids, cache)
     t_pp = time.perf_counter() - t0
-    pp_report = prof.report() if prof is not None else None
-    if prof is not None:
-        prof.reset()
+    pp_report = traffic.report() if traffic is not None else None
+    if traffic is not None:
+        traffic.reset()
     tokens = [int(np.argmax(logits))]
     steps = np.empty(max(tg - 1, 0))  # each decode step's seconds, the token's argmax included
     t0 = time.perf_counter()
@@ -68,10 +68,10 @@ def run_bench(
         tokens.append(int(np.argmax(logits)))
         steps[i] = time.perf_counter() - ts
     t_tg = time.perf_counter() - t0
-    tg_report = prof.report() if prof is not None else None
+    tg_report = traffic.report() if traffic is not None else None
     tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
     disk = disk_read_bytes() - disk0
-    requested = (pp_report["read_bytes"] + tg_report["read_bytes"]) if prof is not None else 0
+    requested = (pp_report["read_bytes"] + tg_report["read_bytes"]) if traffic is not None else 0
     routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
     wbytes = weight_bytes_per_token(session, routed)
     return {

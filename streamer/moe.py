@@ -6,7 +6,7 @@ the same whatever the cache did, and streamed logits are bit-identical to reside
 Routing is here (Router: which experts, with which weights, and the lookahead's guess for the next layer);
 computing the routed experts is moe_compute.py's (one strategy per layer, chosen when the FFN is built);
 scheduling the reads is experts.source.serve's (the one request/prefetch/release loop); accounting is the
-Profiler's per-layer traffic and the learned usage."""
+per-layer traffic counters (ExpertTraffic) and the learned usage."""
 
 from __future__ import annotations
 
@@ -95,14 +95,14 @@ class MoEFFN:
         gf,
         cfg,
         source,
-        profiler,
+        traffic,
         usage=None,
         expert_top_p: float = 1.0,
         prefetch: bool = True,
         plan: BudgetSplit | None = None,
     ):
         """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming)."""
-        self.gf, self.cfg, self.source, self.prof, self.usage = gf, cfg, source, profiler, usage
+        self.gf, self.cfg, self.source, self.traffic, self.usage = gf, cfg, source, traffic, usage
         self.prefetch, self.plan = prefetch, plan
         self.router = Router(gf, cfg, expert_top_p)
         self.predicted: dict[int, np.ndarray] = {}
@@ -135,7 +135,7 @@ class MoEFFN:
         m = h.shape[0]
         self._starting(layer, m)
         ids, w = self.router(layer, h)
-        self.prof.routed(layer, ids, self.predicted.pop(layer, None))
+        self.traffic.routed(layer, ids, self.predicted.pop(layer, None))
         used = ids[ids >= 0]
         if self.usage is not None:
             self.usage.record(layer, used)
@@ -157,7 +157,7 @@ class MoEFFN:
             x += self(layer, h)
             return
         ids = self.whole_layer(layer, h, x, self.usage.counts[layer] if self.usage is not None else None)
-        self.prof.routed(layer, ids, self.predicted.pop(layer, None))
+        self.traffic.routed(layer, ids, self.predicted.pop(layer, None))
         src.request_all(layer, ids[0])
 
     def _starting(self, layer: int, m: int) -> None:

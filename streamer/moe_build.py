@@ -13,8 +13,8 @@ from streamer.experts.store import ExpertLayout
 from streamer.experts.usage import Usage
 from streamer.moe import MoEFFN
 from streamer.options import StreamOptions
-from streamer.profiler import Profiler
 from streamer.trace import TraceRecorder, run_header
+from streamer.traffic import ExpertTraffic
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def build_moe_ffn(
     routing trace to (written when the session closes). paged_in: split_budget's (non-expert bytes a page-in
     started before the plan has mapped)."""
     stream, expert_cache_bytes = options.stream, options.expert_cache_bytes
-    prof = Profiler(cfg.n_layer)
+    traffic = ExpertTraffic(cfg.n_layer)
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, options.learn)
     layout = ExpertLayout(gf, cfg)
     plan = None
@@ -40,7 +40,7 @@ def build_moe_ffn(
             logger.info("all experts fit in the budget: using them in place (no streaming)")
         expert_cache_bytes = plan.expert_cache
     if not stream:
-        source = ResidentSource(gf, cfg, prof)
+        source = ResidentSource(gf, cfg, traffic)
     else:
         n_slots, pin_cap = cache_slots(
             expert_cache_bytes, layout.slot_bytes, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, options.pin_share
@@ -51,10 +51,12 @@ def build_moe_ffn(
                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)"
             )
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used)
-        source = StreamingSource(gf.files, layout, cache, prof, n_readers=options.readers, direct=options.io.direct)
-    ffn = MoEFFN(gf, cfg, source, prof, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch, plan=plan)
+        source = StreamingSource(gf.files, layout, cache, traffic, n_readers=options.readers, direct=options.io.direct)
+    ffn = MoEFFN(
+        gf, cfg, source, traffic, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch, plan=plan
+    )
     if trace is not None:
-        prof.trace = ffn.router.trace = TraceRecorder(
+        traffic.trace = ffn.router.trace = TraceRecorder(
             trace, run_header(gf, cfg, layout, ffn, plan, kv, options.pin_share, usage), usage.saved
         )
     return ffn

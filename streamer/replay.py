@@ -31,8 +31,8 @@ from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, Strea
 from streamer.experts.usage import choose_pins
 from streamer.io import human
 from streamer.moe import apply_top_p
-from streamer.profiler import Profiler
 from streamer.trace import Trace, TraceRecorder
+from streamer.traffic import ExpertTraffic
 
 POLICIES = ("lru", "lfu", "pinned-lru", "belady", "per-layer")
 DEFAULT_POLICIES = ("lru", "lfu", "pinned-lru", "belady")
@@ -98,8 +98,8 @@ class _Layout:
 class _SimSource(StreamingSource):
     """StreamingSource's own request/prefetch/wait/release/drain over a _SimCache; no reader threads."""
 
-    def __init__(self, layout, cache, prof, delays: dict, default_delay: int):
-        self.layout, self.cache, self.prof = layout, cache, prof
+    def __init__(self, layout, cache, traffic, delays: dict, default_delay: int):
+        self.layout, self.cache, self.traffic = layout, cache, traffic
         self.delays, self.default_delay = delays, default_delay
 
     def _start(self, entry, priority: int) -> None:
@@ -115,7 +115,7 @@ class _SimSource(StreamingSource):
 
         fut.land, fut.landed = land, False
         entry.future = fut
-        delay = self.delays.get((self.prof.trace.call, entry.key[0], entry.key[1]), self.default_delay)
+        delay = self.delays.get((self.traffic.trace.call, entry.key[0], entry.key[1]), self.default_delay)
         self.cache.seq += 1
         heapq.heappush(self.cache.due, (self.cache.ops + delay, self.cache.seq, fut))
 
@@ -270,15 +270,15 @@ def simulate(
     if policy == "per-layer":
         quotas = allocate(miss_curves(trace, routes), n_slots, g["expert_bytes"], k)
     cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k, quotas=quotas)
-    prof = Profiler(n_layer)
-    rec = prof.trace = _SimRecorder(trace.header)
+    traffic = ExpertTraffic(n_layer)
+    rec = traffic.trace = _SimRecorder(trace.header)
     if policy == "lfu":
         tick = iter(range(1 << 62))
         cache.idle = _HeapIdle(cache._evicted, lambda key: (rec.counts[key], next(tick)))
     elif policy == "belady":
         keys, nxt = _request_sequence(trace, routes)
         cache.idle = _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]]))
-    src = _SimSource(_Layout(g["expert_bytes"]), cache, prof, delays, default_delay)
+    src = _SimSource(_Layout(g["expert_bytes"]), cache, traffic, delays, default_delay)
     # as MoEFFN.roomy; Belady, the bound on hits, never evicts what a free slot could keep
     roomy = n_slots >= n_layer * g["n_expert"] or policy == "belady"
     for i, (step, layer, m) in enumerate(zip(a["c_step"], a["c_layer"], a["c_m"])):
@@ -344,7 +344,7 @@ def traffic(a: dict, n_layer: int, calls: np.ndarray, expert_bytes=None) -> dict
 
 
 def scopes(a: dict) -> dict:
-    """'all': every layer call; 'decode': one-token calls of the last profiler segment (a benchmark's decode
+    """'all': every layer call; 'decode': one-token calls of the last segment of the traffic counters (a benchmark's decode
     phase; a run's decode steps)."""
     last = a["c_seg"].max() if len(a["c_seg"]) else 0
     return {"all": np.ones(len(a["c_m"]), bool), "decode": (a["c_m"] == 1) & (a["c_seg"] == last)}

@@ -28,7 +28,7 @@ from streamer.tokenizer import Tokenizer
 if TYPE_CHECKING:  # the heavy modules (numba kernels) load when a model is opened, not on import
     from streamer.model import Model
     from streamer.moe import MoEFFN
-    from streamer.profiler import Profiler
+    from streamer.traffic import ExpertTraffic
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Session:
     gf: GGUFFile
     cfg: ModelConfig
     model: Model
-    moe: MoEFFN | None = None  # the model's FFN when it is a MoE (its expert source, traffic profiler, plan)
+    moe: MoEFFN | None = None  # the model's FFN when it is a MoE (its expert source, traffic counters, plan)
     _tokenizer: Tokenizer | None = None
     pagein: PageIn | None = None  # the background page-in open_model started (None: nothing fits the budget)
     kernels: list = field(default_factory=list)  # the numba dispatchers a run of this model may call
@@ -69,7 +69,7 @@ class Session:
     def report(self, stream) -> None:
         """Print the expert traffic summary (MoE only)."""
         if self.moe is not None:
-            print(self.moe.prof.summary(), file=stream)
+            print(self.moe.traffic.summary(), file=stream)
 
     @property
     def streaming(self) -> bool:
@@ -99,7 +99,7 @@ class Session:
             if self.pagein.finished and self.pagein.ended is not None:
                 timing.mark("pagein_end", self.pagein.ended)
         if self.moe is not None:
-            layers = self.moe.prof.layers
+            layers = self.moe.traffic.layers
             figures.update(
                 expert_demand_bytes=sum(st.read_bytes for st in layers),
                 expert_prefetch_bytes=sum(st.prefetch_bytes for st in layers),
@@ -110,9 +110,9 @@ class Session:
         timing.mark("first_token", kernels_loaded=loaded(self.kernels), **figures)
 
     @property
-    def profiler(self) -> Profiler | None:
-        """The expert traffic profiler (MoE only), else None."""
-        return self.moe.prof if self.moe is not None else None
+    def traffic(self) -> ExpertTraffic | None:
+        """The expert traffic counters (MoE only), else None."""
+        return self.moe.traffic if self.moe is not None else None
 
     def __enter__(self) -> Session:
         return self
@@ -128,9 +128,9 @@ class Session:
             self.moe.close()
         if self.model.watch is not None:
             self.model.watch.close()
-        trace = getattr(self.profiler, "trace", None)
+        trace = getattr(self.traffic, "trace", None)
         if trace is not None:  # after the readers stopped: every landing is in
-            self.profiler.trace = None
+            self.traffic.trace = None
             trace.save()
             logger.info(f"wrote routing trace {trace.path} ({trace.step + 1} steps)")
         timing.mark("closed")

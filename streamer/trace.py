@@ -1,10 +1,10 @@
-"""Routing traces: what a run asked of its experts, step by step, written beside the profiler's counts so that
+"""Routing traces: what a run asked of its experts, step by step, written beside ExpertTraffic's counts so that
 `stream-run replay` can re-run the expert cache offline at other budgets and policies.
 
 A trace is one .npz (numpy arrays, zip-compressed, written atomically) holding a JSON header (format name and
 version, the model's identity: file name, size and header hash; the geometry: layers, experts, per-layer
 expert bytes, slot size; the run's budget plan, cache slots, pins and options) and flat arrays:
-- calls: one row per MoE layer call (forward step, layer, tokens, profiler segment);
+- calls: one row per MoE layer call (forward step, layer, tokens, traffic segment);
 - routes: per token of each call, the top-k expert ids and router weights before expert top-p, and the
   weights after it (dropped experts: weight 0);
 - lookahead: per decode step and layer, the router lookahead's top-k ids and weights (the prefetch sets);
@@ -13,7 +13,7 @@ expert bytes, slot size; the run's budget plan, cache slots, pins and options) a
 - prefetches: per prefetch issued, its call, layer, expert, bytes, and the cache's op clock (acquire and
   release calls so far) when it was issued and when its read landed, which replays prefetch timing exactly.
 
-Recording appends a few small arrays or ints per layer call and request: the same places the profiler
+Recording appends a few small arrays or ints per layer call and request: the same places ExpertTraffic
 counts, nothing per element."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class TraceRecorder:
         self.last_pf: dict = {}
         self.usage_saved = usage_saved
 
-    # ---- hooks (moe.py and experts/source.py call these where the profiler counts) ----
+    # ---- hooks (moe.py and experts/source.py call these where ExpertTraffic counts) ----
     def route(self, layer: int, ids_k: np.ndarray, w_k: np.ndarray, w: np.ndarray) -> None:
         if layer == 0:
             self.step += 1
@@ -189,7 +189,7 @@ class TraceRecorder:
                 self.buf["p_land"][i] = clock
 
     def reset(self) -> None:
-        """The profiler was reset (a benchmark's phases): later calls belong to the next segment."""
+        """The traffic counters were reset (a benchmark's phases): later calls belong to the next segment."""
         self.segment += 1
 
     # ---- output ----

@@ -111,7 +111,7 @@ def test_bench_text_shows_the_step_spread_and_one_token_has_none(synth_model):
 
 
 def test_profile_table_and_json(synth_model, tmp_path):
-    out = tmp_path / "prof.json"
+    out = tmp_path / "traffic.json"
     r = invoke("profile", synth_model("tiny-moe", "Q8_0"), "-p", "one two three", "-n", "5", "--json-out", out)
     assert r.exit_code == 0, r.output
     assert "layer" in r.stdout and "recall" in r.stdout and "hit rate" in r.stdout

@@ -56,7 +56,7 @@ def test_decode_blocks_equal_per_call_path(synth_model, preset, qtype, kw):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
     """MoEFFN.decode's one kernel per layer (experts resident) against the per-call path (float32 rounding
-    apart, same routing counts: profiler and learned usage) and a streamed run (bit for bit)."""
+    apart, same routing counts: traffic and learned usage) and a streamed run (bit for bit)."""
     path = synth_model("tiny-moe", qtype)
     runs = {}
     for name in ("one-call", "per-call"):
@@ -64,7 +64,7 @@ def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
         s.moe.source.resident()
         if name == "per-call":
             s.model._decode = None
-        runs[name] = (steps(s.model)[0], s.moe.prof.report()["totals"], s.moe.usage.counts.copy())
+        runs[name] = (steps(s.model)[0], s.moe.traffic.report()["totals"], s.moe.usage.counts.copy())
         assert (s.moe.whole_layer._dec is not None) == (name == "one-call")  # the path under test was taken
     (a, ta, ua), (b, tb, ub) = runs["one-call"], runs["per-call"]
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()

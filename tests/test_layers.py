@@ -17,7 +17,7 @@ FLOORS = [
     # bytes to named tensors, the model's configuration, tokens; per-sequence state
     ("file", ["streamer.gguf_file", "streamer.config", "streamer.tokenizer", "streamer.pretokenize",
               "streamer.pagein", "streamer.inram", "streamer.weights", "streamer.kv_cache", "streamer.sampler"]),
-    ("experts", ["streamer.experts", "streamer.profiler", "streamer.trace"]),  # storage: no model, no router
+    ("experts", ["streamer.experts", "streamer.traffic", "streamer.trace"]),  # storage: no model, no router
     ("layers", ["streamer.model", "streamer.moe", "streamer.moe_compute", "streamer.moe_build"]),
     ("runtime", ["streamer.session", "streamer.generate", "streamer.chat", "streamer.perplexity", "streamer.bench",
                  "streamer.replay", "streamer.plan", "streamer.warmup", "streamer.plots", "streamer.synth",

@@ -63,7 +63,7 @@ def test_streamed_is_bit_identical_to_resident(synth_model, qtype):
             assert np.array_equal(got, resident), (slots, prefetch)
             assert cache.n_slots == slots
             assert_cache_consistent(cache)
-            rep = s.model.ffn.prof.report()
+            rep = s.model.ffn.traffic.report()
             if prefetch and slots > 2 * n_used:
                 assert rep["totals"]["prefetch_issued"] > 0 and rep["prefetch_recall"] is not None
             if slots == everything:  # nothing is ever read twice
@@ -179,7 +179,7 @@ def test_expert_top_p_one_is_no_pruning(synth_model):
     base = open_model(path, StreamOptions(stream=False, learn=False))
     p1 = open_model(path, StreamOptions(stream=False, learn=False, expert_top_p=1.0))
     assert np.array_equal(run(base), run(p1))
-    assert p1.model.ffn.prof.totals().dropped == 0
+    assert p1.model.ffn.traffic.totals().dropped == 0
 
 
 def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model):
@@ -191,7 +191,7 @@ def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model
     )
     got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)  # one prefill: no prefetch at all
     assert cosines(got, want).min() >= 0.999
-    tot = s.model.ffn.prof.totals()
+    tot = s.model.ffn.traffic.totals()
     kept = {(layer, e) for layer, routes in trace.items() for sel in routes for e in sel}
     n_kept = sum(len(sel) for routes in trace.values() for sel in routes)
     assert tot.dropped > 0 and tot.routed == n_kept and tot.routed + tot.dropped == len(PROMPT) * 4 * 4
@@ -365,7 +365,7 @@ def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatc
     c = s.model.new_cache()
     got = [s.model.forward(PROMPT[:N_PREFILL], c, all_logits=True)]
     in_flight = ffn.tuning.group + ffn.tuning.window  # the prefill's reads run this many experts ahead
-    read = s.profiler.totals().miss  # a growing cache would have taken a slot for each
+    read = s.traffic.totals().miss  # a growing cache would have taken a slot for each
     assert cache.touched_slots <= in_flight < read
     assert cache.touched_slots * sb - 8192 <= arena_rss() - rss0 <= cache.touched_slots * sb + 8192
     got += [s.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(N_PREFILL, len(PROMPT))]
@@ -383,7 +383,7 @@ def test_a_one_token_prompt_is_a_prompt_too(synth_model):
     cache, k = s.model.ffn.source.cache, s.model.cfg.n_expert_used
     c = s.model.new_cache()
     s.model.forward(PROMPT[:1], c)
-    t = s.profiler.totals()
+    t = s.traffic.totals()
     # a layer's experts and the next one's prefetches, plus any mispredicted prefetch (it waits to be used);
     # growing would have taken a slot for every read
     assert cache.touched_slots <= 2 * k + (t.prefetch_issued - t.prefetch_used) < t.miss + t.prefetch_issued

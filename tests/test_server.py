@@ -601,7 +601,7 @@ def test_think_block_comes_back_as_reasoning_content(resident):
         cfg=resident.cfg,
         tokenizer=tok,
         moe=None,
-        profiler=None,
+        traffic=None,
         close=lambda: None,
     )
     srv = Running(fake, load=lambda: Engine(fake))

@@ -92,7 +92,7 @@ def test_one_layer_spans_shards_and_logits_are_identical(models):
             s = open_model(first, StreamOptions(learn=False, prefetch=prefetch, expert_cache_bytes=slots * sb, io=io))
             assert s.streaming
             assert np.array_equal(run(s), want), (first, slots, prefetch, io)
-            assert s.model.ffn.prof.report()["totals"]["miss"] > 0
+            assert s.model.ffn.traffic.report()["totals"]["miss"] > 0
             s.close()
 
 

@@ -1,5 +1,5 @@
 """Routing traces and `stream-run replay`: a replay of a run's own trace at that run's cache reproduces what the
-live run's profiler counted (every request's tier, every byte); Belady is never beaten by an online policy;
+live run's traffic counted (every request's tier, every byte); Belady is never beaten by an online policy;
 malformed, truncated, future-version and foreign traces are one error line."""
 
 import json
@@ -31,13 +31,13 @@ def slot_bytes(path):
 
 
 def record(path, out, n_decode=16, n_ctx=None, n_prompt=5, **kw):
-    """Prefill n_prompt tokens, decode n_decode (inputs fixed, so routing is too); the live profiler's totals."""
+    """Prefill n_prompt tokens, decode n_decode (inputs fixed, so routing is too); the live traffic's totals."""
     with open_model(path, StreamOptions(**kw), n_ctx=n_ctx, trace=out) as s:
         c = s.model.new_cache()
         s.model.forward(PROMPT[:n_prompt], c)
         for i in range(n_decode):
             s.model.forward(PROMPT[5 + i % 7 : 6 + i % 7] * (i + 1) % 250, c)
-        totals = s.profiler.totals()
+        totals = s.traffic.totals()
     return totals, load_trace(out)
 
 
@@ -69,7 +69,7 @@ def test_replay_of_own_trace_reproduces_the_live_run_exactly(synth_model, tmp_pa
         expert_cache_bytes=slots * slot_bytes(path),
     )
     a = trace.a
-    # the trace agrees with the profiler's own counts
+    # the trace agrees with the traffic's own counts
     assert len(a["q_tier"]) == live.requests
     assert np.bincount(a["q_tier"], minlength=4).tolist() == [
         live.hit_pinned,

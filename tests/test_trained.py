@@ -111,7 +111,7 @@ def test_moe_streamed_quarter_cache_is_bit_identical_to_resident():
         with open_model(MOE, StreamOptions(learn=False, prefetch=prefetch, expert_cache_bytes=quarter), n_ctx=256) as s:
             assert s.streaming
             assert np.array_equal(run(s), resident)
-            assert s.profiler.report()["totals"]["miss"] > 0  # it really streamed
+            assert s.traffic.report()["totals"]["miss"] > 0  # it really streamed
 
 
 def test_moe_heldout_perplexity_is_far_below_unigram():

@@ -22,7 +22,7 @@ from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
 from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
 from streamer.kernels import QMatrix
-from streamer.profiler import Profiler
+from streamer.traffic import ExpertTraffic
 from streamer.weights import qmatrix
 
 DEMAND, PREFETCH = 0, 1
@@ -37,8 +37,8 @@ class ResidentSource:
 
     streams = False
 
-    def __init__(self, gf, cfg, profiler: Profiler):
-        self.prof = profiler
+    def __init__(self, gf, cfg, traffic: ExpertTraffic):
+        self.traffic = traffic
         self.gf = gf
         self.layout = ExpertLayout(gf, cfg)
         self._spans = [  # per layer: where expert 0's gate, up, down start, and each part's bytes per expert
@@ -69,22 +69,22 @@ class ResidentSource:
             self.wants_lookahead = len(self.touched) < self.layout.n_layer * self.layout.n_expert
 
     def request(self, layer: int, e: int) -> bool:
-        st = self.prof.layers[layer]
+        st = self.traffic.layers[layer]
         st.requests += 1
         st.hit_pinned += 1  # resident: every expert is always there
-        if self.prof.trace is not None:
-            self.prof.trace.request(layer, e, PINNED, 0)
+        if self.traffic.trace is not None:
+            self.traffic.trace.request(layer, e, PINNED, 0)
         self._warm(layer, (e,))
         return True
 
     def request_all(self, layer: int, experts) -> None:
         """request() for each of experts, counted at once (they are all in place)."""
-        st = self.prof.layers[layer]
+        st = self.traffic.layers[layer]
         st.requests += len(experts)
         st.hit_pinned += len(experts)
-        if self.prof.trace is not None:
+        if self.traffic.trace is not None:
             for e in experts:
-                self.prof.trace.request(layer, int(e), PINNED, 0)
+                self.traffic.trace.request(layer, int(e), PINNED, 0)
         self._warm(layer, experts)
 
     def prefetch(self, layer: int, experts) -> None:
@@ -132,12 +132,12 @@ class StreamingSource:
         files: list[tuple[str, int]],
         layout: ExpertLayout,
         cache: ExpertCache,
-        profiler: Profiler,
+        traffic: ExpertTraffic,
         n_readers: int = 4,
         direct: bool | None = None,
     ):
         """files: (path, base in the mapping) of each file of the model (GGUFFile.files)."""
-        self.layout, self.cache, self.prof = layout, cache, profiler
+        self.layout, self.cache, self.traffic = layout, cache, traffic
         self.reader = ExpertReader(files, layout, direct)
         self.pool = ReaderPool(n_readers)
         self._close = weakref.finalize(self, _shutdown, self.pool, self.reader, cache.prefaulter)  # close, GC, exit
@@ -156,8 +156,8 @@ class StreamingSource:
         )
         entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
         clock = self.cache.loaded(entry)
-        if self.prof.trace is not None:
-            self.prof.trace.landed(layer, e, clock)
+        if self.traffic.trace is not None:
+            self.traffic.trace.landed(layer, e, clock)
         return mats
 
     def _start(self, entry, priority: int) -> None:
@@ -171,7 +171,7 @@ class StreamingSource:
         entry, created = self.cache.acquire((layer, e), grow=self.grow)
         if entry is None:
             return False
-        st, nbytes = self.prof.layers[layer], 0
+        st, nbytes = self.traffic.layers[layer], 0
         st.requests += 1
         if created:
             st.miss += 1
@@ -190,12 +190,12 @@ class StreamingSource:
         else:
             st.hit_lru += 1
             tier = LRU
-        if self.prof.trace is not None:
-            self.prof.trace.request(layer, e, tier, nbytes)
+        if self.traffic.trace is not None:
+            self.traffic.trace.request(layer, e, tier, nbytes)
         return True
 
     def prefetch(self, layer: int, experts) -> None:
-        st = self.prof.layers[layer]
+        st = self.traffic.layers[layer]
         for e in experts:
             if (layer, e) in self.cache.entries:
                 continue
@@ -205,8 +205,8 @@ class StreamingSource:
             if created:
                 st.prefetch_issued += 1
                 st.prefetch_bytes += self.layout.expert_bytes(layer)
-                if self.prof.trace is not None:  # before the read starts: its landing is recorded against it
-                    self.prof.trace.prefetched(layer, e, self.layout.expert_bytes(layer), self.cache.ops)
+                if self.traffic.trace is not None:  # before the read starts: its landing is recorded against it
+                    self.traffic.trace.prefetched(layer, e, self.layout.expert_bytes(layer), self.cache.ops)
                 self._start(entry, PREFETCH)
 
     def wait(self, layer: int, e: int):
@@ -221,9 +221,9 @@ class StreamingSource:
                     fut.exception()
                 finally:
                     dt = time.perf_counter() - t0
-                    self.prof.layers[layer].stall_s += dt
-                    if self.prof.trace is not None:
-                        self.prof.trace.stall(layer, e, dt)
+                    self.traffic.layers[layer].stall_s += dt
+                    if self.traffic.trace is not None:
+                        self.traffic.trace.stall(layer, e, dt)
             err = fut.exception()
             if err is None:
                 return fut.result()

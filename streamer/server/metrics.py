@@ -1,12 +1,12 @@
 """/metrics in the Prometheus text format (version 0.0.4): request and token counters, speeds, the queue, and
-the expert cache per layer from the traffic profiler (hits by tier, demand and prefetch bytes, stall), live.
+the expert cache per layer from the traffic counters (hits by tier, demand and prefetch bytes, stall), live.
 The format is a few lines of `name{labels} value`; written here rather than pulling in a client library."""
 
 from __future__ import annotations
 
 import psutil
 
-from streamer.profiler import disk_read_bytes
+from streamer.traffic import disk_read_bytes
 
 P = "streamrun_"
 
@@ -56,10 +56,10 @@ def render(engine, loaded: bool = True) -> str:
 
 
 def _experts(o: _Out, session) -> None:
-    prof = session.profiler
-    if prof is None:
+    traffic = session.traffic
+    if traffic is None:
         return
-    layers = prof.layers
+    layers = traffic.layers
 
     def per_layer(name, help, get, kind="counter"):
         o.metric(name, kind, help, [({"layer": str(i)}, get(s)) for i, s in enumerate(layers)])

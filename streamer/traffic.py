@@ -44,7 +44,7 @@ class LayerStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-class Profiler:
+class ExpertTraffic:
     def __init__(self, n_layer: int):
         self.n_layer = n_layer
         self.trace = None  # a streamer.trace.TraceRecorder when the run records a routing trace
