@@ -164,10 +164,13 @@ def _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
 
 
 def _matmul_source(isa):
-    def i8_matmul(fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf):
-        """out = X . w^T with int8 activations (vpdpbusd, or the portable simd_i8._dp_generic). Scratch per thread:
-        tiles [T, 32*K] u8, scs/mns [T, 2*K] f32, obuf [T, N_TOK, 32] f32; xq int8 [m, K], dx/xs f32 and xc int32
-        [m, K/group]."""
+    def i8_matmul(fmt, digits, w, X, out, act, scratch):
+        """out = X . w^T with int8 activations (vpdpbusd, or the portable simd_i8._dp_generic). act (xq, dx, xs,
+        xc): xq int8 [m, K], dx/xs f32 and xc int32 [m, K/group], X quantized into them here; scratch (tiles,
+        scs, mns, obuf) per thread: tiles [T, 32*K] u8, scs/mns [T, 2*K] f32, obuf [T, N_TOK, 32] f32. Plain
+        tuples, as decode.py's blocks take theirs."""
+        xq, dx, xs, xc = act
+        tiles, scs, mns, obuf = scratch
         m, K = X.shape
         n_out = w.shape[0]
         quantize_act(X, _group(fmt), _offset(fmt), digits, xq, dx, xs, xc)
@@ -210,11 +213,13 @@ def _weights(w, off, n_out, row_bytes):
 
 
 def _grouped_source(isa):
-    def i8_grouped(fmt, digits, w, offs, row_bytes, xq, dx, xs, xc, rstarts, bounds, out, tiles, scs, mns, obuf):
+    def i8_grouped(fmt, digits, w, offs, row_bytes, act, rstarts, bounds, out, scratch):
         """For part j and expert i of a group (its out.shape[2] rows at byte offs[j, i] of w) and its activation
         rows rstarts[i]..rstarts[i+1] (quantized, a multiple of N_TOK each): out[j, those rows] = X . W_ji^T, by
         vpdpbusd or the portable dot. Work items (j, i, row tile) in that order; thread slot s computes items
-        bounds[s]..bounds[s+1]."""
+        bounds[s]..bounds[s+1]. act and scratch: as i8_matmul's."""
+        xq, dx, xs, xc = act
+        tiles, scs, mns, obuf = scratch
         parts, g = offs.shape
         n_out = out.shape[2]
         K = xq.shape[1] // digits
@@ -343,8 +348,7 @@ def matmul(
     dx, xs, xc = np.empty((mp, ng), np.float32), np.empty((mp, ng), np.float32), np.empty((mp, ng), np.int32)
     for a in (xq, dx, xs, xc):
         a[m:] = 0
-    tiles, scs, mns, obuf = _scratch(K)
-    KERNELS[isa or ISA or "generic"](fmt, digits, w, X, out, xq, dx, xs, xc, tiles, scs, mns, obuf)
+    KERNELS[isa or ISA or "generic"](fmt, digits, w, X, out, (xq, dx, xs, xc), tuple(_scratch(K)))
 
 
 class Act(NamedTuple):
@@ -413,5 +417,6 @@ def grouped_matmul(
     bounds = np.searchsorted(cum, cum[-1] * np.arange(T + 1) / T, side="right") if len(cum) else np.zeros(T + 1)
     bounds = bounds.astype(np.int64)
     bounds[0], bounds[-1] = 0, len(cum)
-    tiles, scs, mns, obuf = _scratch(K)
-    GROUPED[isa or ISA or "generic"](fmt, digits, w, offs, row_bytes, *act, rstarts, bounds, out, tiles, scs, mns, obuf)
+    GROUPED[isa or ISA or "generic"](
+        fmt, digits, w, offs, row_bytes, tuple(act), rstarts, bounds, out, tuple(_scratch(K))
+    )
