@@ -139,11 +139,16 @@ class MoEFFN:
         used = ids[ids >= 0]
         if self.usage is not None:
             self.usage.record(layer, used)
-        experts = np.unique(used)
+        if m == 1:  # one token's ids are distinct: sorting them gives the experts and, alongside, their weights
+            order = np.argsort(ids[0])  # ascending, dropped (-1) first
+            keep = ids[0][order] >= 0
+            experts, wts = ids[0][order][keep], w[0][order][keep]
+        else:
+            experts = np.unique(used)
         self.source.announce(layer, experts)
         out = np.zeros_like(h)
         if m == 1:
-            self.compute[layer].decode(layer, h, ids, w, experts, out, self.predicted.get(layer + 1))
+            self.compute[layer].decode(layer, h, ids, w, experts, wts, out, self.predicted.get(layer + 1))
         else:
             self.compute[layer].prefill(layer, h, ids, w, experts, out, None)
         return out

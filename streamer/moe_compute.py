@@ -112,7 +112,7 @@ class PerExpert:
     def __init__(self, source, tuning: Tuning):
         self.source, self.tuning = source, tuning
 
-    def decode(self, layer, h, ids, w, experts, out, nxt) -> None:
+    def decode(self, layer, h, ids, w, experts, wts, out, nxt) -> None:
         self.prefill(layer, h, ids, w, experts, out, nxt)
 
     def prefill(self, layer, h, ids, w, experts, out, nxt) -> None:
@@ -147,10 +147,9 @@ class Fused:
         self.scratch_a = ExpertScratch(cfg.n_expert_used, cfg.n_ff_exp)
         self._tile_scratch: dict = {}
 
-    def decode(self, layer, h, ids, w, experts, out, nxt) -> None:
-        """One token: as many experts per kernel call as are ready, in ascending id order."""
-        order = np.argsort(ids[0])  # expert ids ascending, dropped (-1) first
-        wts = w[0][order][ids[0][order] >= 0]
+    def decode(self, layer, h, ids, w, experts, wts, out, nxt) -> None:
+        """One token: as many experts per kernel call as are ready, in ascending id order (wts: their weights,
+        in that order)."""
 
         def run(start, group, mats):
             self._decode_group(layer, group, wts[start : start + len(group)], h[0], out[0])
