@@ -136,6 +136,9 @@ class Api:
     def public(self, fn):
         return self.endpoint(fn, public=True)
 
+    async def _body(self, request: Request) -> dict:
+        return await body_of(request, self.opts.limits.max_body_bytes)
+
     def engine(self) -> Engine:
         if self.state.engine is None:
             raise APIError(503, "Loading model", "unavailable_error", "loading")
@@ -154,7 +157,7 @@ class Api:
         return JSONResponse({"object": "list", "data": [{**model, "meta": meta}]})
 
     async def tokenize(self, request):
-        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
+        body, eng = await self._body(request), self.engine()
         content = schemas.string(body, "content")
         if content is None:
             raise schemas.bad("'content' is required", "missing_field")
@@ -173,7 +176,7 @@ class Api:
         return JSONResponse({"tokens": out})
 
     async def detokenize(self, request):
-        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
+        body, eng = await self._body(request), self.engine()
         ids = schemas.token_ids(body.get("tokens", []), eng.n_vocab)
         return JSONResponse({"content": eng.tok.decode(ids)})
 
@@ -183,7 +186,7 @@ class Api:
 
     # ---- generation ----
     async def chat(self, request):
-        body, eng, lim = await body_of(request, self.opts.limits.max_body_bytes), self.engine(), self.opts.limits
+        body, eng, lim = await self._body(request), self.engine(), self.opts.limits
         msgs = schemas.messages(body, lim)
         think = thinking(msgs, schemas.enable_thinking(body))
         params, com = schemas.chat_sampling(body, think), schemas.common(body, lim, eng.n_ctx)
@@ -196,7 +199,7 @@ class Api:
         return await run_job(request, eng, req, ChatShape(self.opts.alias))
 
     async def completions(self, request):
-        body, eng = await body_of(request, self.opts.limits.max_body_bytes), self.engine()
+        body, eng = await self._body(request), self.engine()
         p = schemas.prompt(body, eng.n_vocab)
         params, com = schemas.completion_sampling(body), schemas.common(body, self.opts.limits, eng.n_ctx)
         ids = await run_in_threadpool(eng.tok.encode, p) if isinstance(p, str) else p
