@@ -4,7 +4,7 @@ numba keys a cached function on its own file's contents only, so an edit to simd
 gemm.py or activations.py would otherwise keep serving stale machine code for the kernels in other files
 that inline them (an install or upgrade rewrites every file, so only in-place edits can do that). Both
 places numba may keep the cache are checked: __pycache__ beside the sources, and the directory under
-NUMBA_CACHE_DIR when that is set. `stream-run warmup` and the test session call this before any kernel is
+NUMBA_CACHE_DIR when that is set. `stream-run warmup` and the test suite's conftest call this before any kernel is
 loaded; importing the kernels deletes nothing. Best effort: an unwritable cache directory is left alone.
 """
 
