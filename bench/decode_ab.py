@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     def run(name):
         blocks.DIGITS = name == "digits"  # the MoE prefill's per-call buffers follow it too
         m = sessions[name].model
-        cache = m.new_cache()
+        cache = m.new_state()
         logits = m.forward(ids, cache)
         tok, toks = int(np.argmax(logits)), []
         w0, c0 = time.perf_counter(), time.process_time()

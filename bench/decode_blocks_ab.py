@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             st = {}
             for k, v in variants.items():
                 m._decode = v
-                cache = m.new_cache()
+                cache = m.new_state()
                 st[k] = [cache, int(np.argmax(m.forward(ids, cache)))]
             for _ in range(a.tg):
                 for k, v in variants.items():

@@ -311,7 +311,7 @@ def decode_beside_read(args, g: GGUFFile, w: np.ndarray, per_tok: int, nth: int)
     prompt = np.arange(1000, 1000 + args.pp)
 
     def decode() -> float:
-        cache = m.new_cache()
+        cache = m.new_state()
         m.forward(prompt, cache)
         ts = []
         for _ in range(args.tg):

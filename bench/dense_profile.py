@@ -60,14 +60,14 @@ def main(argv=None) -> int:
     for name in ("rmsnorm", "head_norm_rope", "head_rope", "attention", "swiglu"):
         setattr(ops, name, wrap(getattr(ops, name), functools.partial(lambda n, *_: n, name)))
     m._head = wrap(m._head, lambda *_: "head (incl. its matvec)")
-    m.forward(ids, m.new_cache())
+    m.forward(ids, m.new_state())
     best, walls = None, []
     for _ in range(a.rounds):
         acc.clear()
         calls.clear()
         on[0] = True
         t0 = time.perf_counter()
-        m.forward(ids, m.new_cache())
+        m.forward(ids, m.new_state())
         wall = time.perf_counter() - t0
         on[0] = False
         walls.append(wall)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     t_plain = []
     for _ in range(a.rounds):
         t0 = time.perf_counter()
-        m.forward(ids, m.new_cache())
+        m.forward(ids, m.new_state())
         t_plain.append(time.perf_counter() - t0)
     wall, tacc, tcalls = best
     print(f"{a.model}: prefill {a.pp} tokens, plain best {min(t_plain) * 1e3:.1f} ms "

@@ -169,7 +169,7 @@ def stream_run_logits(path, tokens, threads, forced=None):
 
     moe.route = route
     try:
-        lo = s.model.forward(np.asarray(tokens), s.model.new_cache(), all_logits=True)
+        lo = s.model.forward(np.asarray(tokens), s.model.new_state(), all_logits=True)
     finally:
         moe.route = orig
         s.close()

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         mapping.ALIGN = align
         s = open_model(a.model, StreamOptions.build(None, stream=False), n_ctx=a.pp + 64, threads=a.threads)
         s.populate()
-        cache = s.model.new_cache()
+        cache = s.model.new_state()
         s.model.forward(np.arange(1000, 1000 + a.pp), cache)
         return s, cache, []
 

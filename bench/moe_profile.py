@@ -274,10 +274,10 @@ def main(argv=None) -> int:
     if a.per_call:
         m._decode = None
     ids = prompt_tokens(s.cfg.n_vocab, a.pp)
-    m.forward(ids[:4], m.new_cache())  # compile / first touch
+    m.forward(ids[:4], m.new_state())  # compile / first touch
 
     def run() -> tuple[float, list[float]]:
-        cache = m.new_cache()
+        cache = m.new_state()
         t0 = time.perf_counter()
         logits = m.forward(ids, cache)
         t_pp = time.perf_counter() - t0
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         T.on = False
         plain.append(run())
         T.reset()
-        cache = m.new_cache()
+        cache = m.new_state()
         t0 = time.perf_counter()
         logits = m.forward(ids, cache)
         t_pp = time.perf_counter() - t0

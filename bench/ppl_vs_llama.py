@@ -45,7 +45,7 @@ def compare(path: Path, n_ctx: int, chunks: int, llama_python: str) -> dict:
         ours = perplexity(s.model, ids, n_ctx, chunks, bos_id=bos)
         top_ours = []
         for w in wins:  # teacher-forced logits of every scored position
-            c = s.model.new_cache()
+            c = s.model.new_state()
             top_ours.append(s.model.forward(w[: n_ctx - 1], c, all_logits=True)[first:].argmax(1))
         streamed = None
         if s.cfg.is_moe:

@@ -90,7 +90,7 @@ def trace(path: Path, ids: np.ndarray, ctx: int):
 
         moe.route = route
         try:
-            cache = s.model.new_cache()
+            cache = s.model.new_state()
             for i in range(0, len(ids) - ctx + 1, ctx):
                 cache.truncate(0)
                 s.model.forward(ids[i : i + ctx], cache)
@@ -151,7 +151,7 @@ def decode_run(
     )
     with open_model(path, opts, n_ctx=ctx, threads=THREADS, trace=trace) as s:
         assert s.streaming
-        cache = s.model.new_cache()
+        cache = s.model.new_state()
         for i, t in enumerate(ids):
             if i % ctx == 0:
                 cache.truncate(0)
@@ -225,7 +225,7 @@ def learn_pins(path: Path, ids: np.ndarray, ctx: int) -> None:
     from streamer.session import open_model
 
     with open_model(path, StreamOptions(stream=False, learn=True), n_ctx=ctx, threads=THREADS) as s:
-        cache = s.model.new_cache()
+        cache = s.model.new_state()
         for i in range(0, len(ids) - ctx + 1, ctx):
             cache.truncate(0)
             s.model.forward(ids[i : i + ctx], cache)

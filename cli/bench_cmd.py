@@ -46,7 +46,7 @@ def bench(
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
     from streamer.bench import format_bench, run_bench
-    from streamer.kv_cache import check_room
+    from streamer.state import check_room
 
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
@@ -101,7 +101,7 @@ def profile(
     ids = tok.encode(prompt)
     check_prompt(ids, cfg, ctx_size)
     with open_session(gf, options, ctx_size, threads, tok, trace) as s:
-        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
+        gen = Generator(s.model, s.model.new_state(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
         for _ in gen.generate(ids, n_predict):
             pass
         report = s.traffic.report()

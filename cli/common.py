@@ -114,7 +114,7 @@ def open_session(
 
 def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:
     """Token ids in the vocabulary, and a prompt that fits the context (checked again at every forward)."""
-    from streamer.kv_cache import check_room
+    from streamer.state import check_room
 
     if not ids:
         raise StreamerError("no tokens to run (the prompt is empty)")

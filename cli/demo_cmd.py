@@ -97,7 +97,7 @@ def _generate(s, prompt: str, n_predict: int) -> None:
     tok = s.tokenizer
     # greedy, with llama.cpp's repeat penalty: a model this small loops on plain greedy decoding
     params = SamplerParams(temperature=0.0, repeat_penalty=DEMO_REPEAT_PENALTY)
-    gen = Generator(s.model, s.model.new_cache(), Sampler(params), tok.eog_ids)
+    gen = Generator(s.model, s.model.new_state(), Sampler(params), tok.eog_ids)
     ids = tok.encode(prompt)
     dec = tok.stream_decoder()
     print(f"prefill: {len(ids)} tokens ...", end="", file=sys.stderr, flush=True)

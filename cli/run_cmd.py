@@ -120,7 +120,7 @@ def _write_logits(s, ids: list[int], path: Path) -> None:
 
     from streamer.io import atomic_save_npy
 
-    logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_cache(), all_logits=True)
+    logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_state(), all_logits=True)
     atomic_save_npy(path, logits.astype(np.float32))
     print(f"wrote logits {logits.shape} to {path}", file=sys.stderr)
 
@@ -134,7 +134,7 @@ def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
     gen = Generator(
         s.model,
-        s.model.new_cache(),
+        s.model.new_state(),
         sampler,
         on_prefill=prefill_progress(),
         stop_ids_after_prompt=(lambda: frozenset()) if ignore_eos else (lambda: s.tokenizer.eog_ids),
@@ -208,7 +208,7 @@ def chat(
     check_trace(trace, cfg)
     sampler = Sampler(sampler_params(thinks(gf.arch, not no_think), **overrides))  # Qwen2 never thinks
     with open_session(gf, options, ctx_size, threads, trace=trace, lazy_kernels=True) as s:
-        gen = Generator(s.model, s.model.new_cache(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
+        gen = Generator(s.model, s.model.new_state(), sampler, s.tokenizer.eog_ids, on_prefill=prefill_progress())
         conv = Conversation(gen, s.tokenizer, system=system, think=not no_think, n_predict=n_predict, arch=s.cfg.arch)
         _repl(s, gen, conv)
 

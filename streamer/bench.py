@@ -46,11 +46,11 @@ def run_bench(
     pagein = session.populate(progress)
     pagein_s = time.perf_counter() - t0
     pagein_disk = disk_read_bytes() - disk0
-    model.forward(ids[:1], model.new_cache())
+    model.forward(ids[:1], model.new_state())
     warmup_s = time.perf_counter() - t0
     if traffic is not None:
         traffic.reset()
-    cache = model.new_cache()
+    cache = model.new_state()
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
     logits = model.forward(ids, cache)

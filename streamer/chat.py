@@ -84,10 +84,10 @@ class Conversation:
         after RoPE, so shifting positions in place would need a re-rotation; re-reading is exact). Ctrl-C
         during that re-read leaves an empty conversation (the old cache is already overwritten)."""
         closing, body = (self.tok.encode_raw(t) for t in self._turn_parts(user))
-        gen, n_ctx = self.gen, self.gen.cache.n_ctx
+        gen, n_ctx = self.gen, self.gen.state.n_ctx
         pend = [gen.pending] if gen.pending is not None else []
         reserve = self.n_predict if self.n_predict > 0 else n_ctx // 4
-        if gen.cache.n + len(pend) + len(closing) + len(body) + reserve <= n_ctx:
+        if gen.state.n + len(pend) + len(closing) + len(body) + reserve <= n_ctx:
             return closing + body
         starts = self._turn_starts()
         if not starts:

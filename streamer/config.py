@@ -57,7 +57,7 @@ class ModelConfig:
         """Refuse, before allocating anything, a context whose KV cache and RoPE tables cannot fit in memory: a
         file may claim a context of 2**40 tokens, or heads so wide that even 4096 positions are too many.
         The RoPE tables are computed at once (float64 angles, cos and sin: ~16 bytes per channel at peak)."""
-        need = n_ctx * (self.kv_bytes_per_token + 16 * self.head_dim)
+        need = self.state_bytes(n_ctx) + n_ctx * 16 * self.head_dim
         avail = budget.available_memory()  # the module's: tests patch it
         if need > avail:
             raise StreamerError(
@@ -68,6 +68,10 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layer * self.n_head_kv * self.head_dim * 2  # K and V, float16
+
+    def state_bytes(self, n_ctx: int) -> int:
+        """The memory of one sequence's state (model.new_state()) at a context of n_ctx."""
+        return n_ctx * self.kv_bytes_per_token
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> ModelConfig:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from streamer.kv_cache import KVCache
 from streamer.sampler import Sampler
+from streamer.state import SequenceState
 
 if TYPE_CHECKING:
     from streamer.model import Model
@@ -34,11 +34,12 @@ class Stats:
 
 @dataclass
 class Generator:
-    """Owns one KV cache and the token history in it. `pending` is the last sampled token, which is not yet
-    in the cache (it is decoded at the start of the next step, or prepended to the next prompt)."""
+    """Owns one sequence's state (KV cache and any recurrent state) and the token history in it. `pending` is
+    the last sampled token, which is not yet in the state (it is decoded at the start of the next step, or
+    prepended to the next prompt)."""
 
     model: Model
-    cache: KVCache
+    state: SequenceState
     sampler: Sampler
     stop_ids: frozenset = frozenset()
     history: list = field(default_factory=list)
@@ -51,20 +52,26 @@ class Generator:
     stop_ids_after_prompt: Callable[[], frozenset] | None = None
 
     def reset(self) -> None:
-        self.cache.truncate(0)
+        self.state.truncate(0)
         self.history.clear()
         self.pending = None
 
     def _step(self, ids: list) -> np.ndarray:
-        """Run `ids` through the model at the end of the cache. All or nothing: if the forward is interrupted
-        (Ctrl-C) or fails, the cache is rolled back and the history and pending token are as they were.
-        A prompt longer than one prefill chunk reports (done, total) to `on_prefill` after each chunk."""
-        n0 = self.cache.n
+        """Run `ids` through the model at the end of the state. All or nothing: if the forward is interrupted
+        (Ctrl-C) or fails, the state is rolled back and the history and pending token are as they were.
+        A prompt longer than one prefill chunk reports (done, total) to `on_prefill` after each chunk.
+        A recurrent state is saved before and after a prompt: the rollback's point, and where a later
+        request that shares this prompt (the server's prefix reuse) can start."""
+        n0 = self.state.n
+        if len(ids) > 1:
+            self.state.save()
         try:
-            logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.cache, progress=self.on_prefill)
+            logits = self.model.forward(np.asarray(ids, dtype=np.int64), self.state, progress=self.on_prefill)
         except BaseException:
-            self.cache.truncate(min(n0, self.cache.n))
+            self.state.truncate(min(n0, self.state.n))  # one forward chunk is all or nothing by itself
             raise
+        if len(ids) > 1:
+            self.state.save()
         self.pending = None
         self.history.extend(ids)
         return logits
@@ -96,7 +103,7 @@ class Generator:
                 return
             n += 1
             yield tok
-            if self.cache.room() == 0:
+            if self.state.room() == 0:
                 self.stop_reason = "context"
                 return
             if n_predict >= 0 and n >= n_predict:

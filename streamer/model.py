@@ -19,7 +19,7 @@ from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
 from streamer.kernels import QMatrix, decode, ops
 from streamer.kernels.experts import ExpertScratch
-from streamer.kv_cache import KVCache
+from streamer.state import KVRows, SequenceState
 from streamer.weights import qmatrix
 
 MATVEC_ROWS = 3  # up to this many rows, one matvec per row beats a dequantized tile (measured on 768x2048)
@@ -65,46 +65,83 @@ class DenseFFN:
         return linear(down, act(g, linear(up, h), g))
 
 
-class Layer:
-    """One block's attention weights: Qwen3 has per-head q/k RMSNorm, Qwen2 q/k/v biases instead (None if absent)."""
+class Attention:
+    """Grouped-query attention with RoPE, the token mixer of qwen2/qwen3 layers: Qwen3 has per-head q/k RMSNorm,
+    Qwen2 q/k/v biases instead (None if absent). Its per-sequence state is one layer's K/V rows."""
 
-    def __init__(self, gf: GGUFFile, i: int):
+    def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin):
         b = f"blk.{i}."
 
         def opt(name):
             return gf.view(b + name) if b + name in gf.tensors else None
 
-        self.attn_norm = gf.view(b + "attn_norm.weight")
-        self.ffn_norm = gf.view(b + "ffn_norm.weight")
+        self.cfg, self.cos, self.sin = cfg, cos, sin
+        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.q_norm, self.k_norm = opt("attn_q_norm.weight"), opt("attn_k_norm.weight")
         self.bq, self.bk, self.bv = opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias")
         self.wq, self.wk, self.wv, self.wo = (qmatrix(gf, b + f"attn_{p}.weight") for p in ("q", "k", "v", "output"))
 
-    def qkv(self, h: np.ndarray):
+    def new_state(self, n_ctx: int) -> KVRows:
+        return KVRows(self.cfg.n_head_kv, n_ctx, self.cfg.head_dim)
+
+    def matrices(self) -> list[QMatrix]:
+        return [self.wq, self.wk, self.wv, self.wo]
+
+    def __call__(self, h: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
+        cfg, m = self.cfg, h.shape[0]
         q, k, v = linear(self.wq, h), linear(self.wk, h), linear(self.wv, h)
         for out, bias in ((q, self.bq), (k, self.bk), (v, self.bv)):
             if bias is not None:
                 out += bias
-        return q, k, v
+        q = q.reshape(m, cfg.n_head, cfg.head_dim)
+        k = k.reshape(m, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
+        self.norm_rope(q, self.q_norm, pos0)
+        self.norm_rope(k, self.k_norm, pos0)
+        kv.store(pos0, k, v)
+        att = ops.attention(q, kv.k, kv.v, pos0, self.scale, np.empty_like(q))
+        return linear(self.wo, att.reshape(m, -1))
 
-    def block_args(self, eps: float, cos, sin, scale) -> tuple[tuple, tuple] | None:
-        """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer (None if a matrix is not
-        block-quantized)."""
-        mats = [m.block for m in (self.wq, self.wk, self.wv, self.wo)]
+    def norm_rope(self, x: np.ndarray, w, pos0: int) -> None:
+        if w is None:
+            ops.head_rope(x, self.cos, self.sin, pos0)
+        else:
+            ops.head_norm_rope(x, w, self.cfg.rms_eps, self.cos, self.sin, pos0)
+
+    def block_args(self, attn_norm, ffn_norm) -> tuple[tuple, tuple] | None:
+        """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer, with the norms around it
+        (None if a matrix is not block-quantized)."""
+        mats = [m.block for m in self.matrices()]
         if None in mats:
             return None
         none = np.empty(0, np.float32)
         none.flags.writeable = False  # the same array type as the file's views
         bq, bk, bv, qn, kn = (none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm))
         (fq, wq), (fk, wk), (fv, wv), (fo, wo) = mats
-        w = decode.AttnWeights(self.attn_norm, self.ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, scale, wo)
+        eps, cos, sin = self.cfg.rms_eps, self.cos, self.sin
+        w = decode.AttnWeights(attn_norm, ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, self.scale, wo)
         return (fq, fk, fv, fo), tuple(w)  # a plain tuple: numba types it on its fast path (kernels/decode.py)
 
-    def norm_rope(self, x: np.ndarray, w, eps: float, cos, sin, pos0: int) -> None:
-        if w is None:
-            ops.head_rope(x, cos, sin, pos0)
-        else:
-            ops.head_norm_rope(x, w, eps, cos, sin, pos0)
+
+class Mixer(Protocol):
+    """A layer's token mixer: reads the normed residual h (m, n_embd) of positions pos0.., updates its state for
+    this sequence, returns what is added to the residual."""
+
+    def new_state(self, n_ctx: int): ...
+
+    def matrices(self) -> list[QMatrix]: ...
+
+    def __call__(self, h: np.ndarray, state, pos0: int) -> np.ndarray: ...
+
+
+class Layer:
+    """One block: x += mixer(attn_norm(x)); x += ffn(ffn_norm(x)). The FFN is the model's, called with the
+    layer's index (its experts are one store across layers)."""
+
+    def __init__(self, gf: GGUFFile, i: int, mixer: Mixer, ffn_norm: str = "ffn_norm"):
+        self.attn_norm = gf.view(f"blk.{i}.attn_norm.weight")
+        self.ffn_norm = gf.view(f"blk.{i}.{ffn_norm}.weight")
+        self.mixer = mixer
 
 
 class Model:
@@ -118,14 +155,13 @@ class Model:
     ):
         """watch: checked before each forward (the file must not change under the mapping)."""
         self.gf, self.cfg, self.watch = gf, cfg, watch
-        self.layers = [Layer(gf, i) for i in range(cfg.n_layer)]
+        self.n_ctx = cfg.context(n_ctx)
+        cos, sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
+        self.layers = [Layer(gf, i, Attention(gf, i, cfg, cos, sin)) for i in range(cfg.n_layer)]
         self.ffn = ffn if ffn is not None else DenseFFN(gf, cfg.n_layer)
         self.embd = qmatrix(gf, "token_embd.weight")
         self.head = self.embd if cfg.tied else qmatrix(gf, "output.weight")
         self.out_norm = gf.view("output_norm.weight")
-        self.n_ctx = cfg.context(n_ctx)
-        self.cos, self.sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
-        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.hooks: list = [self.ffn] if hasattr(self.ffn, "after_attention") else []  # after_attention(layer, x)
         self.ubatch = 512  # prefill chunk: bounds scratch memory, like llama.cpp's n_ubatch
         self._decode = self._decode_args()
@@ -144,7 +180,7 @@ class Model:
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
         cfg = self.cfg
-        attn = [L.block_args(cfg.rms_eps, self.cos, self.sin, self.scale) for L in self.layers]
+        attn = [L.mixer.block_args(L.attn_norm, L.ffn_norm) for L in self.layers]
         if None in attn:
             return None
         nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
@@ -165,13 +201,13 @@ class Model:
                 ffn = [a + (fs,) for a in ffn]
         return attn, scratch, ffn
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.cfg, self.n_ctx)
+    def new_state(self) -> SequenceState:
+        return SequenceState([L.mixer.new_state(self.n_ctx) for L in self.layers], self.n_ctx)
 
     def matrices(self) -> list[QMatrix]:
         mats = [self.embd, self.head]
         for L in self.layers:
-            mats += [L.wq, L.wk, L.wv, L.wo]
+            mats += L.mixer.matrices()
         return mats + self.ffn.matrices()
 
     def warmup(self) -> None:
@@ -185,23 +221,19 @@ class Model:
                 one.matmul(np.zeros((2, m.n_in), np.float32))
         self.embd.rows(np.zeros(1, np.int64))
         cfg, L = self.cfg, self.layers[0]
-        cache = KVCache(cfg, 3)
         for m in (2, 1):
             x = np.zeros((m, cfg.n_embd), np.float32)
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, x)
-            q = np.zeros((m, cfg.n_head, cfg.head_dim), np.float32)
-            L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, 0)
-            ops.attention(q, cache.k[0], cache.v[0], 0, self.scale, np.empty_like(q))
-            kv = np.zeros((m, cfg.n_head_kv, cfg.head_dim), np.float32)
-            cache.store(0, 0, kv, kv)
+            L.mixer(x, L.mixer.new_state(3), 0)
             ops.swiglu(x, x, x)
             ops.swiglu_rows(x, x, x)
 
     def forward(
-        self, ids, cache: KVCache, all_logits: bool = False, progress: Callable[[int, int], None] | None = None
+        self, ids, state: SequenceState, all_logits: bool = False, progress: Callable[[int, int], None] | None = None
     ) -> np.ndarray:
-        """Run tokens at positions cache.n..; returns logits (vocab,) of the last one, or (m, vocab) of all.
-        Tokens go in chunks of `ubatch` (prefill); progress(done, total) follows each one when there are several."""
+        """Run tokens at positions state.n..; returns logits (vocab,) of the last one, or (m, vocab) of all.
+        Tokens go in chunks of `ubatch` (prefill), each committed to the state once it has run through every
+        layer; progress(done, total) follows each one when there are several."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise StreamerError("no tokens to run (the prompt is empty)")
@@ -209,13 +241,13 @@ class Model:
             self.cfg.check_tokens(ids)
         if self.watch is not None:
             self.watch.check()
-        cache.check_room(len(ids))
+        state.check_room(len(ids))
         outs = []
         with interrupts.deferred():  # Ctrl-C lands between layers, not inside an expert read's bookkeeping
             for s in range(0, len(ids), self.ubatch):
                 chunk = ids[s : s + self.ubatch]
                 last = s + self.ubatch >= len(ids)
-                x = self._layers(chunk, cache)
+                x = self._layers(chunk, state)
                 if all_logits:
                     outs.append(self._head(x))
                 elif last:
@@ -228,41 +260,35 @@ class Model:
         h = ops.rmsnorm(x, self.out_norm, self.cfg.rms_eps, np.empty_like(x))
         return linear(self.head, h)
 
-    def _layers(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        cfg, m, pos0 = self.cfg, len(ids), cache.n
+    def _layers(self, ids: np.ndarray, state: SequenceState) -> np.ndarray:
+        """One chunk of tokens through every layer, like the reference forward: for each layer, the mixer on
+        the normed residual, then the FFN on the normed residual."""
+        cfg, m, pos0 = self.cfg, len(ids), state.n
         x = self.embd.rows(ids)
         h = np.empty_like(x)
         if m == 1 and self._decode is not None:
-            self._decode_layers(x, h, cache, pos0)
-            cache.n = pos0 + 1
-            return x
-        for i, L in enumerate(self.layers):
-            interrupts.check()
-            ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
-            q, k, v = L.qkv(h)
-            q = q.reshape(m, cfg.n_head, cfg.head_dim)
-            k = k.reshape(m, cfg.n_head_kv, cfg.head_dim)
-            v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
-            L.norm_rope(q, L.q_norm, cfg.rms_eps, self.cos, self.sin, pos0)
-            L.norm_rope(k, L.k_norm, cfg.rms_eps, self.cos, self.sin, pos0)
-            cache.store(i, pos0, k, v)
-            att = ops.attention(q, cache.k[i], cache.v[i], pos0, self.scale, np.empty_like(q))
-            x += linear(L.wo, att.reshape(m, -1))
-            for hook in self.hooks:
-                hook.after_attention(i, x)
-            ops.rmsnorm(x, L.ffn_norm, cfg.rms_eps, h)
-            x += self.ffn(i, h)
-        cache.n = pos0 + m
+            self._decode_layers(x, h, state, pos0)
+        else:
+            for i, L in enumerate(self.layers):
+                interrupts.check()
+                ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
+                x += L.mixer(h, state.layers[i], pos0)
+                for hook in self.hooks:
+                    hook.after_attention(i, x)
+                ops.rmsnorm(x, L.ffn_norm, cfg.rms_eps, h)
+                x += self.ffn(i, h)
+        state.commit(m)
         return x
 
-    def _decode_layers(self, x: np.ndarray, h: np.ndarray, cache: KVCache, pos: int) -> None:
-        """One token through every layer: the attention as one kernel call (decode.attn_block), the FFN as one
-        (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' per-call path."""
+    def _decode_layers(self, x: np.ndarray, h: np.ndarray, state: SequenceState, pos: int) -> None:
+        """One token through every layer: the attention as one kernel call (decode.attn_block, with both norms),
+        the FFN as one (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' path."""
         attn, scratch, ffn = self._decode
         for i in range(len(self.layers)):
             interrupts.check()
             formats, weights = attn[i]
-            decode.attn_block(x, h, pos, cache.k[i], cache.v[i], *formats, weights, scratch)
+            kv = state.layers[i]
+            decode.attn_block(x, h, pos, kv.k, kv.v, *formats, weights, scratch)
             for hook in self.hooks:
                 hook.after_attention(i, x)
             if ffn is not None:

@@ -113,7 +113,7 @@ def perplexity(
     first = n_ctx // 2
     # logits are (rows, vocab) float32: a slice of the scored half at a time keeps them under LOGITS_BYTES
     step = max(1, min(model.ubatch, LOGITS_BYTES // (4 * model.cfg.n_vocab)))
-    cache = model.new_cache()
+    cache = model.new_state()
     t_all = time.perf_counter()
     for i in range(n_chunk):
         t0 = time.perf_counter()

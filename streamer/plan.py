@@ -162,10 +162,10 @@ def measure_decode_step(path, n_ctx, threads, repeats: int = 5) -> float:
     times warm (same routing, so every weight it uses is already in memory)."""
     with open_model(path, StreamOptions(stream=False, learn=False, prefetch=False), n_ctx=n_ctx, threads=threads) as s:
         tok = np.array([min(1000, s.cfg.n_vocab - 1)], np.int64)
-        s.model.forward(tok, s.model.new_cache())
+        s.model.forward(tok, s.model.new_state())
         times = []
         for _ in range(repeats):
-            c = s.model.new_cache()
+            c = s.model.new_state()
             t0 = time.perf_counter()
             s.model.forward(tok, c)
             times.append(time.perf_counter() - t0)
@@ -301,7 +301,7 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
             "budget": None,
             "baseline": psutil.Process().memory_info().rss,
             "nonexpert": sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name),
-            "kv": cfg.kv_bytes_per_token * cfg.context(opts.n_ctx),
+            "kv": cfg.state_bytes(cfg.context(opts.n_ctx)),
             "scratch": scratch_bytes(cfg),
             "expert_total": layout.total_bytes,
             "slot_bytes": layout.slot_bytes,

@@ -253,7 +253,7 @@ def early_plan(
     if cfg.is_moe and options.stream:
         if options.expert_cache_bytes is None:
             layout = ExpertLayout(gf, cfg)
-            kv = cfg.kv_bytes_per_token * cfg.context(n_ctx)
+            kv = cfg.state_bytes(cfg.context(n_ctx))
             nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
             mem = psutil.Process().memory_info()
             rss = mem.rss - min(mapped, getattr(mem, "shared", 0)) + rss_margin
@@ -310,7 +310,7 @@ def physical_cores() -> int:
 
 def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> None:
     """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
-    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.kv_bytes_per_token * cfg.context(n_ctx)
+    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.state_bytes(cfg.context(n_ctx))
     if need > budget:
         logger.warning(
             f"this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
@@ -325,7 +325,7 @@ def read_model_into_memory(
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    rest = cfg.kv_bytes_per_token * cfg.context(n_ctx) + scratch_bytes(cfg)
+    rest = cfg.state_bytes(cfg.context(n_ctx)) + scratch_bytes(cfg)
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(

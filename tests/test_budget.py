@@ -41,7 +41,7 @@ def test_cache_never_holds_more_than_given(streaming_moe, tmp_path, monkeypatch)
     cache = s.model.ffn.source.cache
     plan = s.model.ffn.plan
     assert not plan.fits_resident and cache.capacity_bytes <= plan.expert_cache
-    c = s.model.new_cache()
+    c = s.model.new_state()
     s.model.forward(np.arange(10), c)
     rss0 = psutil.Process().memory_info().rss
     for t in range(12):
@@ -125,7 +125,7 @@ def test_kv_cache_is_paid_for_out_of_the_budget(streaming_moe, monkeypatch):
     }
     s = open_model(streaming_moe, StreamOptions(learn=False, stream=False), n_ctx=512)
     kv = {n: s.cfg.kv_bytes_per_token * n for n in (64, 512)}
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     assert cache.nbytes == kv[512]  # the plan charges what the KV cache really allocates
     assert plans[64].expert_cache - plans[512].expert_cache == kv[512] - kv[64] > 0
 

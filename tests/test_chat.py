@@ -19,7 +19,7 @@ def session(synth_model):
 
 
 def conversation(session, n_predict=24, system="be brief"):
-    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()), session.tokenizer.eog_ids)
+    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), session.tokenizer.eog_ids)
     return Conversation(gen, session.tokenizer, system=system, think=False, n_predict=n_predict)
 
 
@@ -30,7 +30,7 @@ def test_full_context_drops_oldest_turns_and_keeps_the_system_prompt(session, ca
         before = list(conv.gen.history) + ([conv.gen.pending] if conv.gen.pending is not None else [])
         "".join(conv.send(f"question number {i}, please answer"))
         hist = conv.gen.history
-        assert conv.gen.cache.n == len(hist) <= conv.gen.cache.n_ctx
+        assert conv.gen.state.n == len(hist) <= conv.gen.state.n_ctx
         assert hist[: len(system_ids)] == system_ids  # the system prompt is never dropped
         if hist[: len(before)] != before:  # a shift happened: what follows the system prompt is a suffix of
             starts = conv._turn_starts()  # the old conversation, starting at a user turn
@@ -50,10 +50,10 @@ def test_kept_tokens_are_reread_exactly(session):
     for i in range(12):
         "".join(conv.send(f"tell me about {i}"))
     hist = list(conv.gen.history)
-    fresh = session.model.new_cache()
+    fresh = session.model.new_state()
     session.model.forward(np.asarray(hist[:-1]), fresh)
     want = session.model.forward(np.asarray(hist[-1:]), fresh)
-    cache = conv.gen.cache
+    cache = conv.gen.state
     cache.truncate(len(hist) - 1)
     got = session.model.forward(np.asarray(hist[-1:]), cache)
     assert np.dot(got, want) / np.linalg.norm(got) / np.linalg.norm(want) > 0.99999
@@ -66,4 +66,4 @@ def test_a_turn_longer_than_the_context_is_refused_and_the_conversation_survives
     hist = list(conv.gen.history)
     with pytest.raises(StreamerError, match="does not fit in the context size 512"):
         "".join(conv.send("word " * 600))
-    assert conv.gen.history == hist and conv.gen.cache.n == len(hist)
+    assert conv.gen.history == hist and conv.gen.state.n == len(hist)

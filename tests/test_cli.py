@@ -59,7 +59,7 @@ def test_logits_out_matches_the_model(synth_model, tmp_path):
     assert r.exit_code == 0, r.output
     got = np.load(out)
     s = open_model(path)
-    want = s.model.forward(np.array([1, 2, 3, 40, 5]), s.model.new_cache(), all_logits=True)
+    want = s.model.forward(np.array([1, 2, 3, 40, 5]), s.model.new_state(), all_logits=True)
     assert got.dtype == np.float32 and got.shape == (5, s.cfg.n_vocab)
     assert np.array_equal(got, want)
 

@@ -15,7 +15,7 @@ PROMPT = np.array([1, 5, 200, 17, 99, 3, 250, 8, 8, 42, 7], dtype=np.int64)
 
 def steps(model, n_prefill=4):
     """Logits of a prefill of n_prefill tokens, then each further token as a one-token step."""
-    cache = model.new_cache()
+    cache = model.new_state()
     out = [model.forward(PROMPT[:n_prefill], cache, all_logits=True)]
     out += [model.forward(PROMPT[i : i + 1], cache, all_logits=True) for i in range(n_prefill, len(PROMPT))]
     return np.concatenate(out), cache
@@ -45,7 +45,9 @@ def test_decode_blocks_equal_per_call_path(synth_model, preset, qtype, kw):
     # runs both take the one-call path: that guarantee is tested below and in test_moe).
     assert np.abs(fused - per_call).max() <= 1e-3 * np.abs(per_call).max()  # as test_model: kernels round differently
     n = len(PROMPT)
-    for a, b in ((c1.k[:, :, :n], c2.k[:, :, :n]), (c1.v[:, :, :n], c2.v[:, :, :n])):
+    for a, b in [(x.k[:, :n], y.k[:, :n]) for x, y in zip(c1.layers, c2.layers)] + [
+        (x.v[:, :n], y.v[:, :n]) for x, y in zip(c1.layers, c2.layers)
+    ]:
         a, b = a.view(np.float16).astype(np.float32), b.view(np.float16).astype(np.float32)
         assert np.abs(a - b).max() <= 2e-3 * np.abs(b).max()
     want = Reference(str(synth_model(preset, qtype, **kw))).logits(PROMPT)

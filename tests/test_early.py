@@ -61,9 +61,9 @@ def test_started_early_then_adopted_and_logits_unchanged(synth_model):
     ids = np.array([3, 17, 5, 9])
     with open_model(gf, options, started_pagein=early.take_pagein(gf)) as s:
         assert s.pagein is p  # the same page-in, gone on with the rest of what the budget keeps
-        got = s.model.forward(ids, s.model.new_cache(), all_logits=True)
+        got = s.model.forward(ids, s.model.new_state(), all_logits=True)
     with open_model(path, StreamOptions(learn=False, stream=False)) as s:
-        want = s.model.forward(ids, s.model.new_cache(), all_logits=True)
+        want = s.model.forward(ids, s.model.new_state(), all_logits=True)
     assert np.array_equal(got, want)
 
 

@@ -40,7 +40,7 @@ def streaming(path, slots=8):
 def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset):
     path = copy_of(synth_model(preset, "Q8_0"), tmp_path)
     s = open_model(path, StreamOptions(learn=False))
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     s.model.forward(TOKENS, cache)
     os.truncate(path, path.stat().st_size // 2)
     with pytest.raises(ModelFileChanged, match=r"model.gguf changed size while in use \(\d+ -> \d+ bytes\)"):
@@ -52,22 +52,22 @@ def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset)
 def test_rewritten_in_place_with_the_same_size_is_a_clear_error(synth_model, tmp_path):
     path = copy_of(synth_model("tiny", "Q8_0"), tmp_path)
     s = open_model(path, StreamOptions(learn=False))
-    s.model.forward(TOKENS, s.model.new_cache())
+    s.model.forward(TOKENS, s.model.new_state())
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # as `cp other.gguf model.gguf` would
     with pytest.raises(ModelFileChanged, match="rewritten while in use"):
-        s.model.forward(TOKENS, s.model.new_cache())
+        s.model.forward(TOKENS, s.model.new_state())
 
 
 def test_replaced_by_rename_carries_on_with_the_file_it_opened(synth_model, tmp_path):
     """`mv new.gguf model.gguf` swaps the directory entry; the open mapping keeps the old file's bytes."""
     path = copy_of(synth_model("tiny-moe", "Q8_0"), tmp_path)
     s = streaming(path)
-    want = s.model.forward(TOKENS, s.model.new_cache())
+    want = s.model.forward(TOKENS, s.model.new_state())
     other = tmp_path / "other.gguf"
     shutil.copyfile(synth_model("tiny-moe", "Q8_0", seed=9), other)
     os.replace(other, path)
-    assert np.array_equal(s.model.forward(TOKENS, s.model.new_cache()), want)
+    assert np.array_equal(s.model.forward(TOKENS, s.model.new_state()), want)
 
 
 def faulty_preadv(real, mode, fail_after=0):
@@ -95,20 +95,20 @@ def test_failed_expert_reads_stop_the_step_and_no_partial_expert_is_used(synth_m
 
     path = synth_model("tiny-moe", "Q8_0")
     want = open_model(path, StreamOptions(stream=False, learn=False)).model.forward(
-        TOKENS, open_model(path, StreamOptions(stream=False, learn=False)).model.new_cache()
+        TOKENS, open_model(path, StreamOptions(stream=False, learn=False)).model.new_state()
     )
     s = streaming(path)
     cache = s.model.ffn.source.cache
     monkeypatch.setattr(store.os, "preadv", faulty_preadv(os.preadv, mode, fail_after=6))
     with pytest.raises(StreamerError, match=message):
-        s.model.forward(TOKENS, s.model.new_cache())
+        s.model.forward(TOKENS, s.model.new_state())
     s.model.ffn.source.drain()
     assert all(e.refs == 0 for e in cache.entries.values())
     assert_cache_consistent(cache)
     monkeypatch.undo()
     # whatever the failed reads left in their slots is never served: the same session, with the disk
     # healthy again, gives the resident logits bit for bit
-    assert np.array_equal(s.model.forward(TOKENS, s.model.new_cache()), want)
+    assert np.array_equal(s.model.forward(TOKENS, s.model.new_state()), want)
 
 
 def test_bus_error_mid_step_is_one_line_and_exit_code_2(tmp_path):

@@ -180,7 +180,7 @@ WARMUP_SCRIPT = textwrap.dedent("""
     for path, kw in runs:
         s = open_model(path, StreamOptions(learn=False, **kw))
         called |= {d.py_func.__module__ + "." + d.py_func.__name__ for d in s.kernels}
-        cache = s.model.new_cache()
+        cache = s.model.new_state()
         s.model.forward(np.arange(1, 7), cache)  # prefill: 6 tokens (matrix-matrix kernels)
         s.model.forward(np.array([7]), cache)    # decode: one token (matvec, multi-expert kernels)
         s.model.forward(np.array([8]), cache)

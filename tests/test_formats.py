@@ -19,7 +19,7 @@ NEW = [t.name for t, f in FORMATS.items() if f.family == "block" and t not in (T
 
 
 def run(session, n_prefill=5):
-    c = session.model.new_cache()
+    c = session.model.new_state()
     out = [session.model.forward(PROMPT[:n_prefill], c, all_logits=True)]
     out += [session.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(PROMPT))]
     return np.concatenate(out)

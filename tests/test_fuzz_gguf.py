@@ -220,7 +220,7 @@ def load_and_run(path, moe: bool, n_ctx=None) -> None:
     s = open_model(path, StreamOptions(learn=False), n_ctx=n_ctx, threads=1)
     try:
         s.tokenizer.encode("Hello world")
-        logits = s.model.forward([1, 2], s.model.new_cache())
+        logits = s.model.forward([1, 2], s.model.new_state())
         assert logits.shape == (s.cfg.n_vocab,)
     finally:
         s.close()

@@ -192,7 +192,7 @@ def _run_and_compare(name, tmp_path_factory, streamed: bool):
         else open_model(path)
     )
     tokens = np.asarray(_META["tokens"], np.int64)
-    ours = np.asarray(s.model.forward(tokens, s.model.new_cache(), all_logits=True), np.float32)
+    ours = np.asarray(s.model.forward(tokens, s.model.new_state(), all_logits=True), np.float32)
     theirs = _Z[f"{name}.logits"]
     assert ours.shape == theirs.shape
     bad, stats = compare(ours, theirs, _tol_for(args))

@@ -91,7 +91,7 @@ def test_run_real_sigint_during_decode(synth_model):
 
 def converse(session, turns, monkeypatch=None, interrupt=None):
     """Greedy conversation; interrupt = (turn index, 'prefill' | 'decode'). Returns (replies, history)."""
-    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()), session.tokenizer.eog_ids)
+    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), session.tokenizer.eog_ids)
     conv = Conversation(gen, session.tokenizer, n_predict=6)
     replies = []
     for i, text in enumerate(turns):
@@ -108,7 +108,7 @@ def converse(session, turns, monkeypatch=None, interrupt=None):
             replies.append("".join(pieces))
         else:
             replies.append("".join(conv.send(text)))
-        assert gen.cache.n == len(gen.history)  # the cache holds exactly the conversation
+        assert gen.state.n == len(gen.history)  # the cache holds exactly the conversation
     return replies, list(gen.history), gen.pending
 
 
@@ -203,16 +203,16 @@ def test_sigint_while_queueing_an_expert_read_lands_between_layers(synth_model, 
     monkeypatch.setattr(ReaderPool, "submit", submit)
     ids = np.arange(3, 40, dtype=np.int64)
     with pytest.raises(KeyboardInterrupt) as e:
-        s.model.forward(ids, s.model.new_cache())
+        s.model.forward(ids, s.model.new_state())
     assert sent
     frames = [(Path(f.path).name, f.name) for f in e.traceback]
     assert frames[-1] == ("interrupts.py", "check"), frames
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    got = s.model.forward(ids, s.model.new_cache())
+    got = s.model.forward(ids, s.model.new_state())
     s.close()
     assert reader_threads() == before
     resident = open_model(path, StreamOptions(stream=False, learn=False), n_ctx=512)
-    np.testing.assert_array_equal(got, resident.model.forward(ids, resident.model.new_cache()))
+    np.testing.assert_array_equal(got, resident.model.forward(ids, resident.model.new_state()))
 
 
 def test_a_second_sigint_is_not_held(default_sigint):

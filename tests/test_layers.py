@@ -16,7 +16,7 @@ FLOORS = [
     ("kernels", ["streamer.kernels"]),  # numba only
     # bytes to named tensors, the model's configuration, tokens; per-sequence state
     ("file", ["streamer.gguf_file", "streamer.config", "streamer.tokenizer", "streamer.pretokenize",
-              "streamer.pagein", "streamer.inram", "streamer.weights", "streamer.kv_cache", "streamer.sampler"]),
+              "streamer.pagein", "streamer.inram", "streamer.weights", "streamer.state", "streamer.sampler"]),
     ("experts", ["streamer.experts", "streamer.traffic", "streamer.trace"]),  # storage: no model, no router
     ("layers", ["streamer.model", "streamer.moe", "streamer.moe_compute", "streamer.moe_build"]),
     ("runtime", ["streamer.session", "streamer.generate", "streamer.chat", "streamer.perplexity", "streamer.bench",

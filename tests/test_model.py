@@ -23,7 +23,7 @@ def cosines(a, b):
 def test_logits_match_float64_reference(synth_model, qtype, tied):
     path = synth_model("tiny", qtype, tied=tied)
     s = open_model(path)
-    got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    got = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)
     want = Reference(str(path)).logits(PROMPT)
     assert got.shape == (len(PROMPT), s.cfg.n_vocab)
     assert cosines(got, want).min() >= 0.999
@@ -35,8 +35,8 @@ def test_logits_match_float64_reference(synth_model, qtype, tied):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_cached_decode_equals_full_recompute(synth_model, qtype):
     s = open_model(synth_model("tiny", qtype))
-    full = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
-    cache = s.model.new_cache()
+    full = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)
+    cache = s.model.new_state()
     # a 4-token prefill, then one token at a time through the cache
     steps = [s.model.forward(PROMPT[:4], cache, all_logits=True)]
     steps += [s.model.forward(PROMPT[i : i + 1], cache, all_logits=True) for i in range(4, len(PROMPT))]
@@ -48,10 +48,10 @@ def test_cached_decode_equals_full_recompute(synth_model, qtype):
 
 def test_prefill_returns_last_position_and_chunks(synth_model):
     s = open_model(synth_model("tiny", "Q8_0"))
-    full = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    full = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)
     s.model.ubatch = 3  # force several prefill chunks
     seen = []
-    last = s.model.forward(PROMPT, s.model.new_cache(), progress=lambda done, total: seen.append((done, total)))
+    last = s.model.forward(PROMPT, s.model.new_state(), progress=lambda done, total: seen.append((done, total)))
     n = len(PROMPT)
     assert seen == [(min(i + 3, n), n) for i in range(0, n, 3)]
     assert np.abs(last - full[-1]).max() <= 1e-3 * np.abs(full).max()
@@ -59,12 +59,12 @@ def test_prefill_returns_last_position_and_chunks(synth_model):
 
 def test_truncate_then_continue_matches(synth_model):
     s = open_model(synth_model("tiny", "Q8_0"))
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     s.model.forward(PROMPT, cache)
     cache.truncate(5)  # rewind, then feed a different continuation
     alt = np.array([11, 12, 13], dtype=np.int64)
     got = s.model.forward(alt, cache, all_logits=True)
-    want = s.model.forward(np.concatenate([PROMPT[:5], alt]), s.model.new_cache(), all_logits=True)[5:]
+    want = s.model.forward(np.concatenate([PROMPT[:5], alt]), s.model.new_state(), all_logits=True)[5:]
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
@@ -72,14 +72,14 @@ def test_context_overflow_and_bad_tokens_are_user_errors(synth_model):
     from streamer.errors import StreamerError
 
     s = open_model(synth_model("tiny", "Q8_0"), n_ctx=8)
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     with pytest.raises(StreamerError, match="context overflow"):
         s.model.forward(PROMPT, cache)
     n = s.cfg.n_vocab
     with pytest.raises(StreamerError, match=f"token id {n} is out of range"):
-        s.model.forward(np.array([1, n]), s.model.new_cache())
+        s.model.forward(np.array([1, n]), s.model.new_state())
     with pytest.raises(StreamerError, match="token id -1"):
-        s.model.forward(np.array([-1]), s.model.new_cache())
+        s.model.forward(np.array([-1]), s.model.new_state())
 
 
 def test_long_prompt_progress_gives_the_same_results(synth_model):
@@ -91,18 +91,19 @@ def test_long_prompt_progress_gives_the_same_results(synth_model):
     s = open_model(synth_model("tiny", "Q8_0"), n_ctx=2048)
     ids = list(np.random.default_rng(1).integers(0, s.cfg.n_vocab, 1100))
     more = ids[:700]  # a second prompt after the first: 1800 of 2048 positions
-    plain = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()))
+    plain = Generator(s.model, s.model.new_state(), Sampler(SamplerParams()))
     calls = []
     shown = Generator(
         s.model,
-        s.model.new_cache(),
+        s.model.new_state(),
         Sampler(SamplerParams()),
         on_prefill=lambda done, total: calls.append((done, total)),
     )
     assert np.array_equal(plain.feed(ids), shown.feed(ids))
     assert calls == [(512, 1100), (1024, 1100), (1100, 1100)]
-    n = plain.cache.n
-    assert np.array_equal(plain.cache.k[:, :, :n], shown.cache.k[:, :, :n])
+    n = plain.state.n
+    for a, b in zip(plain.state.layers, shown.state.layers):
+        assert np.array_equal(a.k[:, :n], b.k[:, :n]) and np.array_equal(a.v[:, :n], b.v[:, :n])
 
     def stop(done, total):
         if done == 512:
@@ -111,4 +112,4 @@ def test_long_prompt_progress_gives_the_same_results(synth_model):
     shown.on_prefill = stop
     with pytest.raises(KeyboardInterrupt):
         shown.feed(more)
-    assert shown.cache.n == n and shown.history == plain.history  # as before the interrupted prompt
+    assert shown.state.n == n and shown.history == plain.history  # as before the interrupted prompt

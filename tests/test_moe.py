@@ -27,7 +27,7 @@ def cosines(a, b):
 
 def run(session, tokens=PROMPT, n_prefill=N_PREFILL):
     """Prefill n_prefill tokens, then decode the rest one by one; all-position logits."""
-    c = session.model.new_cache()
+    c = session.model.new_state()
     out = [session.model.forward(tokens[:n_prefill], c, all_logits=True)]
     out += [session.model.forward(tokens[i : i + 1], c, all_logits=True) for i in range(n_prefill, len(tokens))]
     return np.concatenate(out)
@@ -189,7 +189,7 @@ def test_expert_top_p_half_matches_reference_and_never_reads_dropped(synth_model
     s = open_model(
         path, StreamOptions(learn=False, prefetch=False, expert_top_p=0.5, expert_cache_bytes=64 * slot_bytes(path))
     )
-    got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)  # one prefill: no prefetch at all
+    got = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)  # one prefill: no prefetch at all
     assert cosines(got, want).min() >= 0.999
     tot = s.model.ffn.traffic.totals()
     kept = {(layer, e) for layer, routes in trace.items() for sel in routes for e in sel}
@@ -225,7 +225,7 @@ def test_interrupted_forward_leaves_no_expert_referenced(synth_model, monkeypatc
 
     monkeypatch.setattr(Fused, method, flaky)
     with pytest.raises(KeyboardInterrupt):
-        s.model.forward(PROMPT[:n_tokens], s.model.new_cache())
+        s.model.forward(PROMPT[:n_tokens], s.model.new_state())
     cache = s.model.ffn.source.cache
     for entry in cache.entries.values():
         entry.future.result()  # let in-flight reads land
@@ -245,10 +245,10 @@ def test_prefetches_never_starve_demand_reads(synth_model, monkeypatch):
     path = synth_model("tiny-moe", "Q8_0")
     tokens = PROMPT[:1]
     resident = open_model(path, StreamOptions(stream=False, learn=False))
-    want = resident.model.forward(tokens, resident.model.new_cache())
+    want = resident.model.forward(tokens, resident.model.new_state())
     s = open_model(path, StreamOptions(learn=False, prefetch=True, expert_cache_bytes=12 * slot_bytes(path)))
     cache = s.model.ffn.source.cache
-    s.model.forward(tokens, s.model.new_cache())
+    s.model.forward(tokens, s.model.new_state())
     cache.pin_set = {key for key in cache.entries if key[0] == 1}  # layer 1's experts learned hot
     cache.pin_capacity = 4
 
@@ -267,7 +267,7 @@ def test_prefetches_never_starve_demand_reads(synth_model, monkeypatch):
     monkeypatch.setattr(MoEFFN, "after_attention", wrong)
     monkeypatch.setattr(StreamingSource, "_load", slow)
     for _ in range(3):
-        assert np.array_equal(s.model.forward(tokens, s.model.new_cache()), want)
+        assert np.array_equal(s.model.forward(tokens, s.model.new_state()), want)
         assert_cache_consistent(cache)
 
 
@@ -362,7 +362,7 @@ def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatc
         return rss_bytes(cache.arena.ctypes.data)
 
     rss0 = arena_rss()  # (the mapping may share its VMA with a few pages of others)
-    c = s.model.new_cache()
+    c = s.model.new_state()
     got = [s.model.forward(PROMPT[:N_PREFILL], c, all_logits=True)]
     in_flight = ffn.tuning.group + ffn.tuning.window  # the prefill's reads run this many experts ahead
     read = s.traffic.totals().miss  # a growing cache would have taken a slot for each
@@ -381,7 +381,7 @@ def test_a_one_token_prompt_is_a_prompt_too(synth_model):
     sb = slot_bytes(path)
     s = open_model(path, StreamOptions(learn=False, prefetch=True, expert_cache_bytes=48 * sb))
     cache, k = s.model.ffn.source.cache, s.model.cfg.n_expert_used
-    c = s.model.new_cache()
+    c = s.model.new_state()
     s.model.forward(PROMPT[:1], c)
     t = s.traffic.totals()
     # a layer's experts and the next one's prefetches, plus any mispredicted prefetch (it waits to be used);

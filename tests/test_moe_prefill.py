@@ -63,7 +63,7 @@ def test_whole_prompt_prefill_matches_float64_reference(synth_model, qtype, grou
     path = synth_model("tiny-moe", qtype)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.tuning.grouped_max = grouped_max
-    got = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    got = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)
     want = Reference(str(path)).logits(PROMPT)
     assert cosines(got, want).min() >= 0.999
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
@@ -74,12 +74,12 @@ def test_streamed_whole_prompt_prefill_is_bit_identical_to_resident(synth_model,
     path = synth_model("tiny-moe", "Q4_K")
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.tuning.grouped_max = grouped_max
-    resident = s.model.forward(PROMPT, s.model.new_cache(), all_logits=True)
+    resident = s.model.forward(PROMPT, s.model.new_state(), all_logits=True)
     sb = slot_bytes(path)
     for slots in (4, 7, 24, 64):
         st = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * sb))
         st.moe.tuning.grouped_max = grouped_max
-        got = st.model.forward(PROMPT, st.model.new_cache(), all_logits=True)
+        got = st.model.forward(PROMPT, st.model.new_state(), all_logits=True)
         assert np.array_equal(got, resident), slots
         assert st.moe.source.cache.census()["in_use"] == 0
         st.close()

@@ -91,7 +91,7 @@ def test_the_streamed_cache_prefaults_after_the_first_layer_and_its_session_stop
             return real_call(ffn, layer, h)
 
         monkeypatch.setattr(type(s.model.ffn), "__call__", call)
-        s.model.forward(np.array([3, 77, 120], np.int64), s.model.new_cache())
+        s.model.forward(np.array([3, 77, 120], np.int64), s.model.new_state())
         assert layers[0] == (0, False) and all(started for _, started in layers[2:])
         assert cache.prefaulter.thread.ident is not None and not stopped
     assert stopped == [cache.prefaulter] and cache.prefaulter.done.wait(30)

@@ -23,14 +23,14 @@ def test_tiny_qwen2_matches_float64_reference(synth_model, qtype, tied):
     path = synth_model("tiny-qwen2", qtype, tied=tied)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     assert (s.cfg.arch, s.cfg.head_dim, s.cfg.tied) == ("qwen2", 64, tied)
-    assert s.model.layers[0].q_norm is None and s.model.layers[0].bq is not None
+    assert s.model.layers[0].mixer.q_norm is None and s.model.layers[0].mixer.bq is not None
     got = run(s)
     want = Reference(str(path)).logits(PROMPT)
     cos = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.999 and np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     # the biases matter: the same forward without them is far off (guards against biases silently ignored)
     for L in s.model.layers:
-        L.bq = L.bk = L.bv = None
+        L.mixer.bq = L.mixer.bk = L.mixer.bv = None
     off = run(s)
     assert np.abs(off - want).max() > 10 * np.abs(got - want).max()
 
@@ -63,7 +63,7 @@ def test_chat_uses_qwen2_template_defaults(synth_model):
     from streamer.sampler import Sampler, SamplerParams
 
     s = open_model(synth_model("tiny-qwen2", "Q8_0"), StreamOptions(stream=False, learn=False))
-    gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams()), s.tokenizer.eog_ids)
+    gen = Generator(s.model, s.model.new_state(), Sampler(SamplerParams()), s.tokenizer.eog_ids)
     for think in (True, False):
         conv = Conversation(gen, s.tokenizer, think=think, arch="qwen2")
         closing, body = conv._turn_parts("hi")

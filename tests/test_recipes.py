@@ -123,7 +123,7 @@ def test_mixed_tiny_moe_matches_reference_and_streams_identically(synth_model, r
         for i in range(4)
     ]
     assert layout.slot_bytes == max(pages)  # one slot holds the largest layer's expert
-    c = s.model.new_cache()
+    c = s.model.new_state()
     got = np.concatenate(
         [s.model.forward(PROMPT[:5], c, all_logits=True)]
         + [s.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(5, len(PROMPT))]
@@ -132,7 +132,7 @@ def test_mixed_tiny_moe_matches_reference_and_streams_identically(synth_model, r
     cos = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.999 and np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     st = open_model(path, StreamOptions(learn=False, expert_cache_bytes=5 * layout.slot_bytes))
-    c = st.model.new_cache()
+    c = st.model.new_state()
     again = np.concatenate(
         [st.model.forward(PROMPT[:5], c, all_logits=True)]
         + [st.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(5, len(PROMPT))]

@@ -72,7 +72,7 @@ def http(srv):
 
 
 def greedy(session, ids, n):
-    gen = Generator(session.model, session.model.new_cache(), Sampler(SamplerParams()), frozenset())
+    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), frozenset())
     return list(gen.generate(ids, n))
 
 
@@ -218,7 +218,7 @@ def test_second_turn_prefills_only_its_new_tokens(oai, http, srv, resident, path
     # its logits equal a fresh full prefill's (to float32 rounding: the split prefill rounds differently)
     got = rec.calls[0][1]
     prompt2 = eng.gen.history[: u.prompt_tokens]
-    fresh = resident.model.forward(np.array(prompt2), resident.model.new_cache())
+    fresh = resident.model.forward(np.array(prompt2), resident.model.new_state())
     assert np.dot(got, fresh) / np.linalg.norm(got) / np.linalg.norm(fresh) > 0.99999
     assert np.abs(got - fresh).max() < 1e-3 * np.abs(fresh).max()
     ref = Reference(str(path)).logits(np.array(prompt2))[-1]

@@ -28,7 +28,7 @@ for m in pkgutil.iter_modules(K.__path__):
         if isinstance(v, dict):
             disp.update({f"{n}[{k}]": d for k, d in v.items() if isinstance(d, CPUDispatcher) and d.__module__ == mod.__name__})
 with open_model(sys.argv[1], StreamOptions(learn=False, stream=False)) as s:
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     s.model.forward(np.arange(1, 9), cache)
     s.model.forward(np.array([7]), cache)
     codes = sorted({m._fmt for m in s.model.matrices() + [s.model.embd]})

@@ -26,7 +26,7 @@ IDS = [3, 17, 5, 9, 30, 2, 11]
 
 def _logits(path, options, lazy: bool) -> np.ndarray:
     with open_model(path, options, lazy_kernels=lazy) as s:
-        cache = s.model.new_cache()
+        cache = s.model.new_state()
         first = s.model.forward(np.asarray(IDS), cache, all_logits=True)
         step = s.model.forward(np.asarray([7]), cache)
         return np.concatenate([first, step[None]])
@@ -125,7 +125,7 @@ sigs = lambda: {k: sorted(map(str, d.signatures)) for k, d in disp.items() if d.
 path, kw = json.loads(sys.argv[1])
 with open_model(path, StreamOptions(learn=False, **kw)) as s:
     warm = sigs()
-    cache = s.model.new_cache()
+    cache = s.model.new_state()
     s.model.forward(np.arange(1, 25), cache)
     s.model.forward(np.array([7]), cache)
     s.model.forward(np.array([8]), cache)
@@ -174,7 +174,7 @@ def test_a_token_prompt_prints_what_the_built_tokenizer_decodes(synth_model):
     ids = [5, 6, 7]
     with open_model(path, StreamOptions(learn=False), threads=1) as s:
         tok = s.tokenizer
-        gen = Generator(s.model, s.model.new_cache(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
+        gen = Generator(s.model, s.model.new_state(), Sampler(SamplerParams(temperature=0.0)), tok.eog_ids)
         out = list(gen.generate(ids, 6))
         want = tok.decode(ids) + tok.decode(out) + "\n"
     cmd = [str(STREAM_RUN), "run", str(path), "--tokens", ",".join(map(str, ids)), "-n", "6", "-t", "1"]
@@ -195,17 +195,17 @@ def test_stop_ids_given_after_the_prompt_stop_the_first_token(synth_model):
     ids = [3, 17, 5]
     with open_model(path, StreamOptions(learn=False)) as s:
         greedy = Sampler(SamplerParams(temperature=0.0))
-        first = next(Generator(s.model, s.model.new_cache(), greedy).generate(ids, 1))
+        first = next(Generator(s.model, s.model.new_state(), greedy).generate(ids, 1))
         seen = []
 
         def stop_ids() -> frozenset:
-            seen.append(gen.cache.n)
+            seen.append(gen.state.n)
             return frozenset({first})
 
-        gen = Generator(s.model, s.model.new_cache(), greedy, stop_ids_after_prompt=stop_ids)
+        gen = Generator(s.model, s.model.new_state(), greedy, stop_ids_after_prompt=stop_ids)
         assert list(gen.generate(ids, 4)) == [] and gen.stop_reason == "eog"
         assert seen == [len(ids)] and gen.stop_ids == frozenset({first}) and gen.stop_ids_after_prompt is None
-        again = Generator(s.model, s.model.new_cache(), greedy, stop_ids_after_prompt=lambda: frozenset())
+        again = Generator(s.model, s.model.new_state(), greedy, stop_ids_after_prompt=lambda: frozenset())
         assert next(again.generate(ids, 4)) == first
 
 

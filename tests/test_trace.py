@@ -33,7 +33,7 @@ def slot_bytes(path):
 def record(path, out, n_decode=16, n_ctx=None, n_prompt=5, **kw):
     """Prefill n_prompt tokens, decode n_decode (inputs fixed, so routing is too); the live traffic's totals."""
     with open_model(path, StreamOptions(**kw), n_ctx=n_ctx, trace=out) as s:
-        c = s.model.new_cache()
+        c = s.model.new_state()
         s.model.forward(PROMPT[:n_prompt], c)
         for i in range(n_decode):
             s.model.forward(PROMPT[5 + i % 7 : 6 + i % 7] * (i + 1) % 250, c)

@@ -83,7 +83,7 @@ def test_gguf_tokenizer_metadata_matches_the_converter(hf):
 def test_logits_match_float64_reference_tightly(path):
     ids = np.array(Tokenizer.from_gguf(GGUFFile(path)).encode(HELDOUT[:2000])[:96])
     with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=128) as s:
-        got = s.model.forward(ids, s.model.new_cache(), all_logits=True)
+        got = s.model.forward(ids, s.model.new_state(), all_logits=True)
         moe = s.cfg.is_moe
     want = Reference(str(path)).logits(ids)
     assert np.median(np.std(want, axis=1)) > 1.0  # trained: peaked, not the near-flat logits of random weights
@@ -100,7 +100,7 @@ def test_moe_streamed_quarter_cache_is_bit_identical_to_resident():
     ids = np.array(Tokenizer.from_gguf(GGUFFile(MOE)).encode(HELDOUT[5000:8000])[:160])
 
     def run(s):  # a prefill, then decode one token at a time (lookahead prefetch runs in decode)
-        c = s.model.new_cache()
+        c = s.model.new_state()
         out = [s.model.forward(ids[:64], c, all_logits=True)]
         return np.concatenate(out + [s.model.forward(ids[i : i + 1], c, all_logits=True) for i in range(64, len(ids))])
 

@@ -88,7 +88,7 @@ class Engine:
         self.session, self.tok = session, session.tokenizer
         model = session.model
         self.n_ctx, self.n_vocab = model.n_ctx, session.cfg.n_vocab
-        self.gen = Generator(model, model.new_cache(), Sampler(SamplerParams()), self.tok.eog_ids)
+        self.gen = Generator(model, model.new_state(), Sampler(SamplerParams()), self.tok.eog_ids)
         self.gen.on_prefill = self._prefill_progress
         self.tok.encode_raw("warm up")  # builds the merge table now, not in two request threads at once
         self.queue_size = queue_size
@@ -232,7 +232,7 @@ class Engine:
             if len(req.text) > len(cached) and req.text.startswith(cached):
                 return len(hist), self.tok.encode_raw(req.text[len(cached) :])
         ids = list(req.ids)
-        keep = min(common_prefix(hist, ids), len(ids) - 1)
+        keep = self.gen.state.restorable(min(common_prefix(hist, ids), len(ids) - 1))  # a recurrent state: saved points
         return keep, ids[keep:]
 
     def _generate(self, job: Job) -> Result:
@@ -247,7 +247,7 @@ class Engine:
                 "invalid_request_error",
                 "context_length_exceeded",
             )
-        gen.cache.truncate(keep)
+        gen.state.truncate(keep)
         del gen.history[keep:]
         gen.pending = None
         gen.sampler = Sampler(req.params)

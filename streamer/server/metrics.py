@@ -49,7 +49,7 @@ def render(engine, loaded: bool = True) -> str:
     o.metric("queue_depth", "gauge", "Requests waiting for the worker.", engine.depth)
     o.metric("queue_size", "gauge", "Requests that may wait before new ones get 503.", engine.queue_size)
     o.metric("busy", "gauge", "1 while a generation runs.", int(engine.busy))
-    o.metric("kv_cache_tokens", "gauge", "Tokens held in the KV cache.", engine.gen.cache.n)
+    o.metric("kv_cache_tokens", "gauge", "Tokens held in the KV cache.", engine.gen.state.n)
     o.metric("context_size", "gauge", "Context size in tokens.", engine.n_ctx)
     _experts(o, engine.session)
     return "\n".join(o.lines) + "\n"
