@@ -13,8 +13,10 @@ from streamer.errors import StreamerError
 from streamer.formats import FORMATS, NAMES
 from streamer.gguf_file import GGUFFile
 from streamer.io import human
+from streamer.state import SAVED_MAX
 
-ARCHS = ("qwen3", "qwen3moe", "qwen2")
+ARCHS = ("qwen3", "qwen3moe", "qwen2", "qwen35moe")
+MOE_ARCHS = ("qwen3moe", "qwen35moe")
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,44 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # hybrid (qwen35moe): every full_attn_interval-th layer is gated attention with RoPE on its first n_rot
+    # channels, the others Gated DeltaNet (linear attention); a shared expert beside the routed ones
+    n_rot: int = 0  # 0: the whole head
+    full_attn_interval: int = 0  # 0: every layer is attention
+    ssm_conv: int = 0  # conv1d kernel width
+    ssm_head_dim: int = 0  # key and value head width (ssm.state_size)
+    ssm_k_heads: int = 0  # ssm.group_count
+    ssm_v_heads: int = 0  # ssm.time_step_rank
+    n_ff_shexp: int = 0
+    n_nextn: int = 0  # MTP blocks after the trunk (not run)
 
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def ffn_norm(self) -> str:
+        """The name of each layer's norm before its FFN."""
+        return "post_attention_norm" if self.arch == "qwen35moe" else "ffn_norm"
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether the layer's token mixer is linear attention (a recurrent state) rather than attention."""
+        return self.full_attn_interval > 0 and (layer + 1) % self.full_attn_interval != 0
+
+    @property
+    def n_attn_layers(self) -> int:
+        return sum(not self.is_recurrent(i) for i in range(self.n_layer))
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's conv: q and k (k-heads), v (v-heads)."""
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
+
+    @property
+    def recurrent_bytes(self) -> int:
+        """One copy of every linear-attention layer's state (float32 conv window and delta-rule matrices)."""
+        per = (self.ssm_conv - 1) * self.ssm_conv_dim + self.ssm_v_heads * self.ssm_head_dim**2
+        return 4 * per * (self.n_layer - self.n_attn_layers)
 
     def check_tokens(self, ids) -> None:
         """Every id in the vocabulary (a sequence or an integer array)."""
@@ -67,11 +103,12 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layer * self.n_head_kv * self.head_dim * 2  # K and V, float16
+        return 2 * self.n_attn_layers * self.n_head_kv * self.head_dim * 2  # K and V, float16
 
     def state_bytes(self, n_ctx: int) -> int:
-        """The memory of one sequence's state (model.new_state()) at a context of n_ctx."""
-        return n_ctx * self.kv_bytes_per_token
+        """The memory of one sequence's state (model.new_state()) at a context of n_ctx: the K/V rows, and the
+        recurrent state twice (committed and in progress) plus its saved copies (state.SAVED_MAX)."""
+        return n_ctx * self.kv_bytes_per_token + (2 + SAVED_MAX) * self.recurrent_bytes
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> ModelConfig:
@@ -93,14 +130,18 @@ class ModelConfig:
         if "token_embd.weight" not in gf.tensors:
             raise StreamerError(f"{gf.path}: missing tensor 'token_embd.weight'")
         n_vocab = gf.tensors["token_embd.weight"].shape[0]
-        moe = arch == "qwen3moe"
+        moe = arch in MOE_ARCHS
+        hybrid = arch == "qwen35moe"
+        S = Keys.SSM
+        head_dim = key(A.KEY_LENGTH, n_embd // max(n_head, 1))
+        n_nextn = key(L.NEXTN_PREDICT_LAYERS, 0) if hybrid else 0
         cfg = cls(
             arch=arch,
-            n_layer=key(L.BLOCK_COUNT),
+            n_layer=key(L.BLOCK_COUNT) - n_nextn,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=key(A.HEAD_COUNT_KV, n_head),
-            head_dim=key(A.KEY_LENGTH, n_embd // max(n_head, 1)),
+            head_dim=head_dim,
             n_ff=key(L.FEED_FORWARD_LENGTH, 0),
             rms_eps=key(A.LAYERNORM_RMS_EPS, 1e-6, float),
             rope_theta=key(Keys.Rope.FREQ_BASE, 1e6, float),
@@ -110,6 +151,14 @@ class ModelConfig:
             n_expert=key(L.EXPERT_COUNT) if moe else 0,
             n_expert_used=key(L.EXPERT_USED_COUNT) if moe else 0,
             n_ff_exp=key(L.EXPERT_FEED_FORWARD_LENGTH) if moe else 0,
+            n_rot=key(Keys.Rope.DIMENSION_COUNT, head_dim) if hybrid else 0,
+            full_attn_interval=key(L.FULL_ATTENTION_INTERVAL, 4) if hybrid else 0,
+            ssm_conv=key(S.CONV_KERNEL) if hybrid else 0,
+            ssm_head_dim=key(S.STATE_SIZE) if hybrid else 0,
+            ssm_k_heads=key(S.GROUP_COUNT) if hybrid else 0,
+            ssm_v_heads=key(S.TIME_STEP_RANK) if hybrid else 0,
+            n_ff_shexp=key(L.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0) if hybrid else 0,
+            n_nextn=n_nextn,
         )
         cfg._check_geometry(gf.path)
         if cfg.n_layer > len(gf.tensors):  # checked before expected_shapes() lists every layer's tensors
@@ -138,11 +187,20 @@ class ModelConfig:
             bad.append("n_head % n_head_kv")
         if self.head_dim % 2:
             bad.append("head_dim (must be even for RoPE)")
-        moe = self.arch == "qwen3moe"  # not is_moe: an expert_count of 0 must not turn the file into a dense model
+        moe = self.arch in MOE_ARCHS  # not is_moe: an expert_count of 0 must not turn the file into a dense model
         if moe and not (0 < self.n_expert_used <= self.n_expert and self.n_ff_exp > 0):
             bad.append("expert_count/expert_used_count/expert_feed_forward_length")
         if not moe and self.n_ff <= 0:
             bad.append("feed_forward_length")
+        if self.arch == "qwen35moe":
+            if not (0 < self.n_rot <= self.head_dim and self.n_rot % 2 == 0):
+                bad.append(f"rope.dimension_count {self.n_rot} (must be even, at most the head width)")
+            if self.full_attn_interval < 1:
+                bad.append("full_attention_interval")
+            if min(self.ssm_conv, self.ssm_head_dim, self.ssm_k_heads, self.ssm_v_heads) < 1:
+                bad.append("ssm.conv_kernel/state_size/group_count/time_step_rank")
+            elif self.ssm_v_heads % self.ssm_k_heads:
+                bad.append("ssm.time_step_rank % ssm.group_count")
         if bad:
             raise StreamerError(f"{path}: bad model geometry in metadata: {', '.join(bad)}")
 
@@ -154,6 +212,9 @@ class ModelConfig:
             s["output.weight"] = (self.n_vocab, E)
         for i in range(self.n_layer):
             b = f"blk.{i}."
+            if self.arch == "qwen35moe":
+                s.update(self._hybrid_shapes(i))
+                continue
             s.update(
                 {
                     b + "attn_norm.weight": (E,),
@@ -194,16 +255,70 @@ class ModelConfig:
                 )
         return s
 
+    def _hybrid_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """One qwen35moe layer: gated attention or Gated DeltaNet, then routed experts and a shared expert."""
+        E, hd, b = self.n_embd, self.head_dim, f"blk.{i}."
+        X, F, Fs = self.n_expert, self.n_ff_exp, self.n_ff_shexp
+        s = {b + "attn_norm.weight": (E,), b + "post_attention_norm.weight": (E,)}
+        if self.is_recurrent(i):
+            d, nv = self.ssm_head_dim, self.ssm_v_heads
+            s.update(
+                {
+                    b + "attn_qkv.weight": (self.ssm_conv_dim, E),
+                    b + "attn_gate.weight": (nv * d, E),
+                    b + "ssm_conv1d.weight": (self.ssm_conv_dim, self.ssm_conv),
+                    b + "ssm_dt.bias": (nv,),
+                    b + "ssm_a": (nv,),
+                    b + "ssm_beta.weight": (nv, E),
+                    b + "ssm_alpha.weight": (nv, E),
+                    b + "ssm_norm.weight": (d,),
+                    b + "ssm_out.weight": (E, nv * d),
+                }
+            )
+        else:
+            s.update(
+                {
+                    b + "attn_q.weight": (2 * self.n_head * hd, E),  # query and output gate, per head
+                    b + "attn_k.weight": (self.n_head_kv * hd, E),
+                    b + "attn_v.weight": (self.n_head_kv * hd, E),
+                    b + "attn_output.weight": (E, self.n_head * hd),
+                    b + "attn_q_norm.weight": (hd,),
+                    b + "attn_k_norm.weight": (hd,),
+                }
+            )
+        s.update(
+            {
+                b + "ffn_gate_inp.weight": (X, E),
+                b + "ffn_gate_exps.weight": (X, F, E),
+                b + "ffn_up_exps.weight": (X, F, E),
+                b + "ffn_down_exps.weight": (X, E, F),
+            }
+        )
+        if Fs:
+            s.update(
+                {
+                    b + "ffn_gate_inp_shexp.weight": (E,),
+                    b + "ffn_gate_shexp.weight": (Fs, E),
+                    b + "ffn_up_shexp.weight": (Fs, E),
+                    b + "ffn_down_shexp.weight": (E, Fs),
+                }
+            )
+        return s
+
     def check_tensors(self, gf: GGUFFile) -> None:
         for name, shape in self.expected_shapes().items():
             t = gf.tensors.get(name)
             if t is None:
+                merged = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+                if merged != name and merged in gf.tensors:
+                    raise StreamerError(f"{gf.path}: merged expert tensors ('{merged}') are not supported yet")
                 raise StreamerError(f"{gf.path}: missing tensor '{name}'")
             if t.qtype not in FORMATS:
                 raise StreamerError(
                     f"tensor '{name}' has type {t.qtype.name}, which stream-run does not support (supported: {NAMES})"
                 )
-            if len(shape) == 1 and t.qtype != T.F32:  # norm weights and biases are used as float32 arrays in place
+            in_place = len(shape) == 1 or name.endswith("ssm_conv1d.weight")  # used as float32 arrays in place
+            if in_place and t.qtype != T.F32:
                 raise StreamerError(
                     f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 (biases too)"
                 )

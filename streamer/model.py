@@ -19,22 +19,9 @@ from streamer.filewatch import FileWatch
 from streamer.gguf_file import GGUFFile
 from streamer.kernels import QMatrix, decode, ops
 from streamer.kernels.experts import ExpertScratch
-from streamer.state import KVRows, SequenceState
-from streamer.weights import qmatrix
-
-MATVEC_ROWS = 3  # up to this many rows, one matvec per row beats a dequantized tile (measured on 768x2048)
-
-
-def linear(w: QMatrix, h: np.ndarray) -> np.ndarray:
-    """(m, n_in) -> (m, n_out): matrix-vector kernels for a few rows (decode, and the many experts that get
-    only a token or two of a prefill), matrix-matrix otherwise."""
-    m = h.shape[0]
-    if m <= MATVEC_ROWS:
-        out = np.empty((m, w.n_out), np.float32)
-        for i in range(m):
-            w.matvec(h[i], out[i])
-        return out
-    return w.matmul(h)
+from streamer.mixers import Mixer, mixer
+from streamer.state import SequenceState
+from streamer.weights import linear, qmatrix
 
 
 class FFN(Protocol):
@@ -47,8 +34,9 @@ class FFN(Protocol):
 class DenseFFN:
     """SwiGLU: down(silu(gate h) * up h), weights used in place from the mmap."""
 
-    def __init__(self, gf: GGUFFile, n_layer: int):
-        self.w = [tuple(qmatrix(gf, f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up", "down")) for i in range(n_layer)]
+    def __init__(self, gf: GGUFFile, n_layer: int, suffix: str = ""):
+        names = [f"ffn_{p}{suffix}.weight" for p in ("gate", "up", "down")]
+        self.w = [tuple(qmatrix(gf, f"blk.{i}.{n}") for n in names) for i in range(n_layer)]
 
     def matrices(self) -> list[QMatrix]:
         return [m for ws in self.w for m in ws]
@@ -65,73 +53,38 @@ class DenseFFN:
         return linear(down, act(g, linear(up, h), g))
 
 
-class Attention:
-    """Grouped-query attention with RoPE, the token mixer of qwen2/qwen3 layers: Qwen3 has per-head q/k RMSNorm,
-    Qwen2 q/k/v biases instead (None if absent). Its per-sequence state is one layer's K/V rows."""
+class WithSharedExpert:
+    """A MoE FFN plus a shared expert that every token uses, weighted by sigmoid(ffn_gate_inp_shexp . h)
+    (qwen35moe). The shared expert's weights are used in place; the routed FFN keeps its own decode path."""
 
-    def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin):
-        b = f"blk.{i}."
-
-        def opt(name):
-            return gf.view(b + name) if b + name in gf.tensors else None
-
-        self.cfg, self.cos, self.sin = cfg, cos, sin
-        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
-        self.q_norm, self.k_norm = opt("attn_q_norm.weight"), opt("attn_k_norm.weight")
-        self.bq, self.bk, self.bv = opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias")
-        self.wq, self.wk, self.wv, self.wo = (qmatrix(gf, b + f"attn_{p}.weight") for p in ("q", "k", "v", "output"))
-
-    def new_state(self, n_ctx: int) -> KVRows:
-        return KVRows(self.cfg.n_head_kv, n_ctx, self.cfg.head_dim)
+    def __init__(self, routed: FFN, gf: GGUFFile, n_layer: int):
+        self.routed = routed
+        self.shared = DenseFFN(gf, n_layer, "_shexp")
+        self.gate = [gf.view(f"blk.{i}.ffn_gate_inp_shexp.weight") for i in range(n_layer)]
+        if hasattr(routed, "after_attention"):
+            self.after_attention = routed.after_attention
 
     def matrices(self) -> list[QMatrix]:
-        return [self.wq, self.wk, self.wv, self.wo]
+        return self.routed.matrices() + self.shared.matrices()
 
-    def __call__(self, h: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
-        cfg, m = self.cfg, h.shape[0]
-        q, k, v = linear(self.wq, h), linear(self.wk, h), linear(self.wv, h)
-        for out, bias in ((q, self.bq), (k, self.bk), (v, self.bv)):
-            if bias is not None:
-                out += bias
-        q = q.reshape(m, cfg.n_head, cfg.head_dim)
-        k = k.reshape(m, cfg.n_head_kv, cfg.head_dim)
-        v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
-        self.norm_rope(q, self.q_norm, pos0)
-        self.norm_rope(k, self.k_norm, pos0)
-        kv.store(pos0, k, v)
-        att = ops.attention(q, kv.k, kv.v, pos0, self.scale, np.empty_like(q))
-        return linear(self.wo, att.reshape(m, -1))
+    def _shared(self, layer: int, h: np.ndarray) -> np.ndarray:
+        y = self.shared(layer, h)
+        y *= (1.0 / (1.0 + np.exp(-(h @ self.gate[layer])))).astype(np.float32)[:, None]
+        return y
 
-    def norm_rope(self, x: np.ndarray, w, pos0: int) -> None:
-        if w is None:
-            ops.head_rope(x, self.cos, self.sin, pos0)
+    def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
+        y = self._shared(layer, h)
+        y += self.routed(layer, h)
+        return y
+
+    def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """One token: x += routed(h) + shared(h) (the routed FFN's one-call decode when it has one)."""
+        y = self._shared(layer, h)
+        if hasattr(self.routed, "decode"):
+            self.routed.decode(layer, h, x)
         else:
-            ops.head_norm_rope(x, w, self.cfg.rms_eps, self.cos, self.sin, pos0)
-
-    def block_args(self, attn_norm, ffn_norm) -> tuple[tuple, tuple] | None:
-        """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer, with the norms around it
-        (None if a matrix is not block-quantized)."""
-        mats = [m.block for m in self.matrices()]
-        if None in mats:
-            return None
-        none = np.empty(0, np.float32)
-        none.flags.writeable = False  # the same array type as the file's views
-        bq, bk, bv, qn, kn = (none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm))
-        (fq, wq), (fk, wk), (fv, wv), (fo, wo) = mats
-        eps, cos, sin = self.cfg.rms_eps, self.cos, self.sin
-        w = decode.AttnWeights(attn_norm, ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, self.scale, wo)
-        return (fq, fk, fv, fo), tuple(w)  # a plain tuple: numba types it on its fast path (kernels/decode.py)
-
-
-class Mixer(Protocol):
-    """A layer's token mixer: reads the normed residual h (m, n_embd) of positions pos0.., updates its state for
-    this sequence, returns what is added to the residual."""
-
-    def new_state(self, n_ctx: int): ...
-
-    def matrices(self) -> list[QMatrix]: ...
-
-    def __call__(self, h: np.ndarray, state, pos0: int) -> np.ndarray: ...
+            x += self.routed(layer, h)
+        x += y
 
 
 class Layer:
@@ -156,9 +109,12 @@ class Model:
         """watch: checked before each forward (the file must not change under the mapping)."""
         self.gf, self.cfg, self.watch = gf, cfg, watch
         self.n_ctx = cfg.context(n_ctx)
-        cos, sin = ops.rope_tables(self.n_ctx, cfg.head_dim, cfg.rope_theta)
-        self.layers = [Layer(gf, i, Attention(gf, i, cfg, cos, sin)) for i in range(cfg.n_layer)]
+        cos, sin = ops.rope_tables(self.n_ctx, cfg.n_rot or cfg.head_dim, cfg.rope_theta)
+        self.layers = [Layer(gf, i, mixer(gf, i, cfg, cos, sin), cfg.ffn_norm) for i in range(cfg.n_layer)]
+        self.moe = ffn  # the routed experts' FFN, if any
         self.ffn = ffn if ffn is not None else DenseFFN(gf, cfg.n_layer)
+        if cfg.n_ff_shexp:
+            self.ffn = WithSharedExpert(self.ffn, gf, cfg.n_layer)
         self.embd = qmatrix(gf, "token_embd.weight")
         self.head = self.embd if cfg.tied else qmatrix(gf, "output.weight")
         self.out_norm = gf.view("output_norm.weight")
@@ -180,9 +136,9 @@ class Model:
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
         cfg = self.cfg
-        attn = [L.mixer.block_args(L.attn_norm, L.ffn_norm) for L in self.layers]
-        if None in attn:
-            return None
+        attn = [getattr(L.mixer, "block_args", lambda *_: None)(L.attn_norm, L.ffn_norm) for L in self.layers]
+        if all(a is None for a in attn) or (None in attn and cfg.arch != "qwen35moe"):
+            return None  # one float matrix: the per-call path for every layer (a hybrid's other mixers: per layer)
         nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         qkv, att = np.empty((nq + 2 * nkv) * hd, np.float32), np.empty((1, nq, hd), np.float32)
         q = qkv[: nq * hd].reshape(1, nq, hd)
@@ -221,10 +177,12 @@ class Model:
                 one.matmul(np.zeros((2, m.n_in), np.float32))
         self.embd.rows(np.zeros(1, np.int64))
         cfg, L = self.cfg, self.layers[0]
+        kinds = {type(L.mixer): L.mixer for L in self.layers}.values()  # one of each kind of mixer
         for m in (2, 1):
             x = np.zeros((m, cfg.n_embd), np.float32)
             ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, x)
-            L.mixer(x, L.mixer.new_state(3), 0)
+            for mix in kinds:
+                mix(x, mix.new_state(3), 0)
             ops.swiglu(x, x, x)
             ops.swiglu_rows(x, x, x)
 
@@ -284,11 +242,17 @@ class Model:
         """One token through every layer: the attention as one kernel call (decode.attn_block, with both norms),
         the FFN as one (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' path."""
         attn, scratch, ffn = self._decode
-        for i in range(len(self.layers)):
+        eps = self.cfg.rms_eps
+        for i, L in enumerate(self.layers):
             interrupts.check()
-            formats, weights = attn[i]
-            kv = state.layers[i]
-            decode.attn_block(x, h, pos, kv.k, kv.v, *formats, weights, scratch)
+            if attn[i] is not None:
+                formats, weights = attn[i]
+                kv = state.layers[i]
+                decode.attn_block(x, h, pos, kv.k, kv.v, *formats, weights, scratch)
+            else:  # a mixer without a one-call block (linear attention, gated attention)
+                ops.rmsnorm(x, L.attn_norm, eps, h)
+                x += L.mixer(h, state.layers[i], pos)
+                ops.rmsnorm(x, L.ffn_norm, eps, h)
             for hook in self.hooks:
                 hook.after_attention(i, x)
             if ffn is not None:

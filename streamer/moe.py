@@ -18,9 +18,8 @@ from streamer.budget import BudgetSplit
 from streamer.experts.cache import grows
 from streamer.kernels import ops
 from streamer.kernels.routing import topk_softmax
-from streamer.model import linear
 from streamer.moe_compute import Fused, PerExpert, Tuning, WholeLayer, expert_rows, needs_tiles
-from streamer.weights import qmatrix
+from streamer.weights import linear, qmatrix
 
 
 def route(logits: np.ndarray, k: int, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +59,7 @@ class Router:
     def __init__(self, gf, cfg, expert_top_p: float = 1.0):
         self.cfg, self.expert_top_p = cfg, expert_top_p
         self.mats = [qmatrix(gf, f"blk.{i}.ffn_gate_inp.weight") for i in range(cfg.n_layer)]
-        self.ffn_norm = [gf.view(f"blk.{i}.ffn_norm.weight") for i in range(cfg.n_layer)]
+        self.ffn_norm = [gf.view(f"blk.{i}.{cfg.ffn_norm}.weight") for i in range(cfg.n_layer)]
         self.trace = None  # a streamer.trace.TraceRecorder: gets the top-k before and after expert top-p
         self._h = np.empty((1, cfg.n_embd), np.float32)  # the lookahead's scratch
         self._logits = np.empty((1, cfg.n_expert), np.float32)

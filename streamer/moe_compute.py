@@ -26,7 +26,7 @@ from streamer.kernels.blocks import act_buffer
 from streamer.kernels.experts import FORMATS, ExpertScratch, experts_down, experts_matvec
 from streamer.kernels.gemm import TILE
 from streamer.kernels.grouped import grouped_down, grouped_gate_up, grouped_matmul, prepare_rows, scatter_add
-from streamer.model import MATVEC_ROWS, linear
+from streamer.weights import MATVEC_ROWS, linear
 
 # A prefill expert with at most this many tokens goes through the grouped int16 row dots (one row read, a dot
 # per token: the decode kernels' math), one with more through int8.grouped_matmul (integer tiles, reused across

@@ -350,7 +350,7 @@ def decode_formats(model, moe=None) -> dict[str, list[tuple[int, ...]]]:
     out: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
     if model._decode is not None:
         attn, _, ffn = model._decode
-        out["decode"].update(formats for formats, _ in attn)
+        out["decode"].update(a[0] for a in attn if a is not None)
         out["decode-ffn"].update(f[:3] for f in ffn or ())
     if moe is not None:
         for layer, p in enumerate(moe.fused):
@@ -435,10 +435,10 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
     out.append(SUPPORTED[model.embd.qtype].rows.specialise(code[model.embd.qtype]))  # the embedding gather only
     out += [int8.KERNELS[int8.ISA]] if int8_serves else []  # one version for every format (not specialised)
-    combos = decode_formats(model, model.ffn if moe else None)
+    combos = decode_formats(model, model.moe if moe else None)
     for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
         out += [k.specialise(*c) for c in combos[name]]
-    experts_q = {p.qtype for parts in model.ffn.source.layout.parts for p in parts} if moe else set()
+    experts_q = {p.qtype for parts in model.moe.source.layout.parts for p in parts} if moe else set()
     if moe:
         names = ("ops", "experts", "decode", "decode-moe") + (("expert-tiles",) if needs_tiles else ())
         names += ("expert-int8",) if int8_serves else ()
@@ -452,7 +452,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
                 if not isinstance(d, FormatKernel):
                     out.append(d)
                 elif g.name in ("experts", "expert-tiles"):
-                    out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q)]
+                    out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q) if q in experts.FORMATS]
     if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
         lanes_k = set(_lanes_kernels(lanes.isas()))
         out = [d for d in out if d not in lanes_k]

@@ -1,4 +1,5 @@
-"""The model oracle: a plain float64 numpy forward of Qwen3 / Qwen3-MoE / Qwen2 (q/k/v biases, no q/k norm)
+"""The model oracle: a plain float64 numpy forward of Qwen3 / Qwen3-MoE / Qwen2 (q/k/v biases, no q/k norm) /
+Qwen3.5-MoE (gated attention and Gated DeltaNet layers, a shared expert, after llama.cpp's qwen35moe graph)
 over weights dequantized by gguf-py, read with gguf.GGUFReader (not our parser). No cache, no streaming, no
 kernels. Slow and obvious on purpose."""
 
@@ -26,6 +27,10 @@ class Reference:
         self.eps = field("{a}.attention.layer_norm_rms_epsilon")
         self.theta = field("{a}.rope.freq_base")
         self.n_used = field("{a}.expert_used_count", 0)
+        self.n_rot = field("{a}.rope.dimension_count", self.hd)
+        self.interval = field("{a}.full_attention_interval", 0)
+        self.n_layer -= field("{a}.nextn_predict_layers", 0)
+        self.ssm_k = field("{a}.ssm.group_count", 0)
         self.w = {}
         for t in r.tensors:
             data = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
@@ -34,12 +39,71 @@ class Reference:
     def rmsnorm(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
-    def rope(self, x, pos):  # x (n, heads, hd); NEOX: channel i pairs with i + hd/2
-        half = self.hd // 2
-        ang = pos[:, None] * self.theta ** (-np.arange(half) * 2.0 / self.hd)[None, :]
+    def rope(self, x, pos):  # x (n, heads, hd); NEOX on the first n_rot channels: i pairs with i + n_rot/2
+        half = self.n_rot // 2
+        ang = pos[:, None] * self.theta ** (-np.arange(half) * 2.0 / self.n_rot)[None, :]
         c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        a, b = x[..., :half], x[..., half:]
-        return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+        a, b = x[..., :half], x[..., half : 2 * half]
+        return np.concatenate([a * c - b * s, a * s + b * c, x[..., 2 * half :]], axis=-1)
+
+    @staticmethod
+    def silu(z):
+        return z / (1.0 + np.exp(-z))
+
+    def delta_net(self, i, h):
+        """A Gated DeltaNet layer over the whole sequence from an empty state, one token at a time."""
+        W, b, n = self.w, f"blk.{i}.", len(h)
+        conv_w = W[b + "ssm_conv1d.weight"]  # (channels, K): column K-1 weighs the newest input
+        K, nv = conv_w.shape[1], len(W[b + "ssm_a"])
+        d = len(W[b + "ssm_norm.weight"])
+        nk = self.ssm_k
+        x = h @ W[b + "attn_qkv.weight"].T
+        xp = np.concatenate([np.zeros((K - 1, x.shape[1])), x])
+        x = self.silu(np.stack([(xp[t : t + K] * conv_w.T).sum(axis=0) for t in range(n)]))
+        q, k, v = x[:, : nk * d].reshape(n, nk, d), x[:, nk * d : 2 * nk * d].reshape(n, nk, d), x[:, 2 * nk * d :]
+        q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), self.eps) / np.sqrt(d)
+        k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), self.eps)
+        v = v.reshape(n, nv, d)
+        beta = 1.0 / (1.0 + np.exp(-(h @ W[b + "ssm_beta.weight"].T)))
+        g = W[b + "ssm_a"] * np.logaddexp(0.0, h @ W[b + "ssm_alpha.weight"].T + W[b + "ssm_dt.bias"])
+        S, o = np.zeros((nv, d, d)), np.zeros((n, nv, d))
+        for t in range(n):
+            for hh in range(nv):
+                kk, qq = k[t, hh % nk], q[t, hh % nk]  # ggml_repeat: value head hh reads key head hh % nk
+                S[hh] *= np.exp(g[t, hh])
+                S[hh] += np.outer(beta[t, hh] * (v[t, hh] - S[hh] @ kk), kk)
+                o[t, hh] = S[hh] @ qq
+        z = (h @ W[b + "attn_gate.weight"].T).reshape(n, nv, d)
+        o = self.rmsnorm(o, W[b + "ssm_norm.weight"]) * self.silu(z)
+        return o.reshape(n, -1) @ W[b + "ssm_out.weight"].T
+
+    def attention(self, i, h, pos):
+        W, b, n = self.w, f"blk.{i}.", len(h)
+        q = h @ W[b + "attn_q.weight"].T
+        gate = None
+        if q.shape[1] == 2 * self.n_head * self.hd:  # qwen35moe: per head, the query then an output gate
+            q, gate = q.reshape(n, self.n_head, 2, self.hd)[:, :, 0], q.reshape(n, self.n_head, 2, self.hd)[:, :, 1]
+        q = q.reshape(n, self.n_head, self.hd)
+        k = (h @ W[b + "attn_k.weight"].T).reshape(n, self.n_kv, self.hd)
+        v = (h @ W[b + "attn_v.weight"].T).reshape(n, self.n_kv, self.hd)
+        if b + "attn_q.bias" in W:  # qwen2: q/k/v biases, no per-head norm
+            q = q + W[b + "attn_q.bias"].reshape(self.n_head, self.hd)
+            k = k + W[b + "attn_k.bias"].reshape(self.n_kv, self.hd)
+            v = v + W[b + "attn_v.bias"].reshape(self.n_kv, self.hd)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        else:
+            q = self.rope(self.rmsnorm(q, W[b + "attn_q_norm.weight"]), pos)
+            k = self.rope(self.rmsnorm(k, W[b + "attn_k_norm.weight"]), pos)
+        att = np.zeros((n, self.n_head, self.hd))
+        mask = np.triu(np.full((n, n), -np.inf), 1)
+        for hh in range(self.n_head):
+            g = hh // (self.n_head // self.n_kv)
+            s = q[:, hh] @ k[:, g].T / np.sqrt(self.hd) + mask
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            att[:, hh] = (p / p.sum(axis=1, keepdims=True)) @ v[:, g]
+        if gate is not None:
+            att = att / (1.0 + np.exp(-gate))
+        return att.reshape(n, -1) @ W[b + "attn_output.weight"].T
 
     def route(self, h, router, top_p=1.0):
         """Per token: softmax over all experts, top-k, renormalise, then expert top-p. -> list of {expert: weight}."""
@@ -76,6 +140,10 @@ class Reference:
         for t, sel in enumerate(routes):
             for e, we in sel.items():
                 out[t] += we * ((silu(G[e] @ h[t]) * (U[e] @ h[t])) @ D[e].T)
+        if f"blk.{i}.ffn_gate_shexp.weight" in W:  # qwen35moe's shared expert, gated per token
+            g, u, d = (W[f"blk.{i}.ffn_{p}_shexp.weight"] for p in ("gate", "up", "down"))
+            gate = 1.0 / (1.0 + np.exp(-(h @ W[f"blk.{i}.ffn_gate_inp_shexp.weight"])))
+            out += gate[:, None] * ((silu(h @ g.T) * (h @ u.T)) @ d.T)
         return out
 
     def logits(self, tokens, top_p: float = 1.0, trace: dict | None = None) -> np.ndarray:
@@ -87,25 +155,9 @@ class Reference:
         for i in range(self.n_layer):
             b = f"blk.{i}."
             h = self.rmsnorm(x, W[b + "attn_norm.weight"])
-            q = (h @ W[b + "attn_q.weight"].T).reshape(n, self.n_head, self.hd)
-            k = (h @ W[b + "attn_k.weight"].T).reshape(n, self.n_kv, self.hd)
-            v = (h @ W[b + "attn_v.weight"].T).reshape(n, self.n_kv, self.hd)
-            if b + "attn_q.bias" in W:  # qwen2: q/k/v biases, no per-head norm
-                q = q + W[b + "attn_q.bias"].reshape(self.n_head, self.hd)
-                k = k + W[b + "attn_k.bias"].reshape(self.n_kv, self.hd)
-                v = v + W[b + "attn_v.bias"].reshape(self.n_kv, self.hd)
-                q, k = self.rope(q, pos), self.rope(k, pos)
-            else:
-                q = self.rope(self.rmsnorm(q, W[b + "attn_q_norm.weight"]), pos)
-                k = self.rope(self.rmsnorm(k, W[b + "attn_k_norm.weight"]), pos)
-            att = np.zeros((n, self.n_head, self.hd))
-            mask = np.triu(np.full((n, n), -np.inf), 1)
-            for hh in range(self.n_head):
-                g = hh // (self.n_head // self.n_kv)
-                s = q[:, hh] @ k[:, g].T / np.sqrt(self.hd) + mask
-                p = np.exp(s - s.max(axis=1, keepdims=True))
-                att[:, hh] = (p / p.sum(axis=1, keepdims=True)) @ v[:, g]
-            x = x + att.reshape(n, -1) @ W[b + "attn_output.weight"].T
-            x = x + self.ffn(i, self.rmsnorm(x, W[b + "ffn_norm.weight"]), top_p, trace)
+            recurrent = self.interval and (i + 1) % self.interval
+            x = x + (self.delta_net(i, h) if recurrent else self.attention(i, h, pos))
+            norm = W.get(b + "ffn_norm.weight", W.get(b + "post_attention_norm.weight"))
+            x = x + self.ffn(i, self.rmsnorm(x, norm), top_p, trace)
         head = W.get("output.weight", W["token_embd.weight"])
         return self.rmsnorm(x, W["output_norm.weight"]) @ head.T

@@ -18,7 +18,7 @@ FLOORS = [
     ("file", ["streamer.gguf_file", "streamer.config", "streamer.tokenizer", "streamer.pretokenize",
               "streamer.pagein", "streamer.inram", "streamer.weights", "streamer.state", "streamer.sampler"]),
     ("experts", ["streamer.experts", "streamer.traffic", "streamer.trace"]),  # storage: no model, no router
-    ("layers", ["streamer.model", "streamer.moe", "streamer.moe_compute", "streamer.moe_build"]),
+    ("layers", ["streamer.mixers", "streamer.model", "streamer.moe", "streamer.moe_compute", "streamer.moe_build"]),
     ("runtime", ["streamer.session", "streamer.generate", "streamer.chat", "streamer.perplexity", "streamer.bench",
                  "streamer.replay", "streamer.plan", "streamer.warmup", "streamer.plots", "streamer.synth",
                  "streamer.train"]),

@@ -390,3 +390,13 @@ def test_a_one_token_prompt_is_a_prompt_too(synth_model):
     first = cache.touched_slots
     s.model.forward(PROMPT[1:2], c)
     assert cache.touched_slots > first
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "F32"])
+def test_float_experts_match_the_reference_streamed_and_resident(synth_model, qtype):
+    """Experts in a float format (BF16 uploads are common) take the per-expert path: streamed == resident."""
+    path = synth_model("tiny-moe", qtype)
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
+    streamed = run(open_model(path, StreamOptions(learn=False, expert_cache_bytes=6 * slot_bytes(path))))
+    np.testing.assert_array_equal(streamed, resident)
+    assert cosines(resident, Reference(str(path)).logits(PROMPT)).min() >= 0.999

@@ -49,10 +49,11 @@ def rmsnorm(x, w, eps, out):
 
 @kernel(fastmath=True)
 def head_norm_rope(x, w, eps, cos, sin, pos0):
-    """In place on x (m, n_head, head_dim): RMSNorm each head with w, then NEOX RoPE at position pos0 + i:
-    channel j pairs with j + head_dim/2 (the "half" layout of Qwen3; ggml's GGML_ROPE_TYPE_NEOX)."""
+    """In place on x (m, n_head, head_dim): RMSNorm each head with w, then NEOX RoPE at position pos0 + i on
+    the first 2 * cos.shape[1] channels (all of them, or qwen35moe's partial rotation): channel j pairs with
+    j + cos.shape[1] (the "half" layout of Qwen3; ggml's GGML_ROPE_TYPE_NEOX)."""
     m, nh, hd = x.shape
-    half = hd // 2
+    half = cos.shape[1]
     for i in range(m):
         p = pos0 + i
         for h in range(nh):
@@ -60,6 +61,8 @@ def head_norm_rope(x, w, eps, cos, sin, pos0):
             for j in range(hd):
                 ss += np.float64(x[i, h, j]) * x[i, h, j]
             r = np.float32(1.0 / np.sqrt(ss / hd + eps))
+            for j in range(2 * half, hd):
+                x[i, h, j] = x[i, h, j] * r * w[j]
             for j in range(half):
                 a = x[i, h, j] * r * w[j]
                 b = x[i, h, j + half] * r * w[j + half]
@@ -72,9 +75,10 @@ def head_norm_rope(x, w, eps, cos, sin, pos0):
 
 @kernel(fastmath=True)
 def head_rope(x, cos, sin, pos0):
-    """In place on x (m, n_head, head_dim): NEOX RoPE at position pos0 + i, no norm (Qwen2)."""
+    """In place on x (m, n_head, head_dim): NEOX RoPE at position pos0 + i on the first 2 * cos.shape[1]
+    channels, no norm (Qwen2)."""
     m, nh, hd = x.shape
-    half = hd // 2
+    half = cos.shape[1]
     for i in range(m):
         p = pos0 + i
         for h in range(nh):
@@ -89,7 +93,8 @@ def head_rope(x, cos, sin, pos0):
 
 
 def rope_tables(n_ctx: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin of pos * theta^(-2j/head_dim) for every position, (n_ctx, head_dim/2) float32."""
+    """cos/sin of pos * theta^(-2j/head_dim) for every position, (n_ctx, head_dim/2) float32 (head_dim: the
+    channels rotated)."""
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)

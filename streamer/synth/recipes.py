@@ -234,7 +234,7 @@ def recipe_types(recipe: str, tensors, n_layer: int, n_head: int, n_head_kv: int
     q = _State(n_layer, n_head, n_head_kv, n_expert, any(name == "output.weight" for name, _, _ in tensors))
     out = []
     for name, shape, source in tensors:
-        if len(shape) < 2 or "ffn_gate_inp" in name or "_norm" in name:
+        if len(shape) < 2 or "ffn_gate_inp" in name or "_norm" in name or "ssm_conv1d" in name:  # as llama-quantize
             out.append(source)
             continue
         out.append(_fallback(_rule(q, recipe, base, name, shape), shape[-1]))

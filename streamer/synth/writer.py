@@ -1,4 +1,4 @@
-"""Write synthetic Qwen3 / Qwen3-MoE / Qwen2 GGUFs at real geometry with random, well-scaled weights.
+"""Write synthetic Qwen3 / Qwen3-MoE / Qwen2 / Qwen3.5-MoE GGUFs at real geometry with random, well-scaled weights.
 
 No real weights can be downloaded here, so tests, the demo and benchmarks use these. Tensors are generated
 and written one at a time, so a 17 GB file needs only one tensor's worth of RAM. Quantized blocks are random
@@ -38,6 +38,15 @@ class Geometry:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ctx: int = 40960
+    # qwen35moe: gated attention every full_attn_interval-th layer (RoPE on n_rot channels), Gated DeltaNet
+    # (ssm_k_heads / ssm_v_heads heads of ssm_head_dim, conv width ssm_conv) elsewhere; a shared expert
+    n_rot: int = 0
+    full_attn_interval: int = 4
+    ssm_conv: int = 4
+    ssm_head_dim: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    n_ff_shexp: int = 0
 
 
 PRESETS = {
@@ -48,6 +57,78 @@ PRESETS = {
     "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
     "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),
     "tiny-qwen2": Geometry("qwen2", 2, 256, 4, 2, 64, 512, n_ctx=2048),
+    "tiny-qwen35moe": Geometry(
+        "qwen35moe",
+        4,
+        256,
+        4,
+        2,
+        64,
+        128,
+        16,
+        4,
+        128,
+        n_ctx=2048,
+        n_rot=16,
+        ssm_head_dim=32,
+        ssm_k_heads=2,
+        ssm_v_heads=4,
+        n_ff_shexp=128,
+    ),
+    "qwen3.5-35b-a3b": Geometry(
+        "qwen35moe",
+        40,
+        2048,
+        16,
+        2,
+        256,
+        512,
+        256,
+        8,
+        512,
+        n_ctx=262144,
+        n_rot=64,
+        ssm_head_dim=128,
+        ssm_k_heads=16,
+        ssm_v_heads=32,
+        n_ff_shexp=512,
+    ),
+    "qwen3.5-122b-a10b": Geometry(
+        "qwen35moe",
+        48,
+        3072,
+        32,
+        2,
+        256,
+        1024,
+        256,
+        8,
+        1024,
+        n_ctx=262144,
+        n_rot=64,
+        ssm_head_dim=128,
+        ssm_k_heads=16,
+        ssm_v_heads=64,
+        n_ff_shexp=1024,
+    ),
+    "qwen3.5-397b-a17b": Geometry(
+        "qwen35moe",
+        60,
+        4096,
+        32,
+        2,
+        256,
+        1024,
+        512,
+        10,
+        1024,
+        n_ctx=262144,
+        n_rot=64,
+        ssm_head_dim=128,
+        ssm_k_heads=16,
+        ssm_v_heads=64,
+        n_ff_shexp=1024,
+    ),
     "qwen2.5-coder-7b": Geometry("qwen2", 28, 3584, 28, 4, 128, 18944, n_ctx=32768),
 }
 
@@ -241,6 +322,9 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
     yield "token_embd.weight", (n_vocab, E), spec.embd_qtype or q, 1.0
     for i in range(g.n_layer):
         b = f"blk.{i}."
+        if g.arch == "qwen35moe":
+            yield from _hybrid_layer(spec, i)
+            continue
         yield b + "attn_norm.weight", (E,), T.F32, -1.0
         yield b + "attn_q.weight", (g.n_head * hd, E), q, w
         yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
@@ -267,6 +351,44 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
     yield "output_norm.weight", (E,), T.F32, -1.0
     if not spec.tied:
         yield "output.weight", (n_vocab, E), spec.head_qtype or q, w
+
+
+def _hybrid_layer(spec: SynthSpec, i: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
+    """A qwen35moe layer, in the order of llama.cpp's converter: gated attention when (i + 1) is a multiple of
+    full_attn_interval, else Gated DeltaNet; routed experts and a shared expert."""
+    g, q, b = spec.geometry, spec.qtype, f"blk.{i}."
+    E, hd, d = g.n_embd, g.head_dim, g.ssm_head_dim
+    w = 1.0 / np.sqrt(E)
+    yield b + "attn_norm.weight", (E,), T.F32, -1.0
+    if (i + 1) % g.full_attn_interval:
+        conv, nv = (2 * g.ssm_k_heads + g.ssm_v_heads) * d, g.ssm_v_heads
+        yield b + "attn_qkv.weight", (conv, E), q, w
+        yield b + "attn_gate.weight", (nv * d, E), q, w
+        yield b + "ssm_conv1d.weight", (conv, g.ssm_conv), T.F32, 0.5
+        yield b + "ssm_dt.bias", (nv,), T.F32, 0.5
+        yield b + "ssm_a", (nv,), T.F32, 0.0  # -exp(A_log): drawn apart (_write)
+        yield b + "ssm_beta.weight", (nv, E), q, w
+        yield b + "ssm_alpha.weight", (nv, E), q, w
+        yield b + "ssm_norm.weight", (d,), T.F32, -1.0
+        yield b + "ssm_out.weight", (E, nv * d), q, spec.attn_out_gain / np.sqrt(nv * d)
+    else:
+        yield b + "attn_q.weight", (2 * g.n_head * hd, E), q, w
+        yield b + "attn_k.weight", (g.n_head_kv * hd, E), q, w
+        yield b + "attn_v.weight", (g.n_head_kv * hd, E), q, w
+        yield b + "attn_output.weight", (E, g.n_head * hd), q, spec.attn_out_gain / np.sqrt(g.n_head * hd)
+        yield b + "attn_q_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
+        yield b + "attn_k_norm.weight", (hd,), T.F32, -spec.qk_norm_gain
+    yield b + "post_attention_norm.weight", (E,), T.F32, -1.0
+    F, X, Fs = g.n_ff_exp, g.n_expert, g.n_ff_shexp
+    yield b + "ffn_gate_inp.weight", (X, E), T.F32, spec.router_gain * w
+    yield b + "ffn_gate_exps.weight", (X, F, E), q, w
+    yield b + "ffn_up_exps.weight", (X, F, E), q, w
+    yield b + "ffn_down_exps.weight", (X, E, F), q, 1.0 / np.sqrt(F)
+    if Fs:
+        yield b + "ffn_gate_inp_shexp.weight", (E,), T.F32, w
+        yield b + "ffn_gate_shexp.weight", (Fs, E), q, w
+        yield b + "ffn_up_shexp.weight", (Fs, E), q, w
+        yield b + "ffn_down_shexp.weight", (E, Fs), q, 1.0 / np.sqrt(Fs)
 
 
 def typed_tensors(spec: SynthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], T, float]]:
@@ -366,6 +488,25 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
         w.add_expert_feed_forward_length(g.n_ff_exp)
+    if g.arch == "qwen35moe":
+        w.add_rope_dimension_count(g.n_rot)
+        pairs = g.n_rot // 2  # M-RoPE sections (time, height, width) as Qwen3.5's [11, 11, 10] of 32 pairs
+        w.add_rope_dimension_sections(
+            [
+                pairs - (pairs - pairs * 10 // 32) // 2 - pairs * 10 // 32,
+                (pairs - pairs * 10 // 32) // 2,
+                pairs * 10 // 32,
+                0,
+            ]
+        )
+        w.add_full_attention_interval(g.full_attn_interval)
+        w.add_ssm_conv_kernel(g.ssm_conv)
+        w.add_ssm_state_size(g.ssm_head_dim)
+        w.add_ssm_group_count(g.ssm_k_heads)
+        w.add_ssm_time_step_rank(g.ssm_v_heads)
+        w.add_ssm_inner_size(g.ssm_v_heads * g.ssm_head_dim)
+        if g.n_ff_shexp:
+            w.add_expert_shared_feed_forward_length(g.n_ff_shexp)
     tensors = typed_tensors(spec, n_vocab)
     if spec.recipe is not None:
         w.add_file_type(file_type(spec.recipe))
@@ -385,7 +526,9 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
         rng = np.random.default_rng(spec.seed)
         done = 0
         for _name, shape, qt, sigma in tensors:
-            if sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
+            if _name.endswith("ssm_a"):  # -exp(A_log), A_log uniform in [0, log 16) as Qwen3-Next initialises it
+                data = -np.exp(rng.uniform(0.0, np.log(16.0), shape)).astype(np.float32)
+            elif sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
                 data = (-sigma * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
             else:
                 data = random_weight(shape, qt, float(sigma), rng)

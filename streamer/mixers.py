@@ -1,0 +1,153 @@
+"""A layer's token mixers: what mixes information across positions, each owning its per-sequence state.
+
+- Attention: grouped-query attention with RoPE over K/V rows (qwen2, qwen3, qwen3moe);
+- GatedAttention: qwen35moe's full-attention layers (an output gate per head, RoPE on part of the head);
+- GatedDeltaNet: qwen35moe's linear-attention layers, a fixed-size recurrent state (kernels/recurrent.py).
+
+A mixer is called with the normed residual h (m, n_embd) of positions pos0.. and its state for this sequence,
+and returns what is added to the residual.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from streamer.config import ModelConfig
+from streamer.gguf_file import GGUFFile
+from streamer.kernels import QMatrix, decode, ops, recurrent
+from streamer.state import KVRows, Recurrent
+from streamer.weights import linear, qmatrix
+
+
+class Mixer(Protocol):
+    def new_state(self, n_ctx: int): ...
+
+    def matrices(self) -> list[QMatrix]: ...
+
+    def __call__(self, h: np.ndarray, state, pos0: int) -> np.ndarray: ...
+
+
+class Attention:
+    """Grouped-query attention with RoPE, the token mixer of qwen2/qwen3 layers: Qwen3 has per-head q/k RMSNorm,
+    Qwen2 q/k/v biases instead (None if absent). Its per-sequence state is one layer's K/V rows."""
+
+    def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin):
+        b = f"blk.{i}."
+
+        def opt(name):
+            return gf.view(b + name) if b + name in gf.tensors else None
+
+        self.cfg, self.cos, self.sin = cfg, cos, sin
+        self.scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        self.q_norm, self.k_norm = opt("attn_q_norm.weight"), opt("attn_k_norm.weight")
+        self.bq, self.bk, self.bv = opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias")
+        self.wq, self.wk, self.wv, self.wo = (qmatrix(gf, b + f"attn_{p}.weight") for p in ("q", "k", "v", "output"))
+
+    def new_state(self, n_ctx: int) -> KVRows:
+        return KVRows(self.cfg.n_head_kv, n_ctx, self.cfg.head_dim)
+
+    def matrices(self) -> list[QMatrix]:
+        return [self.wq, self.wk, self.wv, self.wo]
+
+    def __call__(self, h: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
+        cfg, m = self.cfg, h.shape[0]
+        q, k, v = linear(self.wq, h), linear(self.wk, h), linear(self.wv, h)
+        for out, bias in ((q, self.bq), (k, self.bk), (v, self.bv)):
+            if bias is not None:
+                out += bias
+        att = self._attend(q.reshape(m, cfg.n_head, cfg.head_dim), k, v, kv, pos0)
+        return linear(self.wo, att.reshape(m, -1))
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
+        """Norm and rotate q (m, n_head, head_dim) and k, store k and v, attend: (m, n_head, head_dim)."""
+        cfg, m = self.cfg, q.shape[0]
+        k = k.reshape(m, cfg.n_head_kv, cfg.head_dim)
+        v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
+        self.norm_rope(q, self.q_norm, pos0)
+        self.norm_rope(k, self.k_norm, pos0)
+        kv.store(pos0, k, v)
+        return ops.attention(q, kv.k, kv.v, pos0, self.scale, np.empty_like(q))
+
+    def norm_rope(self, x: np.ndarray, w, pos0: int) -> None:
+        if w is None:
+            ops.head_rope(x, self.cos, self.sin, pos0)
+        else:
+            ops.head_norm_rope(x, w, self.cfg.rms_eps, self.cos, self.sin, pos0)
+
+    def block_args(self, attn_norm, ffn_norm) -> tuple[tuple, tuple] | None:
+        """decode.attn_block's formats (fq, fk, fv, fo) and weights for this layer, with the norms around it
+        (None if a matrix is not block-quantized)."""
+        mats = [m.block for m in self.matrices()]
+        if None in mats:
+            return None
+        none = np.empty(0, np.float32)
+        none.flags.writeable = False  # the same array type as the file's views
+        bq, bk, bv, qn, kn = (none if a is None else a for a in (self.bq, self.bk, self.bv, self.q_norm, self.k_norm))
+        (fq, wq), (fk, wk), (fv, wv), (fo, wo) = mats
+        eps, cos, sin = self.cfg.rms_eps, self.cos, self.sin
+        w = decode.AttnWeights(attn_norm, ffn_norm, eps, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, self.scale, wo)
+        return (fq, fk, fv, fo), tuple(w)  # a plain tuple: numba types it on its fast path (kernels/decode.py)
+
+
+class GatedAttention(Attention):
+    """qwen35moe's full attention: attn_q yields, per head, the query then an output gate; the attention's output
+    is multiplied by sigmoid(gate) before attn_output. q/k RMSNorm per head; RoPE (NEOX) on the first
+    rope.dimension_count channels (the tables' width). No one-call decode block: the per-call path."""
+
+    def __call__(self, h: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
+        cfg, m = self.cfg, h.shape[0]
+        qg = linear(self.wq, h).reshape(m, cfg.n_head, 2, cfg.head_dim)
+        q = np.ascontiguousarray(qg[:, :, 0])
+        att = self._attend(q, linear(self.wk, h), linear(self.wv, h), kv, pos0).reshape(m, -1)
+        recurrent.sigmoid_gate(att, np.ascontiguousarray(qg[:, :, 1]).reshape(m, -1))
+        return linear(self.wo, att)
+
+    def block_args(self, attn_norm, ffn_norm) -> None:
+        return None
+
+
+class GatedDeltaNet:
+    """qwen35moe's linear attention: attn_qkv -> causal conv1d + SiLU -> q, k (ssm.group_count heads), v
+    (ssm.time_step_rank heads) -> the gated delta rule per value head -> RMSNorm(ssm_norm) * SiLU(attn_gate h)
+    -> ssm_out. Its state: the conv's last K-1 inputs and one (d, d) matrix per value head."""
+
+    def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig):
+        b = f"blk.{i}."
+        self.cfg = cfg
+        self.wqkv, self.wgate, self.wbeta, self.walpha, self.wout = (
+            qmatrix(gf, b + n)
+            for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_out.weight")
+        )
+        self.conv = gf.view(b + "ssm_conv1d.weight")
+        self.dt, self.a, self.norm = gf.view(b + "ssm_dt.bias"), gf.view(b + "ssm_a"), gf.view(b + "ssm_norm.weight")
+
+    def new_state(self, n_ctx: int) -> Recurrent:
+        c = self.cfg
+        d = c.ssm_head_dim
+        return Recurrent(conv=(c.ssm_conv - 1, c.ssm_conv_dim), ssm=(c.ssm_v_heads, d, d))
+
+    def matrices(self) -> list[QMatrix]:
+        return [self.wqkv, self.wgate, self.wbeta, self.walpha, self.wout]
+
+    def __call__(self, h: np.ndarray, st: Recurrent, pos0: int) -> np.ndarray:
+        c, m = self.cfg, h.shape[0]
+        qkv = linear(self.wqkv, h)
+        mixed = np.empty_like(qkv)
+        recurrent.conv_silu(qkv, self.conv, st.cur["conv"], st.new["conv"], mixed)
+        o = np.empty((m, c.ssm_v_heads * c.ssm_head_dim), np.float32)
+        beta, alpha = linear(self.wbeta, h), linear(self.walpha, h)
+        eps = np.float32(c.rms_eps)
+        recurrent.delta_rule(mixed, beta, alpha, self.dt, self.a, c.ssm_k_heads, eps, st.cur["ssm"], st.new["ssm"], o)
+        recurrent.gated_rmsnorm(o, linear(self.wgate, h), self.norm, c.rms_eps, o)
+        return linear(self.wout, o)
+
+
+def mixer(gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin) -> Mixer:
+    """Layer i's token mixer, by architecture and layer type."""
+    if cfg.is_recurrent(i):
+        return GatedDeltaNet(gf, i, cfg)
+    if cfg.arch == "qwen35moe":
+        return GatedAttention(gf, i, cfg, cos, sin)
+    return Attention(gf, i, cfg, cos, sin)

@@ -1,0 +1,149 @@
+"""qwen35moe (Qwen3.5 / Qwen3.6 MoE): gated attention and Gated DeltaNet layers with a shared expert. Logits
+against the float64 reference (tests/reference.py, after llama.cpp's graph), streamed == resident bit for bit,
+the recurrent state's rollback and saved points (an interrupted forward, a 2-turn chat, the server's prefix
+reuse), and one-line errors for what is not supported."""
+
+import numpy as np
+import pytest
+from reference import Reference
+
+from streamer.errors import StreamerError
+from streamer.experts.store import ExpertLayout
+from streamer.generate import Generator
+from streamer.options import StreamOptions
+from streamer.sampler import Sampler, SamplerParams
+from streamer.session import open_model
+from streamer.state import Recurrent
+
+PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64, 300, 7, 7, 380], dtype=np.int64)
+
+
+def cosines(a, b):
+    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def run(s, tokens=PROMPT, n_prefill=6):
+    """Prefill n_prefill tokens, then one at a time (decode): all-position logits."""
+    st = s.model.new_state()
+    out = [s.model.forward(tokens[:n_prefill], st, all_logits=True)]
+    out += [s.model.forward(tokens[i : i + 1], st, all_logits=True) for i in range(n_prefill, len(tokens))]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("qtype,recipe", [("Q8_0", None), ("Q8_0", "Q4_K_M"), ("BF16", None)])
+def test_tiny_qwen35moe_matches_float64_reference(synth_model, qtype, recipe):
+    path = synth_model("tiny-qwen35moe", qtype, recipe=recipe)
+    s = open_model(path, StreamOptions(stream=False, learn=False))
+    kinds = [type(L.mixer).__name__ for L in s.model.layers]
+    assert kinds == ["GatedDeltaNet", "GatedDeltaNet", "GatedDeltaNet", "GatedAttention"]
+    got = run(s)
+    want = Reference(str(path)).logits(PROMPT)
+    cos = cosines(got, want)
+    assert cos.min() >= 0.999, cos
+    assert (got.argmax(1) == want.argmax(1)).mean() >= (0.98 if recipe is None else 0.9)
+
+
+def test_the_linear_attention_matters(synth_model):
+    """Guards against a mixer silently skipped: zeroing the delta rule's output moves the logits far."""
+    path = synth_model("tiny-qwen35moe", "Q8_0")
+    s = open_model(path, StreamOptions(stream=False, learn=False))
+    want = Reference(str(path)).logits(PROMPT)
+    got = run(s)
+    for L in s.model.layers[:3]:
+        L.mixer.norm = np.zeros_like(L.mixer.norm)
+    off = run(s)
+    assert np.abs(off - want).max() > 20 * np.abs(got - want).max()
+
+
+def test_streamed_equals_resident_bit_for_bit(synth_model):
+    path = synth_model("tiny-qwen35moe", "Q8_0", recipe="Q4_K_M")
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
+    r = open_model(path, StreamOptions(stream=False, learn=False))
+    slot = ExpertLayout(r.gf, r.cfg).slot_bytes
+    for slots in (5, 24):
+        s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot))
+        assert s.moe.source.cache is not None  # streamed
+        np.testing.assert_array_equal(run(s), resident)
+
+
+def test_state_sizes_are_what_the_budget_charges(synth_model):
+    s = open_model(synth_model("tiny-qwen35moe", "Q8_0"), StreamOptions(stream=False, learn=False), n_ctx=256)
+    st = s.model.new_state()
+    recurrent = [x for x in st.layers if isinstance(x, Recurrent)]
+    assert len(recurrent) == 3 and len(st.layers) == 4
+    c = s.cfg
+    # one copy: conv window (K-1) x channels, plus per value head a d x d matrix, float32
+    assert c.recurrent_bytes == 3 * 4 * ((c.ssm_conv - 1) * (2 * 2 + 4) * 32 + 4 * 32 * 32)
+    assert st.nbytes == 256 * c.kv_bytes_per_token + 2 * c.recurrent_bytes  # committed + in progress
+    assert c.kv_bytes_per_token == 2 * 1 * 2 * 64 * 2  # one attention layer of 4
+
+
+def test_an_interrupted_forward_leaves_the_state_as_it_was(synth_model):
+    s = open_model(synth_model("tiny-qwen35moe", "Q8_0"), StreamOptions(stream=False, learn=False))
+    st = s.model.new_state()
+    s.model.forward(PROMPT[:5], st)
+    calls = []
+
+    def stop(layer, x):
+        calls.append(layer)
+        if layer == 2:  # two linear-attention layers have run and written their new state
+            raise KeyboardInterrupt
+
+    s.model.hooks.append(type("Hook", (), {"after_attention": staticmethod(stop)})())
+    with pytest.raises(KeyboardInterrupt):
+        s.model.forward(PROMPT[5:6], st)
+    s.model.hooks.pop()
+    assert calls == [0, 1, 2] and st.n == 5
+    got = s.model.forward(PROMPT[5:8], st, all_logits=True)
+    want = s.model.forward(PROMPT[:8], s.model.new_state(), all_logits=True)[5:]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_truncate_returns_only_to_saved_points(synth_model):
+    s = open_model(synth_model("tiny-qwen35moe", "Q8_0"), StreamOptions(stream=False, learn=False))
+    gen = Generator(s.model, s.model.new_state(), Sampler(SamplerParams(temperature=0.0)))
+    gen.feed(PROMPT[:6])  # saved at 0 and 6
+    gen.feed(PROMPT[6:10])  # saved at 6 and 10
+    st = gen.state
+    assert [st.restorable(n) for n in (0, 3, 6, 8, 10, 12)] == [0, 0, 6, 6, 10, 10]
+    with pytest.raises(StreamerError, match="cannot return to position 8"):
+        st.truncate(8)
+    st.truncate(6)  # back to the first prompt's end: the second prompt again gives the same logits
+    got = s.model.forward(PROMPT[6:10], st, all_logits=True)
+    want = s.model.forward(PROMPT[:10], s.model.new_state(), all_logits=True)[6:]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_two_turns_equal_one_long_prefill(synth_model):
+    """A chat's second turn continues the recurrent state: its logits are those of one prefill of both."""
+    s = open_model(synth_model("tiny-qwen35moe", "Q8_0"), StreamOptions(stream=False, learn=False))
+    gen = Generator(s.model, s.model.new_state(), Sampler(SamplerParams(temperature=0.0)))
+    first = list(gen.generate(PROMPT[:6], 4))
+    turn2 = gen.feed(PROMPT[6:12])
+    hist = gen.history
+    assert hist[6:10] == first[:3] + [first[3]] or len(hist) == 6 + 4 + 6
+    want = s.model.forward(np.asarray(hist), s.model.new_state())
+    np.testing.assert_allclose(turn2, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_merged_gate_up_experts_are_one_clear_error(synth_model, tmp_path):
+    import gguf
+
+    src = synth_model("tiny-qwen35moe", "Q8_0")
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen35moe")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(
+            f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        )
+    for t in r.tensors:
+        name = t.name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+        w.add_tensor(name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(StreamerError, match="merged expert tensors .* not supported"):
+        open_model(tmp_path / "m.gguf", StreamOptions(stream=False))
