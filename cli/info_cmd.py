@@ -43,6 +43,7 @@ def inspect(
         "expert_bytes_per_layer_expert": expert // max(cfg.n_layer * cfg.n_expert, 1),
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
         "kv_bytes_at_ctx": cfg.kv_bytes_per_token * n_ctx,
+        "recurrent_state_bytes": cfg.recurrent_bytes,
         "ctx": n_ctx,
         "tokenizer": {
             k: gf.scalar(f"tokenizer.ggml.{k}", kind)
@@ -63,8 +64,16 @@ def inspect(
         f"arch      {c.arch}: {c.n_layer} layers, hidden {c.n_embd}, heads {c.n_head}/{c.n_head_kv} "
         f"(head_dim {c.head_dim}), vocab {c.n_vocab}, {'tied' if c.tied else 'untied'} head"
     )
+    if c.full_attn_interval:
+        n_lin = c.n_layer - c.n_attn_layers
+        print(
+            f"mixers    {c.n_attn_layers} gated attention (RoPE on {c.n_rot} of {c.head_dim} channels), {n_lin} Gated "
+            f"DeltaNet ({c.ssm_k_heads}/{c.ssm_v_heads} heads of {c.ssm_head_dim}, conv {c.ssm_conv})"
+            + (f"; {c.n_nextn} MTP block(s) not run" if c.n_nextn else "")
+        )
     if c.is_moe:
-        print(f"experts   {c.n_expert} per layer, {c.n_expert_used} used, expert ff {c.n_ff_exp}")
+        shared = f", shared expert ff {c.n_ff_shexp}" if c.n_ff_shexp else ""
+        print(f"experts   {c.n_expert} per layer, {c.n_expert_used} used, expert ff {c.n_ff_exp}{shared}")
     else:
         print(f"ffn       {c.n_ff}")
     print(f"rope      theta {c.rope_theta:g}, context {c.n_ctx_train}, rms eps {c.rms_eps:g}")
@@ -74,6 +83,8 @@ def inspect(
     if c.is_moe:
         print(f"experts   {human(expert)} ({human(info['expert_bytes_per_layer_expert'])} per expert per layer)")
     print(f"kv cache  {human(c.kv_bytes_per_token)} per token, {human(info['kv_bytes_at_ctx'])} at -c {n_ctx}")
+    if c.recurrent_bytes:
+        print(f"recurrent {human(c.recurrent_bytes)} of state (conv windows and delta-rule matrices)")
     tk = info["tokenizer"]
     print(
         f"tokenizer {tk['model']}/{tk['pre']}, {info['n_vocab_tokens']} tokens, bos {tk['bos_token_id']}, "

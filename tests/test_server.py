@@ -644,3 +644,22 @@ def test_a_dense_model_serves_the_same_tokens_as_generator(synth_model):
             assert "streamrun_expert_hits_total" not in c.get("/metrics").text  # nothing to stream
     finally:
         srv.stop()
+
+
+def test_a_hybrid_model_reuses_only_saved_prefixes_and_answers_as_fresh(synth_model):
+    """qwen35moe's recurrent state returns only to saved points (a prompt's end): a request that extends the
+    last prompt reuses it; one that shares part of it prefills again. Each answer equals a fresh run's."""
+    path = synth_model("tiny-qwen35moe", "Q8_0")
+    first, extended, partial = [5, 40, 41, 7, 300, 12, 9], [5, 40, 41, 7, 300, 12, 9, 77, 78], [5, 40, 41, 99]
+    with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=N_CTX) as ref:
+        want = {tuple(p): ref.tokenizer.decode(greedy(ref, p, 6)) for p in (first, extended, partial)}
+    srv = Running(open_model(path, StreamOptions(learn=False), n_ctx=N_CTX))
+    try:
+        srv.wait_loaded()
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for prompt, cached in ((first, 0), (extended, len(first)), (partial, 0)):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+                assert r["choices"][0]["text"] == want[tuple(prompt)]
+                assert r["timings"]["cache_n"] == cached, prompt
+    finally:
+        srv.stop()
