@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from streamer import timing
-from streamer.budget import resolve as resolve_budget, scratch_bytes, split_at
+from streamer.budget import resolve as resolve_budget, roomy, scratch_bytes, split_at, split_budget
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
@@ -270,6 +270,16 @@ def early_plan(
     return forward_order(gf, [(t.offset, t.nbytes) for t in tensors]), whole
 
 
+def moe_fits_resident(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> bool:
+    """Whether the budget plan keeps every expert of the file in place at this budget."""
+    layout = ExpertLayout(gf, cfg)
+    kv = cfg.state_bytes(cfg.context(n_ctx))
+    try:
+        return split_budget(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv).fits_resident
+    except StreamerError:  # too small to run at all
+        return False
+
+
 def start_early_pagein(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, started=None
 ) -> PageIn | None:
@@ -367,6 +377,8 @@ def open_model(
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     budget = resolve_budget(options.ram_budget)  # once: every check below uses this figure
+    if options.ram_budget is None and cfg.is_moe and options.stream and options.expert_cache_bytes is None:
+        budget = roomy(budget, lambda b: moe_fits_resident(gf, cfg, n_ctx, b))
     if options.mmap:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
     else:
@@ -418,6 +430,7 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
                 only = ("experts", "decode", "decode-moe", "expert-int8", "expert-lanes") + tiles
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
+            only += ("recurrent",) if cfg.full_attn_interval else ()
             combos = decode_formats(model, moe)
             # a second compiling process: only when there is something to compile, and it needs memory of its
             # own, so not under a budget the user set

@@ -28,7 +28,7 @@ import numba
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGMLQuantizationType as T
 
-from streamer.kernels import blocks, decode, experts, grouped, int8, lanes, ops, routing
+from streamer.kernels import blocks, decode, experts, grouped, int8, lanes, ops, recurrent, routing
 from streamer.kernels.dispatch import INT8, SUPPORTED, QMatrix
 from streamer.kernels.gemm import TILE
 from streamer.kernels.specialise import FormatKernel, Specialised
@@ -89,6 +89,23 @@ def _run_ops() -> None:
         ops.store_kv(kv, kv, kc, kc, 0)
         ops.swiglu(x, x, x)
         ops.swiglu_rows(x, x, x)
+
+
+def _run_recurrent() -> None:
+    """A hybrid model's linear-attention kernels (kernels/recurrent.py) with the argument types Gated DeltaNet
+    passes: weights as read-only views of the mapping, state and activations as writable float32."""
+    n_embd, d, n_k, n_v, K = 64, 16, 1, 2, 4
+    C = (2 * n_k + n_v) * d
+    conv = np.zeros((K - 1, C), np.float32)
+    S = np.zeros((n_v, d, d), np.float32)
+    for m in (2, 1):
+        x = np.zeros((m, C), np.float32)
+        recurrent.conv_silu(x, _readonly(np.zeros((C, K), np.float32)), conv, conv.copy(), np.empty_like(x))
+        o, ba = np.zeros((m, n_v * d), np.float32), np.zeros((m, n_v), np.float32)
+        vec = _readonly(np.zeros(n_v, np.float32))
+        recurrent.delta_rule(x, ba, ba, vec, vec, n_k, np.float32(1e-6), S, S.copy(), o)
+        recurrent.gated_rmsnorm(o, o, _readonly(np.ones(d, np.float32)), 1e-6, o)
+        recurrent.sigmoid_gate(np.zeros((m, n_embd), np.float32), np.zeros((m, n_embd), np.float32))
 
 
 def _formats(qtypes) -> list:
@@ -308,6 +325,11 @@ def groups(qtypes=None, decode_combos=None) -> list[Group]:
             (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows, ops.store_kv),
             _run_ops,
         ),
+        Group(  # a hybrid model's linear attention and gated attention
+            "recurrent",
+            (recurrent.conv_silu, recurrent.delta_rule, recurrent.gated_rmsnorm, recurrent.sigmoid_gate),
+            _run_recurrent,
+        ),
         Group(
             "experts",
             (
@@ -446,6 +468,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     else:
         names = ("ops",) + (("decode",) if model.decodes_in_blocks else ())
         names += ("decode-ffn",) if model.ffn_decodes_in_blocks else ()
+    names += ("recurrent",) if model.cfg.full_attn_interval else ()
     for g in groups():
         if g.name in names:
             for d in g.kernels:  # the expert kernels for the experts' formats; the decode blocks' tuples are above

@@ -218,3 +218,25 @@ def test_pages_a_pagein_mapped_are_not_counted_twice(streaming_moe, monkeypatch)
     none, some, more = (split_budget(*args, paged_in=lambda n=n: n * MiB) for n in (0, 200, 400))
     assert (none.baseline, some.baseline, more.baseline) == (500 * MiB, 300 * MiB, 200 * MiB)
     assert some.expert_cache - none.expert_cache == 200 * MiB and some.nonexpert == none.nonexpert
+
+
+def test_without_a_budget_a_model_that_fits_whole_runs_in_place(streaming_moe, monkeypatch):
+    """No --ram-budget: when every expert fits in ROOMY_FRACTION of available memory (but not in
+    DEFAULT_FRACTION), the model runs in place (as llama.cpp's mmap); when it does not, it streams."""
+    import streamer.budget as budget
+    from streamer.gguf_file import GGUFFile
+    from streamer.session import ModelConfig, moe_fits_resident, open_model
+
+    gf = GGUFFile(streaming_moe)
+    cfg = ModelConfig.from_gguf(gf)
+    lo, hi = 2**20, 64 * 2**30  # the smallest budget that keeps every expert in place
+    while hi - lo > 2**20:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if moe_fits_resident(gf, cfg, 64, mid) else (mid, hi)
+    monkeypatch.setattr(budget, "available_memory", lambda: int(hi / 0.98))  # 0.95 of it is short of hi
+    default = budget.resolve(None)
+    assert budget.roomy(default, lambda b: moe_fits_resident(gf, cfg, 64, b)) == default
+    monkeypatch.setattr(budget, "available_memory", lambda: int(hi / 0.9))  # fits at 0.95, not at 0.8
+    assert not moe_fits_resident(gf, cfg, 64, budget.resolve(None))
+    with open_model(streaming_moe, StreamOptions(learn=False), n_ctx=64) as s:
+        assert not s.moe.source.streams

@@ -203,6 +203,7 @@ def test_warmup_compiles_every_kernel_a_run_uses(synth_model, tmp_path):
         (str(moe), {"expert_cache_bytes": 1 << 20}),
         (str(moe), {"stream": False}),
         (str(synth_model("tiny-moe", "Q8_0")), {"expert_cache_bytes": 1 << 20}),
+        (str(synth_model("tiny-qwen35moe", "Q8_0")), {"expert_cache_bytes": 1 << 20}),
     ]
     p = subprocess.run(
         [sys.executable, "-c", WARMUP_SCRIPT, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=900

@@ -62,7 +62,7 @@ def test_streamed_equals_resident_bit_for_bit(synth_model):
     slot = ExpertLayout(r.gf, r.cfg).slot_bytes
     for slots in (5, 24):
         s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot))
-        assert s.moe.source.cache is not None  # streamed
+        assert s.moe.source.streams
         np.testing.assert_array_equal(run(s), resident)
 
 
@@ -147,3 +147,20 @@ def test_merged_gate_up_experts_are_one_clear_error(synth_model, tmp_path):
     w.close()
     with pytest.raises(StreamerError, match="merged expert tensors .* not supported"):
         open_model(tmp_path / "m.gguf", StreamOptions(stream=False))
+
+
+def test_a_padded_vocabulary_keeps_the_tokenizer(tmp_path):
+    """synth's n_vocab (Qwen3.5's 248,320 rows over a smaller tokenizer) adds unused tokens only."""
+    from dataclasses import replace
+
+    from streamer.synth.writer import spec_for, write_model
+
+    spec = spec_for("tiny-qwen35moe", "Q8_0", real_vocab=False)
+    plain = write_model(tmp_path / "a.gguf", spec)
+    padded = write_model(tmp_path / "b.gguf", replace(spec, geometry=replace(spec.geometry, n_vocab=1024)))
+    a = open_model(plain, StreamOptions(stream=False, learn=False))
+    b = open_model(padded, StreamOptions(stream=False, learn=False))
+    assert (a.cfg.n_vocab, b.cfg.n_vocab) == (381, 1024)
+    text = "def f(x):\n    return x + 1  # é"
+    assert b.tokenizer.encode_raw(text) == a.tokenizer.encode_raw(text)
+    assert b.tokenizer.decode([400, 1000]) == ""  # unused tokens render nothing, as llama.cpp's

