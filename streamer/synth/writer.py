@@ -50,6 +50,16 @@ class Geometry:
     n_vocab: int = 0  # pad the vocabulary to this many tokens (0: the tokenizer's own size)
 
 
+def qwen35(n_layer, n_embd, n_head, n_expert, n_used, n_ff_exp, v_heads, head_dim=256, k_heads=16, **kw) -> Geometry:
+    """A Qwen3.5 MoE geometry (published configs): 2 KV heads, a shared expert as wide as a routed one, RoPE on
+    64 channels, 16 key heads of 128 in the linear attention, a 248,320-token vocabulary (unless overridden)."""
+    kw = {"n_ctx": 262144, "n_rot": 64, "ssm_head_dim": 128, "n_vocab": 248320, **kw}
+    return Geometry(
+        "qwen35moe", n_layer, n_embd, n_head, 2, head_dim, n_ff_exp, n_expert, n_used, n_ff_exp,
+        ssm_k_heads=k_heads, ssm_v_heads=v_heads, n_ff_shexp=n_ff_exp, **kw,
+    )  # fmt: skip
+
+
 PRESETS = {
     "tiny": Geometry("qwen3", 2, 256, 4, 2, 64, 512, n_ctx=2048),
     "tiny-moe": Geometry("qwen3moe", 4, 256, 4, 2, 64, 768, 16, 4, 256, n_ctx=2048),
@@ -58,82 +68,12 @@ PRESETS = {
     "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
     "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),
     "tiny-qwen2": Geometry("qwen2", 2, 256, 4, 2, 64, 512, n_ctx=2048),
-    "tiny-qwen35moe": Geometry(
-        "qwen35moe",
-        4,
-        256,
-        4,
-        2,
-        64,
-        128,
-        16,
-        4,
-        128,
-        n_ctx=2048,
-        n_rot=16,
-        ssm_head_dim=32,
-        ssm_k_heads=2,
-        ssm_v_heads=4,
-        n_ff_shexp=128,
+    "tiny-qwen35moe": qwen35(
+        4, 256, 4, 16, 4, 128, 4, head_dim=64, k_heads=2, n_ctx=2048, n_rot=16, ssm_head_dim=32, n_vocab=0
     ),
-    "qwen3.5-35b-a3b": Geometry(
-        "qwen35moe",
-        40,
-        2048,
-        16,
-        2,
-        256,
-        512,
-        256,
-        8,
-        512,
-        n_ctx=262144,
-        n_rot=64,
-        ssm_head_dim=128,
-        ssm_k_heads=16,
-        ssm_v_heads=32,
-        n_ff_shexp=512,
-        n_vocab=248320,
-    ),
-    "qwen3.5-122b-a10b": Geometry(
-        "qwen35moe",
-        48,
-        3072,
-        32,
-        2,
-        256,
-        1024,
-        256,
-        8,
-        1024,
-        n_ctx=262144,
-        n_rot=64,
-        ssm_head_dim=128,
-        ssm_k_heads=16,
-        ssm_v_heads=64,
-        n_ff_shexp=1024,
-        n_vocab=248320,
-    ),
-    "qwen3.5-397b-a17b": Geometry(
-        "qwen35moe",
-        60,
-        4096,
-        32,
-        2,
-        256,
-        1024,
-        512,
-        10,
-        1024,
-        n_ctx=262144,
-        n_rot=64,
-        ssm_head_dim=128,
-        ssm_k_heads=16,
-        ssm_v_heads=64,
-        n_ff_shexp=1024,
-        n_vocab=248320,
-    ),
-    "qwen2.5-coder-7b": Geometry("qwen2", 28, 3584, 28, 4, 128, 18944, n_ctx=32768),
+    "qwen3.5-35b-a3b": qwen35(40, 2048, 16, 256, 8, 512, 32),
+    "qwen3.5-122b-a10b": qwen35(48, 3072, 32, 256, 8, 1024, 64),
+    "qwen3.5-397b-a17b": qwen35(60, 4096, 32, 512, 10, 1024, 64),
 }
 
 
