@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Teacher-forced logits of tiny hybrid files (qwen35moe) from stream-run and llama.cpp, each against the float64
+"""Teacher-forced logits of tiny hybrid files (qwen35moe, qwen3next) from stream-run and llama.cpp, each against the float64
 reference (tests/reference.py): cosine and top-1 agreement per file, single and split.
 
     python bench/hybrid_parity.py --llama-python /path/to/llama-venv/bin/python [--tokens 64] [--out DIR]
@@ -31,6 +31,9 @@ FILES = [  # (label, preset, qtype, recipe, split)
     ("Q4_K_M", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False),
     ("Q8_0 split", "tiny-qwen35moe", "Q8_0", None, True),
     ("Q4_K_M split", "tiny-qwen35moe", "Q8_0", "Q4_K_M", True),
+    ("qwen3next Q8_0", "tiny-qwen3next", "Q8_0", None, False),
+    ("qwen3next Q4_K_M", "tiny-qwen3next", "Q8_0", "Q4_K_M", False),
+    ("qwen3next Q8_0 split", "tiny-qwen3next", "Q8_0", None, True),
 ]
 
 
@@ -59,7 +62,7 @@ def main() -> None:
         ids = np.random.default_rng(1).integers(0, s.cfg.n_vocab, a.tokens)
         ours = s.model.forward(ids, s.model.new_state(), all_logits=True)[:-1]
         want = Reference(path).logits(ids)[:-1] if not split else None
-        if split:  # the reference reads one file: compare with the single file's reference (same weights)
+        if split:  # the reference reads one file: the single file's (written first, the same weights)
             want = Reference(str(out / f"{name.replace('-split', '')}.gguf")).logits(ids)[:-1]
         np.save(out / "w.npy", ids[None].astype(np.int64))
         cmd = [a.llama_python, str(ROOT / "bench/llama_logits.py"), path, "--windows", str(out / "w.npy")]

@@ -17,7 +17,7 @@ Preset = Annotated[
     typer.Option(
         "--preset",
         help="tiny, tiny-moe, demo, qwen3-0.6b, qwen3-30b-a3b, qwen3-235b-a22b, tiny-qwen2, qwen2.5-coder-7b, "
-        "tiny-qwen35moe, qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b.",
+        "tiny-qwen35moe, qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b, tiny-qwen3next, qwen3-next-80b-a3b.",
     ),
 ]
 

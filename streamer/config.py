@@ -15,8 +15,9 @@ from streamer.gguf_file import GGUFFile
 from streamer.io import human
 from streamer.state import SAVED_MAX
 
-ARCHS = ("qwen3", "qwen3moe", "qwen2", "qwen35moe")
-MOE_ARCHS = ("qwen3moe", "qwen35moe")
+ARCHS = ("qwen3", "qwen3moe", "qwen2", "qwen35moe", "qwen3next")
+MOE_ARCHS = ("qwen3moe", "qwen35moe", "qwen3next")
+HYBRID_ARCHS = ("qwen35moe", "qwen3next")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
-    # hybrid (qwen35moe): every full_attn_interval-th layer is gated attention with RoPE on its first n_rot
+    # hybrid (qwen35moe, qwen3next): every full_attn_interval-th layer is gated attention with RoPE on its first n_rot
     # channels, the others Gated DeltaNet (linear attention); a shared expert beside the routed ones
     n_rot: int = 0  # 0: the whole head
     full_attn_interval: int = 0  # 0: every layer is attention
@@ -54,7 +55,7 @@ class ModelConfig:
     @property
     def ffn_norm(self) -> str:
         """The name of each layer's norm before its FFN."""
-        return "post_attention_norm" if self.arch == "qwen35moe" else "ffn_norm"
+        return "post_attention_norm" if self.arch in HYBRID_ARCHS else "ffn_norm"
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether the layer's token mixer is linear attention (a recurrent state) rather than attention."""
@@ -131,7 +132,7 @@ class ModelConfig:
             raise StreamerError(f"{gf.path}: missing tensor 'token_embd.weight'")
         n_vocab = gf.tensors["token_embd.weight"].shape[0]
         moe = arch in MOE_ARCHS
-        hybrid = arch == "qwen35moe"
+        hybrid = arch in HYBRID_ARCHS
         S = Keys.SSM
         head_dim = key(A.KEY_LENGTH, n_embd // max(n_head, 1))
         n_nextn = key(L.NEXTN_PREDICT_LAYERS, 0) if hybrid else 0
@@ -192,7 +193,7 @@ class ModelConfig:
             bad.append("expert_count/expert_used_count/expert_feed_forward_length")
         if not moe and self.n_ff <= 0:
             bad.append("feed_forward_length")
-        if self.arch == "qwen35moe":
+        if self.arch in HYBRID_ARCHS:
             if not (0 < self.n_rot <= self.head_dim and self.n_rot % 2 == 0):
                 bad.append(f"rope.dimension_count {self.n_rot} (must be even, at most the head width)")
             if self.full_attn_interval < 1:
@@ -212,7 +213,7 @@ class ModelConfig:
             s["output.weight"] = (self.n_vocab, E)
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            if self.arch == "qwen35moe":
+            if self.arch in HYBRID_ARCHS:
                 s.update(self._hybrid_shapes(i))
                 continue
             s.update(
@@ -256,7 +257,9 @@ class ModelConfig:
         return s
 
     def _hybrid_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        """One qwen35moe layer: gated attention or Gated DeltaNet, then routed experts and a shared expert."""
+        """One hybrid layer: gated attention or Gated DeltaNet, then routed experts and a shared expert. qwen3next
+        files project the linear attention's q, k, v and z in one matrix (ssm_in, grouped by key head) and its
+        beta and alpha in another (ssm_ba); qwen35moe's in four."""
         E, hd, b = self.n_embd, self.head_dim, f"blk.{i}."
         X, F, Fs = self.n_expert, self.n_ff_exp, self.n_ff_shexp
         s = {b + "attn_norm.weight": (E,), b + "post_attention_norm.weight": (E,)}
@@ -264,17 +267,21 @@ class ModelConfig:
             d, nv = self.ssm_head_dim, self.ssm_v_heads
             s.update(
                 {
-                    b + "attn_qkv.weight": (self.ssm_conv_dim, E),
-                    b + "attn_gate.weight": (nv * d, E),
                     b + "ssm_conv1d.weight": (self.ssm_conv_dim, self.ssm_conv),
                     b + "ssm_dt.bias": (nv,),
                     b + "ssm_a": (nv,),
-                    b + "ssm_beta.weight": (nv, E),
-                    b + "ssm_alpha.weight": (nv, E),
                     b + "ssm_norm.weight": (d,),
                     b + "ssm_out.weight": (E, nv * d),
                 }
             )
+            if self.arch == "qwen3next":
+                s[b + "ssm_in.weight"] = (self.ssm_conv_dim + nv * d, E)
+                s[b + "ssm_ba.weight"] = (2 * nv, E)
+            else:
+                s[b + "attn_qkv.weight"] = (self.ssm_conv_dim, E)
+                s[b + "attn_gate.weight"] = (nv * d, E)
+                s[b + "ssm_beta.weight"] = (nv, E)
+                s[b + "ssm_alpha.weight"] = (nv, E)
         else:
             s.update(
                 {

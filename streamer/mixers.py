@@ -1,8 +1,8 @@
 """A layer's token mixers: what mixes information across positions, each owning its per-sequence state.
 
 - Attention: grouped-query attention with RoPE over K/V rows (qwen2, qwen3, qwen3moe);
-- GatedAttention: qwen35moe's full-attention layers (an output gate per head, RoPE on part of the head);
-- GatedDeltaNet: qwen35moe's linear-attention layers, a fixed-size recurrent state (kernels/recurrent.py).
+- GatedAttention: the hybrids' full-attention layers (an output gate per head, RoPE on part of the head);
+- GatedDeltaNet: the hybrids' linear-attention layers, a fixed-size recurrent state (kernels/recurrent.py).
 
 A mixer is called with the normed residual h (m, n_embd) of positions pos0.. and its state for this sequence,
 and returns what is added to the residual.
@@ -92,7 +92,7 @@ class Attention:
 
 
 class GatedAttention(Attention):
-    """qwen35moe's full attention: attn_q yields, per head, the query then an output gate; the attention's output
+    """The hybrids' full attention (qwen35moe, qwen3next): attn_q yields, per head, the query then an output gate; the attention's output
     is multiplied by sigmoid(gate) before attn_output. q/k RMSNorm per head; RoPE (NEOX) on the first
     rope.dimension_count channels (the tables' width). No one-call decode block: the per-call path."""
 
@@ -109,17 +109,19 @@ class GatedAttention(Attention):
 
 
 class GatedDeltaNet:
-    """qwen35moe's linear attention: attn_qkv -> causal conv1d + SiLU -> q, k (ssm.group_count heads), v
-    (ssm.time_step_rank heads) -> the gated delta rule per value head -> RMSNorm(ssm_norm) * SiLU(attn_gate h)
-    -> ssm_out. Its state: the conv's last K-1 inputs and one (d, d) matrix per value head."""
+    """Linear attention (qwen35moe, qwen3next): q, k, v projected -> causal conv1d + SiLU -> q, k (ssm.group_count
+    heads), v (ssm.time_step_rank heads) -> the gated delta rule per value head -> RMSNorm(ssm_norm) * SiLU(z)
+    -> ssm_out. qwen35moe projects with attn_qkv, attn_gate (z), ssm_beta and ssm_alpha; qwen3next with ssm_in
+    (per key head: its q, k, then the v and z of its value heads) and ssm_ba (per key head: the betas, then the
+    alphas of its value heads). Its state: the conv's last K-1 inputs and one (d, d) matrix per value head."""
 
     def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig):
         b = f"blk.{i}."
         self.cfg = cfg
-        self.wqkv, self.wgate, self.wbeta, self.walpha, self.wout = (
-            qmatrix(gf, b + n)
-            for n in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_out.weight")
-        )
+        self.grouped = cfg.arch == "qwen3next"
+        names = ("ssm_in", "ssm_ba") if self.grouped else ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
+        self.w_in = [qmatrix(gf, f"{b}{n}.weight") for n in names]
+        self.wout = qmatrix(gf, b + "ssm_out.weight")
         self.conv = gf.view(b + "ssm_conv1d.weight")
         self.dt, self.a, self.norm = gf.view(b + "ssm_dt.bias"), gf.view(b + "ssm_a"), gf.view(b + "ssm_norm.weight")
 
@@ -129,18 +131,36 @@ class GatedDeltaNet:
         return Recurrent(conv=(c.ssm_conv - 1, c.ssm_conv_dim), ssm=(c.ssm_v_heads, d, d))
 
     def matrices(self) -> list[QMatrix]:
-        return [self.wqkv, self.wgate, self.wbeta, self.walpha, self.wout]
+        return self.w_in + [self.wout]
+
+    def _project(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(qkv (m, conv channels), z (m, n_v d), beta (m, n_v), alpha (m, n_v)), contiguous."""
+        if not self.grouped:
+            return tuple(linear(w, h) for w in self.w_in)
+        c, m = self.cfg, h.shape[0]
+        nk, d, r = c.ssm_k_heads, c.ssm_head_dim, c.ssm_v_heads // c.ssm_k_heads
+        qkvz = linear(self.w_in[0], h).reshape(m, nk, 2 * d + 2 * r * d)
+        parts = (qkvz[:, :, :d], qkvz[:, :, d : 2 * d], qkvz[:, :, 2 * d : 2 * d + r * d])
+        qkv = np.concatenate([p.reshape(m, -1) for p in parts], axis=1)
+        ba = linear(self.w_in[1], h).reshape(m, nk, 2, r)
+        z = np.ascontiguousarray(qkvz[:, :, 2 * d + r * d :]).reshape(m, -1)
+        return (
+            qkv,
+            z,
+            np.ascontiguousarray(ba[:, :, 0]).reshape(m, -1),
+            np.ascontiguousarray(ba[:, :, 1]).reshape(m, -1),
+        )
 
     def __call__(self, h: np.ndarray, st: Recurrent, pos0: int) -> np.ndarray:
         c, m = self.cfg, h.shape[0]
-        qkv = linear(self.wqkv, h)
+        qkv, z, beta, alpha = self._project(h)
         mixed = np.empty_like(qkv)
         recurrent.conv_silu(qkv, self.conv, st.cur["conv"], st.new["conv"], mixed)
         o = np.empty((m, c.ssm_v_heads * c.ssm_head_dim), np.float32)
-        beta, alpha = linear(self.wbeta, h), linear(self.walpha, h)
-        eps = np.float32(c.rms_eps)
-        recurrent.delta_rule(mixed, beta, alpha, self.dt, self.a, c.ssm_k_heads, eps, st.cur["ssm"], st.new["ssm"], o)
-        recurrent.gated_rmsnorm(o, linear(self.wgate, h), self.norm, c.rms_eps, o)
+        group = c.ssm_v_heads // c.ssm_k_heads if self.grouped else 0
+        args = (c.ssm_k_heads, group, np.float32(c.rms_eps), st.cur["ssm"], st.new["ssm"], o)
+        recurrent.delta_rule(mixed, beta, alpha, self.dt, self.a, *args)
+        recurrent.gated_rmsnorm(o, z, self.norm, c.rms_eps, o)
         return linear(self.wout, o)
 
 
@@ -148,6 +168,6 @@ def mixer(gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin) -> Mixer:
     """Layer i's token mixer, by architecture and layer type."""
     if cfg.is_recurrent(i):
         return GatedDeltaNet(gf, i, cfg)
-    if cfg.arch == "qwen35moe":
+    if cfg.full_attn_interval:
         return GatedAttention(gf, i, cfg, cos, sin)
     return Attention(gf, i, cfg, cos, sin)

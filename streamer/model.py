@@ -55,7 +55,7 @@ class DenseFFN:
 
 class WithSharedExpert:
     """A MoE FFN plus a shared expert that every token uses, weighted by sigmoid(ffn_gate_inp_shexp . h)
-    (qwen35moe). The shared expert's weights are used in place; the routed FFN keeps its own decode path."""
+    (qwen35moe, qwen3next). The shared expert's weights are used in place; the routed FFN keeps its own decode path."""
 
     def __init__(self, routed: FFN, gf: GGUFFile, n_layer: int):
         self.routed = routed
@@ -137,7 +137,7 @@ class Model:
         (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
         cfg = self.cfg
         attn = [getattr(L.mixer, "block_args", lambda *_: None)(L.attn_norm, L.ffn_norm) for L in self.layers]
-        if all(a is None for a in attn) or (None in attn and cfg.arch != "qwen35moe"):
+        if all(a is None for a in attn) or (None in attn and not cfg.full_attn_interval):
             return None  # one float matrix: the per-call path for every layer (a hybrid's other mixers: per layer)
         nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         qkv, att = np.empty((nq + 2 * nkv) * hd, np.float32), np.empty((1, nq, hd), np.float32)

@@ -103,7 +103,7 @@ def _run_recurrent() -> None:
         recurrent.conv_silu(x, _readonly(np.zeros((C, K), np.float32)), conv, conv.copy(), np.empty_like(x))
         o, ba = np.zeros((m, n_v * d), np.float32), np.zeros((m, n_v), np.float32)
         vec = _readonly(np.zeros(n_v, np.float32))
-        recurrent.delta_rule(x, ba, ba, vec, vec, n_k, np.float32(1e-6), S, S.copy(), o)
+        recurrent.delta_rule(x, ba, ba, vec, vec, n_k, 0, np.float32(1e-6), S, S.copy(), o)
         recurrent.gated_rmsnorm(o, o, _readonly(np.ones(d, np.float32)), 1e-6, o)
         recurrent.sigmoid_gate(np.zeros((m, n_embd), np.float32), np.zeros((m, n_embd), np.float32))
 

@@ -1,5 +1,6 @@
 """The model oracle: a plain float64 numpy forward of Qwen3 / Qwen3-MoE / Qwen2 (q/k/v biases, no q/k norm) /
-Qwen3.5-MoE (gated attention and Gated DeltaNet layers, a shared expert, after llama.cpp's qwen35moe graph)
+Qwen3.5-MoE / Qwen3-Next (gated attention and Gated DeltaNet layers, a shared expert, after llama.cpp's qwen35moe
+and qwen3next graphs)
 over weights dequantized by gguf-py, read with gguf.GGUFReader (not our parser). No cache, no streaming, no
 kernels. Slow and obvious on purpose."""
 
@@ -57,23 +58,35 @@ class Reference:
         K, nv = conv_w.shape[1], len(W[b + "ssm_a"])
         d = len(W[b + "ssm_norm.weight"])
         nk = self.ssm_k
-        x = h @ W[b + "attn_qkv.weight"].T
+        r = nv // nk
+        if b + "ssm_in.weight" in W:  # qwen3next: per key head, its q, k, then its value heads' v and z
+            qkvz = (h @ W[b + "ssm_in.weight"].T).reshape(n, nk, 2 * d + 2 * r * d)
+            x = np.concatenate([qkvz[:, :, j * d : (j + 1) * d].reshape(n, -1) for j in range(2)]
+                               + [qkvz[:, :, 2 * d : 2 * d + r * d].reshape(n, -1)], axis=1)  # fmt: skip
+            z = qkvz[:, :, 2 * d + r * d :].reshape(n, nv, d)
+            ba = (h @ W[b + "ssm_ba.weight"].T).reshape(n, nk, 2, r)  # per key head: its betas, then its alphas
+            b_in, a_in = ba[:, :, 0].reshape(n, nv), ba[:, :, 1].reshape(n, nv)
+            key_head = [hh // r for hh in range(nv)]  # repeat-interleave: key head kh serves value heads kh*r..
+        else:
+            x = h @ W[b + "attn_qkv.weight"].T
+            z = (h @ W[b + "attn_gate.weight"].T).reshape(n, nv, d)
+            b_in, a_in = h @ W[b + "ssm_beta.weight"].T, h @ W[b + "ssm_alpha.weight"].T
+            key_head = [hh % nk for hh in range(nv)]  # ggml_repeat tiles the key heads
         xp = np.concatenate([np.zeros((K - 1, x.shape[1])), x])
         x = self.silu(np.stack([(xp[t : t + K] * conv_w.T).sum(axis=0) for t in range(n)]))
         q, k, v = x[:, : nk * d].reshape(n, nk, d), x[:, nk * d : 2 * nk * d].reshape(n, nk, d), x[:, 2 * nk * d :]
         q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), self.eps) / np.sqrt(d)
         k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), self.eps)
         v = v.reshape(n, nv, d)
-        beta = 1.0 / (1.0 + np.exp(-(h @ W[b + "ssm_beta.weight"].T)))
-        g = W[b + "ssm_a"] * np.logaddexp(0.0, h @ W[b + "ssm_alpha.weight"].T + W[b + "ssm_dt.bias"])
+        beta = 1.0 / (1.0 + np.exp(-b_in))
+        g = W[b + "ssm_a"] * np.logaddexp(0.0, a_in + W[b + "ssm_dt.bias"])
         S, o = np.zeros((nv, d, d)), np.zeros((n, nv, d))
         for t in range(n):
             for hh in range(nv):
-                kk, qq = k[t, hh % nk], q[t, hh % nk]  # ggml_repeat: value head hh reads key head hh % nk
+                kk, qq = k[t, key_head[hh]], q[t, key_head[hh]]
                 S[hh] *= np.exp(g[t, hh])
                 S[hh] += np.outer(beta[t, hh] * (v[t, hh] - S[hh] @ kk), kk)
                 o[t, hh] = S[hh] @ qq
-        z = (h @ W[b + "attn_gate.weight"].T).reshape(n, nv, d)
         o = self.rmsnorm(o, W[b + "ssm_norm.weight"]) * self.silu(z)
         return o.reshape(n, -1) @ W[b + "ssm_out.weight"].T
 

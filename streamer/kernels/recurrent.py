@@ -1,4 +1,4 @@
-"""Kernels of a Gated DeltaNet layer (linear attention, qwen35moe), float32 like ggml's:
+"""Kernels of a Gated DeltaNet layer (linear attention: qwen35moe, qwen3next), float32 like ggml's:
 
 - conv_silu: the causal depthwise conv1d over time (kernel width K, a window of the previous K-1 inputs kept
   as state), then SiLU;
@@ -51,9 +51,11 @@ def _l2_scale(x, t, o, d, eps):
 
 
 @kernel(fastmath=True, parallel=True)
-def delta_rule(qkv, beta, alpha, dt, a, n_k, eps, cur, new, out):
+def delta_rule(qkv, beta, alpha, dt, a, n_k, group, eps, cur, new, out):
     """qkv (m, (2 n_k + n_v) d) after conv_silu: q (n_k heads of d), k (n_k heads), v (n_v heads); value head h
-    reads key head h % n_k. beta, alpha (m, n_v) projections; dt (n_v) bias, a (n_v) = -exp(A_log).
+    reads key head h // group (qwen3next: each key head serves `group` consecutive value heads), or h % n_k when
+    group is 0 (qwen35moe: ggml_repeat's tiling). beta, alpha (m, n_v) projections; dt (n_v) bias, a (n_v) =
+    -exp(A_log).
     cur (n_v, d, d) the state before, new (n_v, d, d) after; S[h] is (value channel, key channel).
     out (m, n_v d) = S q per token."""
     m = qkv.shape[0]
@@ -61,7 +63,7 @@ def delta_rule(qkv, beta, alpha, dt, a, n_k, eps, cur, new, out):
     qs = np.float32(1.0 / np.sqrt(d))
     for hh in prange(n_v):
         h = np.int64(hh)
-        kh = h % n_k
+        kh = h // group if group > 0 else h % n_k
         qo, ko, vo = kh * d, (n_k + kh) * d, 2 * n_k * d + h * d
         S = new[h]
         S[:, :] = cur[h]

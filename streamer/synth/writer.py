@@ -50,12 +50,15 @@ class Geometry:
     n_vocab: int = 0  # pad the vocabulary to this many tokens (0: the tokenizer's own size)
 
 
-def qwen35(n_layer, n_embd, n_head, n_expert, n_used, n_ff_exp, v_heads, head_dim=256, k_heads=16, **kw) -> Geometry:
-    """A Qwen3.5 MoE geometry (published configs): 2 KV heads, a shared expert as wide as a routed one, RoPE on
-    64 channels, 16 key heads of 128 in the linear attention, a 248,320-token vocabulary (unless overridden)."""
+def qwen35(
+    n_layer, n_embd, n_head, n_expert, n_used, n_ff_exp, v_heads, head_dim=256, k_heads=16, arch="qwen35moe", **kw
+) -> Geometry:
+    """A Qwen3.5 MoE (or Qwen3-Next) geometry from the published configs: 2 KV heads, a shared expert as wide as a
+    routed one, RoPE on 64 channels, 16 key heads of 128 in the linear attention, a 248,320-token vocabulary
+    (unless overridden)."""
     kw = {"n_ctx": 262144, "n_rot": 64, "ssm_head_dim": 128, "n_vocab": 248320, **kw}
     return Geometry(
-        "qwen35moe", n_layer, n_embd, n_head, 2, head_dim, n_ff_exp, n_expert, n_used, n_ff_exp,
+        arch, n_layer, n_embd, n_head, 2, head_dim, n_ff_exp, n_expert, n_used, n_ff_exp,
         ssm_k_heads=k_heads, ssm_v_heads=v_heads, n_ff_shexp=n_ff_exp, **kw,
     )  # fmt: skip
 
@@ -68,12 +71,30 @@ PRESETS = {
     "qwen3-30b-a3b": Geometry("qwen3moe", 48, 2048, 32, 4, 128, 6144, 128, 8, 768),
     "qwen3-235b-a22b": Geometry("qwen3moe", 94, 4096, 64, 4, 128, 12288, 128, 8, 1536),
     "tiny-qwen2": Geometry("qwen2", 2, 256, 4, 2, 64, 512, n_ctx=2048),
+    "qwen2.5-coder-7b": Geometry("qwen2", 28, 3584, 28, 4, 128, 18944, n_ctx=32768),
     "tiny-qwen35moe": qwen35(
         4, 256, 4, 16, 4, 128, 4, head_dim=64, k_heads=2, n_ctx=2048, n_rot=16, ssm_head_dim=32, n_vocab=0
     ),
     "qwen3.5-35b-a3b": qwen35(40, 2048, 16, 256, 8, 512, 32),
     "qwen3.5-122b-a10b": qwen35(48, 3072, 32, 256, 8, 1024, 64),
     "qwen3.5-397b-a17b": qwen35(60, 4096, 32, 512, 10, 1024, 64),
+    "tiny-qwen3next": qwen35(
+        4,
+        256,
+        4,
+        16,
+        4,
+        128,
+        4,
+        head_dim=64,
+        k_heads=2,
+        n_ctx=2048,
+        n_rot=16,
+        ssm_head_dim=32,
+        n_vocab=0,
+        arch="qwen3next",
+    ),
+    "qwen3-next-80b-a3b": qwen35(48, 2048, 16, 512, 10, 512, 32, arch="qwen3next", n_vocab=151936),
 }
 
 
@@ -266,7 +287,7 @@ def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ..
     yield "token_embd.weight", (n_vocab, E), spec.embd_qtype or q, 1.0
     for i in range(g.n_layer):
         b = f"blk.{i}."
-        if g.arch == "qwen35moe":
+        if g.arch in ("qwen35moe", "qwen3next"):
             yield from _hybrid_layer(spec, i)
             continue
         yield b + "attn_norm.weight", (E,), T.F32, -1.0
@@ -306,13 +327,18 @@ def _hybrid_layer(spec: SynthSpec, i: int) -> Iterator[tuple[str, tuple[int, ...
     yield b + "attn_norm.weight", (E,), T.F32, -1.0
     if (i + 1) % g.full_attn_interval:
         conv, nv = (2 * g.ssm_k_heads + g.ssm_v_heads) * d, g.ssm_v_heads
-        yield b + "attn_qkv.weight", (conv, E), q, w
-        yield b + "attn_gate.weight", (nv * d, E), q, w
+        if g.arch == "qwen3next":  # q, k, v, z in one matrix and beta, alpha in another, grouped by key head
+            yield b + "ssm_in.weight", (conv + nv * d, E), q, w
+            yield b + "ssm_ba.weight", (2 * nv, E), q, w
+        else:
+            yield b + "attn_qkv.weight", (conv, E), q, w
+            yield b + "attn_gate.weight", (nv * d, E), q, w
         yield b + "ssm_conv1d.weight", (conv, g.ssm_conv), T.F32, 0.5
         yield b + "ssm_dt.bias", (nv,), T.F32, 0.5
         yield b + "ssm_a", (nv,), T.F32, 0.0  # -exp(A_log): drawn apart (_write)
-        yield b + "ssm_beta.weight", (nv, E), q, w
-        yield b + "ssm_alpha.weight", (nv, E), q, w
+        if g.arch != "qwen3next":
+            yield b + "ssm_beta.weight", (nv, E), q, w
+            yield b + "ssm_alpha.weight", (nv, E), q, w
         yield b + "ssm_norm.weight", (d,), T.F32, -1.0
         yield b + "ssm_out.weight", (E, nv * d), q, spec.attn_out_gain / np.sqrt(nv * d)
     else:
@@ -426,12 +452,13 @@ def _add_metadata(w: gguf.GGUFWriter, spec: SynthSpec) -> int:
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
         w.add_expert_feed_forward_length(g.n_ff_exp)
-    if g.arch == "qwen35moe":
+    if g.arch in ("qwen35moe", "qwen3next"):
         w.add_rope_dimension_count(g.n_rot)
         pairs = g.n_rot // 2  # M-RoPE sections (time, height, width) as Qwen3.5's [11, 11, 10] of 32 pairs
         width = pairs * 10 // 32
         height = (pairs - width) // 2
-        w.add_rope_dimension_sections([pairs - height - width, height, width, 0])
+        if g.arch == "qwen35moe":
+            w.add_rope_dimension_sections([pairs - height - width, height, width, 0])
         w.add_full_attention_interval(g.full_attn_interval)
         w.add_ssm_conv_kernel(g.ssm_conv)
         w.add_ssm_state_size(g.ssm_head_dim)

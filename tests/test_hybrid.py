@@ -1,4 +1,5 @@
-"""qwen35moe (Qwen3.5 / Qwen3.6 MoE): gated attention and Gated DeltaNet layers with a shared expert. Logits
+"""The hybrid MoE architectures, qwen35moe (Qwen3.5 / Qwen3.6 MoE) and qwen3next (Qwen3-Next): gated attention
+and Gated DeltaNet layers with a shared expert. Logits
 against the float64 reference (tests/reference.py, after llama.cpp's graph), streamed == resident bit for bit,
 the recurrent state's rollback and saved points (an interrupted forward, a 2-turn chat, the server's prefix
 reuse), and one-line errors for what is not supported."""
@@ -30,33 +31,47 @@ def run(s, tokens=PROMPT, n_prefill=6):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("qtype,recipe", [("Q8_0", None), ("Q8_0", "Q4_K_M"), ("BF16", None)])
-def test_tiny_qwen35moe_matches_float64_reference(synth_model, qtype, recipe):
-    path = synth_model("tiny-qwen35moe", qtype, recipe=recipe)
+@pytest.mark.parametrize(
+    "preset,qtype,recipe",
+    [
+        ("tiny-qwen35moe", "Q8_0", None),
+        ("tiny-qwen35moe", "Q8_0", "Q4_K_M"),
+        ("tiny-qwen35moe", "BF16", None),
+        ("tiny-qwen3next", "Q8_0", None),
+        ("tiny-qwen3next", "Q8_0", "Q4_K_M"),
+    ],
+)
+def test_tiny_hybrids_match_float64_reference(synth_model, preset, qtype, recipe):
+    path = synth_model(preset, qtype, recipe=recipe)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     kinds = [type(L.mixer).__name__ for L in s.model.layers]
     assert kinds == ["GatedDeltaNet", "GatedDeltaNet", "GatedDeltaNet", "GatedAttention"]
     got = run(s)
     want = Reference(str(path)).logits(PROMPT)
     cos = cosines(got, want)
-    assert cos.min() >= 0.999, cos
-    assert (got.argmax(1) == want.argmax(1)).mean() >= (0.98 if recipe is None else 0.9)
+    # Position 0 from an empty state: o = beta v (k . q), and on random weights k . q may nearly cancel (tiny-qwen3next's
+    # layer 2: mean squares 1e-8 against the gated norm's eps of 1e-6), so float32 and float64 part there; llama.cpp
+    # lands as far (cosine 0.9984 to the reference, 0.9999 to stream-run; 2026-12-05, bench/hybrid_parity.py).
+    assert cos[0] >= 0.995 and cos[1:].min() >= 0.999, cos
+    assert (got.argmax(1) == want.argmax(1))[1:].mean() >= (0.98 if recipe is None else 0.9)
 
 
-def test_the_linear_attention_matters(synth_model):
+@pytest.mark.parametrize("preset", ["tiny-qwen35moe", "tiny-qwen3next"])
+def test_the_linear_attention_matters(synth_model, preset):
     """Guards against a mixer silently skipped: zeroing the delta rule's output moves the logits far."""
-    path = synth_model("tiny-qwen35moe", "Q8_0")
+    path = synth_model(preset, "Q8_0")
     s = open_model(path, StreamOptions(stream=False, learn=False))
     want = Reference(str(path)).logits(PROMPT)
     got = run(s)
     for L in s.model.layers[:3]:
         L.mixer.norm = np.zeros_like(L.mixer.norm)
     off = run(s)
-    assert np.abs(off - want).max() > 20 * np.abs(got - want).max()
+    assert np.abs(off - want)[1:].max() > 20 * np.abs(got - want)[1:].max()  # position 0: see above
 
 
-def test_streamed_equals_resident_bit_for_bit(synth_model):
-    path = synth_model("tiny-qwen35moe", "Q8_0", recipe="Q4_K_M")
+@pytest.mark.parametrize("preset", ["tiny-qwen35moe", "tiny-qwen3next"])
+def test_streamed_equals_resident_bit_for_bit(synth_model, preset):
+    path = synth_model(preset, "Q8_0", recipe="Q4_K_M")
     resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     r = open_model(path, StreamOptions(stream=False, learn=False))
     slot = ExpertLayout(r.gf, r.cfg).slot_bytes
