@@ -327,7 +327,7 @@ class ModelConfig:
             in_place = len(shape) == 1 or name.endswith("ssm_conv1d.weight")  # used as float32 arrays in place
             if in_place and t.qtype != T.F32:
                 raise StreamerError(
-                    f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 (biases too)"
+                    f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 (biases, conv kernels too)"
                 )
             if t.shape != shape:
                 raise StreamerError(

@@ -84,7 +84,9 @@ class SequenceState:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.layers)
+        """Every layer's state and the saved recurrent snapshots."""
+        saved = sum(a.nbytes for layers in self._saved.values() for arrays in layers for a in arrays.values())
+        return sum(s.nbytes for s in self.layers) + saved
 
     def room(self) -> int:
         return self.n_ctx - self.n

@@ -14,7 +14,7 @@ from streamer.generate import Generator
 from streamer.options import StreamOptions
 from streamer.sampler import Sampler, SamplerParams
 from streamer.session import open_model
-from streamer.state import Recurrent
+from streamer.state import SAVED_MAX, Recurrent
 
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64, 300, 7, 7, 380], dtype=np.int64)
 
@@ -99,6 +99,10 @@ def test_state_sizes_are_what_the_budget_charges(synth_model):
     assert c.recurrent_bytes == 3 * 4 * ((c.ssm_conv - 1) * (2 * 2 + 4) * 32 + 4 * 32 * 32)
     assert st.nbytes == 256 * c.kv_bytes_per_token + 2 * c.recurrent_bytes  # committed + in progress
     assert c.kv_bytes_per_token == 2 * 1 * 2 * 64 * 2  # one attention layer of 4
+    for i in range(SAVED_MAX + 2):  # more saved points than are kept: the oldest go
+        s.model.forward(PROMPT[i : i + 1], st)
+        st.save()
+    assert st.nbytes == c.state_bytes(256)  # what the budget charges: K/V, two copies, SAVED_MAX snapshots
 
 
 def test_an_interrupted_forward_leaves_the_state_as_it_was(synth_model):
