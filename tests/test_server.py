@@ -646,6 +646,8 @@ def test_a_dense_model_serves_the_same_tokens_as_generator(synth_model):
         srv.stop()
 
 
+@pytest.mark.slow  # a second model's warm-up in the server, 68 s of first compiles (2026-12-05); the state's
+# saved points are in test_hybrid's fast tier
 def test_a_hybrid_model_reuses_only_saved_prefixes_and_answers_as_fresh(synth_model):
     """qwen35moe's recurrent state returns only to saved points (a prompt's end): a request that extends the
     last prompt reuses it; one that shares part of it prefills again. Each answer equals a fresh run's."""
