@@ -55,7 +55,7 @@ class DenseFFN:
 
 class WithSharedExpert:
     """A MoE FFN plus a shared expert that every token uses, weighted by sigmoid(ffn_gate_inp_shexp . h)
-    (qwen35moe, qwen3next). The shared expert's weights are used in place; the routed FFN keeps its own decode path."""
+    (qwen35moe, qwen3next). The shared expert's weights are used in place."""
 
     def __init__(self, routed: FFN, gf: GGUFFile, n_layer: int):
         self.routed = routed
@@ -76,15 +76,6 @@ class WithSharedExpert:
         y = self._shared(layer, h)
         y += self.routed(layer, h)
         return y
-
-    def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        """One token: x += routed(h) + shared(h) (the routed FFN's one-call decode when it has one)."""
-        y = self._shared(layer, h)
-        if hasattr(self.routed, "decode"):
-            self.routed.decode(layer, h, x)
-        else:
-            x += self.routed(layer, h)
-        x += y
 
 
 class Layer:
@@ -134,11 +125,12 @@ class Model:
 
     def _decode_args(self):
         """Per layer, the arguments of kernels/decode.py's one-call blocks for one-token steps: attention
-        (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights)."""
+        (attn_block) and, for the dense FFN, ffn_block. None for the per-call path (float weights, or the
+        hybrids' mixers, which have no block)."""
         cfg = self.cfg
         attn = [getattr(L.mixer, "block_args", lambda *_: None)(L.attn_norm, L.ffn_norm) for L in self.layers]
-        if all(a is None for a in attn) or (None in attn and not cfg.full_attn_interval):
-            return None  # one float matrix: the per-call path for every layer (a hybrid's other mixers: per layer)
+        if None in attn:
+            return None
         nq, nkv, hd, n = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
         qkv, att = np.empty((nq + 2 * nkv) * hd, np.float32), np.empty((1, nq, hd), np.float32)
         q = qkv[: nq * hd].reshape(1, nq, hd)
@@ -242,17 +234,11 @@ class Model:
         """One token through every layer: the attention as one kernel call (decode.attn_block, with both norms),
         the FFN as one (decode.ffn_block, dense) or the FFN object's call; the same results as _layers' path."""
         attn, scratch, ffn = self._decode
-        eps = self.cfg.rms_eps
-        for i, L in enumerate(self.layers):
+        for i in range(len(self.layers)):
             interrupts.check()
-            if attn[i] is not None:
-                formats, weights = attn[i]
-                kv = state.layers[i]
-                decode.attn_block(x, h, pos, kv.k, kv.v, *formats, weights, scratch)
-            else:  # a mixer without a one-call block (linear attention, gated attention)
-                ops.rmsnorm(x, L.attn_norm, eps, h)
-                x += L.mixer(h, state.layers[i], pos)
-                ops.rmsnorm(x, L.ffn_norm, eps, h)
+            formats, weights = attn[i]
+            kv = state.layers[i]
+            decode.attn_block(x, h, pos, kv.k, kv.v, *formats, weights, scratch)
             for hook in self.hooks:
                 hook.after_attention(i, x)
             if ffn is not None:

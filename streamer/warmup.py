@@ -372,7 +372,7 @@ def decode_formats(model, moe=None) -> dict[str, list[tuple[int, ...]]]:
     out: dict[str, set] = {"decode": set(), "decode-ffn": set(), "decode-moe": set()}
     if model._decode is not None:
         attn, _, ffn = model._decode
-        out["decode"].update(a[0] for a in attn if a is not None)
+        out["decode"].update(formats for formats, _ in attn)
         out["decode-ffn"].update(f[:3] for f in ffn or ())
     if moe is not None:
         for layer, p in enumerate(moe.fused):
