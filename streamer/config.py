@@ -71,9 +71,15 @@ class ModelConfig:
         return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
 
     @property
+    def recurrent_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One linear-attention layer's float32 state: the conv's last K-1 inputs, a (d, d) matrix per value head."""
+        d = self.ssm_head_dim
+        return {"conv": (self.ssm_conv - 1, self.ssm_conv_dim), "ssm": (self.ssm_v_heads, d, d)}
+
+    @property
     def recurrent_bytes(self) -> int:
-        """One copy of every linear-attention layer's state (float32 conv window and delta-rule matrices)."""
-        per = (self.ssm_conv - 1) * self.ssm_conv_dim + self.ssm_v_heads * self.ssm_head_dim**2
+        """One copy of every linear-attention layer's state."""
+        per = sum(math.prod(shape) for shape in self.recurrent_shapes.values())
         return 4 * per * (self.n_layer - self.n_attn_layers)
 
     def check_tokens(self, ids) -> None:
@@ -327,7 +333,8 @@ class ModelConfig:
             in_place = len(shape) == 1 or name.endswith("ssm_conv1d.weight")  # used as float32 arrays in place
             if in_place and t.qtype != T.F32:
                 raise StreamerError(
-                    f"tensor '{name}' has type {t.qtype.name}; stream-run needs norm weights in F32 (biases, conv kernels too)"
+                    f"tensor '{name}' has type {t.qtype.name}; "
+                    "stream-run needs norm weights in F32 (biases, conv kernels too)"
                 )
             if t.shape != shape:
                 raise StreamerError(

@@ -92,9 +92,10 @@ class Attention:
 
 
 class GatedAttention(Attention):
-    """The hybrids' full attention (qwen35moe, qwen3next): attn_q yields, per head, the query then an output gate; the attention's output
-    is multiplied by sigmoid(gate) before attn_output. q/k RMSNorm per head; RoPE (NEOX) on the first
-    rope.dimension_count channels (the tables' width). No one-call decode block: the per-call path."""
+    """The hybrids' full attention (qwen35moe, qwen3next): attn_q yields, per head, the query then an output
+    gate; the attention's output is multiplied by sigmoid(gate) before attn_output. q/k RMSNorm per head; RoPE
+    (NEOX) on the first rope.dimension_count channels (the tables' width). No one-call decode block: the
+    per-call path."""
 
     def __call__(self, h: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
         cfg, m = self.cfg, h.shape[0]
@@ -126,9 +127,7 @@ class GatedDeltaNet:
         self.dt, self.a, self.norm = gf.view(b + "ssm_dt.bias"), gf.view(b + "ssm_a"), gf.view(b + "ssm_norm.weight")
 
     def new_state(self, n_ctx: int) -> Recurrent:
-        c = self.cfg
-        d = c.ssm_head_dim
-        return Recurrent(conv=(c.ssm_conv - 1, c.ssm_conv_dim), ssm=(c.ssm_v_heads, d, d))
+        return Recurrent(**self.cfg.recurrent_shapes)
 
     def matrices(self) -> list[QMatrix]:
         return self.w_in + [self.wout]

@@ -147,7 +147,7 @@ class Session:
 
     def tokenizer_in_background(self) -> None:
         """Start building the tokenizer in a daemon thread (a prompt given as token ids needs it only to print
-        what is generated: 0.1-0.2 s of building the 151k-token vocabulary then runs while the forward waits for
+        what is generated: building a vocabulary of 150k tokens or more then runs while the forward waits for
         the disk, not before it); .tokenizer waits for it. A failed build is retried, and reported, there."""
         if self._tokenizer is not None or self._building is not None:
             return
