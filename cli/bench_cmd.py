@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.bench import format_bench, run_bench
 from streamer.cli.common import (
     check_output_path,
     check_prompt,
@@ -20,7 +21,13 @@ from streamer.cli.common import (
 )
 from streamer.cli.options import CtxSize, ModelArg, NPredict, Threads, TraceOut, with_stream_options
 from streamer.errors import StreamerError
+from streamer.generate import Generator
+from streamer.io import atomic_write
 from streamer.options import StreamOptions
+from streamer.plots import plot_profile, require_matplotlib
+from streamer.sampler import Sampler, SamplerParams
+from streamer.state import check_room
+from streamer.tokenizer import Tokenizer
 
 
 @with_stream_options(learn_by_default=False)
@@ -45,9 +52,6 @@ def bench(
 ) -> None:
     """Warm up, prefill --pp tokens, decode --tg tokens greedily; report tok/s, GB/s of weights, disk reads,
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
-    from streamer.bench import format_bench, run_bench
-    from streamer.state import check_room
-
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
     t0 = time.perf_counter()
@@ -82,14 +86,7 @@ def profile(
     ] = None,
 ) -> None:
     """Generate greedily and print per-layer expert traffic: hits by tier, misses, bytes, prefetch recall, stall."""
-    from streamer.generate import Generator
-    from streamer.io import atomic_write
-    from streamer.sampler import Sampler, SamplerParams
-    from streamer.tokenizer import Tokenizer
-
     if plot is not None:
-        from streamer.plots import require_matplotlib
-
         require_matplotlib()
     check_output_path(json_out, "--json-out")
     check_output_path(trace, "--trace")
@@ -111,8 +108,6 @@ def profile(
         print(gen.stats.line(), file=sys.stderr)
         counts = s.moe.usage.counts.copy()
     if plot is not None:
-        from streamer.plots import plot_profile
-
         plot_profile(report, counts, plot, title=f"{model.name}: ")
         print(f"wrote {plot}", file=sys.stderr)
     if json_out is not None:

@@ -9,15 +9,20 @@ import sys
 import time
 from pathlib import Path
 
+from streamer.cli import early
+from streamer.config import ModelConfig
 from streamer.errors import StreamerError
+from streamer.filewatch import install_bus_error_exit
+from streamer.gguf_file import GGUFFile
+from streamer.io import human
+from streamer.session import open_model
+from streamer.state import check_room
 
 
 def progress_printer(label: str, fmt=None, after_s: float = 0.0):
     """A (done, total) callback: redraws one stderr line on a terminal, else prints every 10%. `fmt(done,
     total)` words the counts (default: byte sizes). Silent until `after_s` seconds have passed (fast work
     prints nothing)."""
-    from streamer.io import human
-
     fmt = fmt or (lambda done, total: f"{human(done)} / {human(total)}")
 
     tty = sys.stderr.isatty()
@@ -69,10 +74,6 @@ def check_output_path(path: Path | None, flag: str) -> None:
 
 def probe(model: Path):
     """The model file's header and config: cheap (no weights read, no kernels), to check input against."""
-    from streamer.cli import early
-    from streamer.config import ModelConfig
-    from streamer.gguf_file import GGUFFile
-
     held = early.take_file(model)  # parsed by the entry point already, to start reading (cli/early.py)
     if held is not None:
         return held
@@ -93,10 +94,6 @@ def open_session(
     """streamer.session.open_model (weights mapped, kernels compiled or loaded), once the input is checked;
     with the SIGBUS guard first (the file truncated under us: one line and exit 2, not "Bus error").
     lazy_kernels: open_model's (run and chat: cached kernels load at their first call)."""
-    from streamer.cli import early
-    from streamer.filewatch import install_bus_error_exit
-    from streamer.session import open_model
-
     n = len(gf.shards)
     install_bus_error_exit(str(gf.path) if n == 1 else f"{gf.path} (or one of its {n} shards)")
     return open_model(
@@ -114,8 +111,6 @@ def open_session(
 
 def check_prompt(ids: list[int], cfg, ctx_size: int | None) -> None:
     """Token ids in the vocabulary, and a prompt that fits the context (checked again at every forward)."""
-    from streamer.state import check_room
-
     if not ids:
         raise StreamerError("no tokens to run (the prompt is empty)")
     cfg.check_tokens(ids)

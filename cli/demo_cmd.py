@@ -10,16 +10,23 @@ from typing import Annotated
 
 import typer
 
+import streamer
 from streamer.cli.options import Threads
+from streamer.config import ModelConfig
 from streamer.errors import StreamerError
+from streamer.experts.store import ExpertLayout
+from streamer.generate import Generator
+from streamer.gguf_file import GGUFFile
+from streamer.io import human
+from streamer.options import StreamOptions
+from streamer.sampler import Sampler, SamplerParams
+from streamer.session import open_model
 
 DEMO_PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 DEMO_REPEAT_PENALTY = 1.15
 
 
 def demo_model() -> Path:
-    import streamer
-
     return Path(streamer.__file__).parent / "models" / "stdlib-qwen3moe-q8_0.gguf"
 
 
@@ -33,13 +40,6 @@ def demo(
 ) -> None:
     """Generate code from the packaged Qwen3-MoE (trained on the Python standard library) with its experts
     streamed into a cache holding a quarter of them, and print the expert traffic."""
-    from streamer.config import ModelConfig
-    from streamer.experts.store import ExpertLayout
-    from streamer.gguf_file import GGUFFile
-    from streamer.io import human
-    from streamer.options import StreamOptions
-    from streamer.session import open_model
-
     if not 0.0 < cache_share <= 1.0:
         raise StreamerError(f"--cache-share must be in (0, 1], got {cache_share}")
     path = demo_model()
@@ -80,20 +80,12 @@ def _slots(cfg, cache_share: float) -> int:
 def demo_options(cache_share: float = 0.25):
     """The demo's StreamOptions (an expert cache of that share), without the usage file (`stream-run warmup`
     opens the demo model with them: the kernels its run calls)."""
-    from streamer.config import ModelConfig
-    from streamer.experts.store import ExpertLayout
-    from streamer.gguf_file import GGUFFile
-    from streamer.options import StreamOptions
-
     gf = GGUFFile(demo_model())
     cfg = ModelConfig.from_gguf(gf)
     return StreamOptions(learn=False, expert_cache_bytes=_slots(cfg, cache_share) * ExpertLayout(gf, cfg).slot_bytes)
 
 
 def _generate(s, prompt: str, n_predict: int) -> None:
-    from streamer.generate import Generator
-    from streamer.sampler import Sampler, SamplerParams
-
     tok = s.tokenizer
     # greedy, with llama.cpp's repeat penalty: a model this small loops on plain greedy decoding
     params = SamplerParams(temperature=0.0, repeat_penalty=DEMO_REPEAT_PENALTY)

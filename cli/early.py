@@ -83,24 +83,21 @@ def start(argv: list[str]) -> None:
         if not os.path.isfile(path):
             return
         _read_header_ahead(path)  # the CLI reads the header whatever the flags say: have it on its way
-        from streamer.budget import resolve as resolve_budget
-        from streamer.config import ModelConfig
-        from streamer.gguf_file import GGUFFile
-        from streamer.options import StreamOptions
-        from streamer.session import early_plan, start_pagein_of
+        # numpy and the header parser import only now, while the header is on its way (and not at all for --help
+        # or another command)
+        from streamer import budget, config, gguf_file, options, session
 
         n_ctx = int(found["n_ctx"]) if "n_ctx" in found else None
-        options = StreamOptions.build(
+        opts = options.StreamOptions.build(
             found.get("preset"), ram_budget=found.get("ram_budget"), stream=found.get("stream", True)
         )
-        gf = GGUFFile(path)
-        cfg = ModelConfig.from_gguf(gf)
+        gf = gguf_file.GGUFFile(path)
+        cfg = config.ModelConfig.from_gguf(gf)
         timing.mark("header")
         _held.update(path=path, gf=gf, cfg=cfg)
-        budget = resolve_budget(options.ram_budget)
-        ranges, whole = early_plan(gf, cfg, options, budget, n_ctx, rss_margin=RSS_MARGIN)
+        ranges, whole = session.early_plan(gf, cfg, opts, budget.resolve(opts.ram_budget), n_ctx, rss_margin=RSS_MARGIN)
         if ranges and gf.mm is not None:
-            _held.update(ranges=ranges, pagein=start_pagein_of(gf, ranges, whole))
+            _held.update(ranges=ranges, pagein=session.start_pagein_of(gf, ranges, whole))
     except Exception:  # a hint only: the CLI reports whatever is wrong, in its own words
         stop()
         _held.clear()

@@ -8,6 +8,9 @@ from typing import Annotated
 import typer
 
 from streamer.cli.options import CtxSize, ModelArg
+from streamer.config import ModelConfig
+from streamer.gguf_file import GGUFFile
+from streamer.io import human
 
 
 def inspect(
@@ -17,10 +20,6 @@ def inspect(
 ) -> None:
     """Metadata, tensor counts and bytes by type, resident vs expert bytes, KV bytes per token, the shards of a
     split model."""
-    from streamer.config import ModelConfig
-    from streamer.gguf_file import GGUFFile
-    from streamer.io import human
-
     gf = GGUFFile(model)
     cfg = ModelConfig.from_gguf(gf)
     by_type: dict[str, list[int]] = {}

@@ -6,9 +6,14 @@ before it parses anything: 0.16 s for all of them, most of a one-off run's CLI t
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
 import sys
 import threading
+
+from streamer import timing
+from streamer.cli import early
 
 # command name -> (module in streamer.cli, function), in the order `stream-run --help` lists them
 COMMANDS = {
@@ -39,7 +44,7 @@ def _function(name: str):
 def _build_app(only: str | None = None):
     """The typer app with every command registered; only: just that one (and a no-op callback, so typer
     keeps it a subcommand: `stream-run run ...` parses, helps and fails exactly as with all of them)."""
-    from streamer.cli.app import app, new_app
+    from streamer.cli.app import app, new_app  # typer: after early.start has set the disk to work
 
     if only in COMMANDS:
         one = new_app()
@@ -64,8 +69,6 @@ def __getattr__(name: str):
 
 
 def main() -> None:
-    from streamer.cli import early
-
     try:
         early.start(sys.argv)
         app = _build_app(sys.argv[1] if len(sys.argv) > 1 else None)
@@ -85,14 +88,9 @@ def leave(code) -> None:
     code libraries one by one took 0.2-0.4 s, part of every command's wall time. What exit owes is done first:
     other threads that are not daemons are joined, the atexit handlers run (weakref finalizers, the
     STREAM_RUN_TIMING line), stdout and stderr are flushed. code: as SystemExit's (None 0, a string printed, 1)."""
-    import atexit
-    import os
-
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    from streamer import timing
-
     for t in threading.enumerate():
         if t is not threading.current_thread() and not t.daemon:
             t.join()

@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.options import StreamOptions, available_presets
+
 ModelArg = Annotated[
     Path,
     typer.Argument(
@@ -53,8 +55,6 @@ TraceOut = Annotated[
 def _preset_names() -> str:
     """The built-in preset names, read from streamer.presets (a directory listing: no TOML parsed)."""
     try:
-        from streamer.options import available_presets
-
         return ", ".join(available_presets())
     except Exception:  # never let --help fail over a listing
         return "see `stream-run presets`"
@@ -176,8 +176,6 @@ def with_stream_options(command=None, *, learn_by_default: bool = True):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from streamer.options import StreamOptions
-
         given = {name: kwargs.pop(name) for name in flags}
         return command(*args, options=StreamOptions.build(given.pop("preset"), **given), **kwargs)
 

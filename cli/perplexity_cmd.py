@@ -11,7 +11,10 @@ import typer
 
 from streamer.cli.common import open_session, probe
 from streamer.cli.options import ModelArg, Threads, with_stream_options
+from streamer.io import read_text
 from streamer.options import StreamOptions
+from streamer.perplexity import perplexity as run_ppl, plan
+from streamer.tokenizer import Tokenizer
 
 
 @with_stream_options
@@ -32,10 +35,6 @@ def perplexity(
 ) -> None:
     """Perplexity of a text, computed like llama.cpp's llama-perplexity: non-overlapping windows of -c tokens,
     the second half of each scored; running [i]ppl estimates as it goes, then PPL +/- its standard error."""
-    from streamer.io import read_text
-    from streamer.perplexity import perplexity as run_ppl, plan
-    from streamer.tokenizer import Tokenizer
-
     # everything that can be wrong with the input fails here, before kernels compile or weights are read
     text = read_text(file)
     gf, cfg = probe(model)

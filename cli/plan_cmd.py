@@ -12,7 +12,9 @@ import typer
 
 from streamer.cli.common import progress_printer
 from streamer.cli.options import CtxSize, ModelArg, Threads
+from streamer.cli.replay_cmd import _sizes
 from streamer.errors import StreamerError
+from streamer.plots import plot_plan, require_matplotlib
 
 
 def plan(
@@ -56,8 +58,6 @@ def plan(
     and a recommended --ram-budget."""
     budgets = None
     if ram_budget is not None:
-        from streamer.cli.replay_cmd import _sizes
-
         budgets = tuple(sorted(set(_sizes(ram_budget))))
         if not budgets:
             raise StreamerError("--ram-budget needs at least one size")
@@ -66,8 +66,6 @@ def plan(
     if not 0.1 <= probe_seconds <= 60:
         raise StreamerError(f"--probe-seconds must be in [0.1, 60], got {probe_seconds}")
     if plot is not None:
-        from streamer.plots import require_matplotlib
-
         require_matplotlib()
 
     def say(msg):
@@ -80,8 +78,6 @@ def plan(
         model, opts, progress=progress_printer("disk probe", lambda d, n: f"phase {d} of {n}"), say=say
     )
     if plot is not None:
-        from streamer.plots import plot_plan
-
         plot_plan(r, plot)
         print(f"wrote {plot}", file=sys.stderr)
     print(json.dumps(r) if as_json else format_plan(r))

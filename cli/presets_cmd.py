@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import textwrap
 
+from streamer.budget import DEFAULT_FRACTION, available_memory
+from streamer.io import human, parse_size
+from streamer.options import PRESET_KEYS, StreamOptions, available_presets, describe_preset
+
 
 def _value(v) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
@@ -13,10 +17,6 @@ def _value(v) -> str:
 def presets() -> None:
     """List the built-in runtime presets for --preset/--profile (name, description, settings) and how to write
     your own."""
-    from streamer.budget import DEFAULT_FRACTION, available_memory
-    from streamer.io import human, parse_size
-    from streamer.options import PRESET_KEYS, StreamOptions, available_presets, describe_preset
-
     entries = [(name, *describe_preset(name)) for name in available_presets()]
     # share-of-memory presets first (by share), then the fixed budgets (by size)
     entries.sort(

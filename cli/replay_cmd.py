@@ -11,11 +11,12 @@ import typer
 
 from streamer.cli.common import progress_printer
 from streamer.errors import StreamerError
+from streamer.io import parse_size
+from streamer.plots import plot_replay, require_matplotlib
+from streamer.trace import load_trace
 
 
 def _sizes(text: str) -> tuple:
-    from streamer.io import parse_size
-
     return tuple(parse_size(t) for t in text.split(",") if t.strip())
 
 
@@ -61,8 +62,7 @@ def replay(
 ) -> None:
     """Simulate the expert cache of a recorded run (the runtime's own cache, budget and scheduling code) at
     each budget and policy: hit rate and bytes read per token, overall and per layer, with Belady as the ceiling."""
-    from streamer.replay import ReplayOptions, format_replay, replay as run_replay
-    from streamer.trace import load_trace
+    from streamer.replay import ReplayOptions, format_replay, replay as run_replay  # numba: the runtime's cache
 
     if expert_top_p is not None and not 0.0 < expert_top_p <= 1.0:
         raise StreamerError(f"--expert-top-p must be in (0, 1], got {expert_top_p}")
@@ -71,16 +71,12 @@ def replay(
         raise StreamerError("--budget needs at least one size")
     policies = tuple(p.strip() for p in policy.split(",") if p.strip())
     if plot is not None:
-        from streamer.plots import require_matplotlib
-
         require_matplotlib()
     t = load_trace(trace)
     slow = len(budgets) * len(policies) * len(t.a["q_call"]) > 300_000  # about a second per 100k requests
     show = progress_printer("replaying", lambda d, n: f"{d} / {n} runs") if slow else None
     r = run_replay(t, ReplayOptions(budgets, policies, expert_top_p, prefetch), progress=show)
     if plot is not None:
-        from streamer.plots import plot_replay
-
         plot_replay(r, plot)
         print(f"wrote {plot}", file=sys.stderr)
     print(json.dumps(r) if as_json else format_replay(r, per_layer))

@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import numpy as np
 import typer
 
+from streamer import timing
+from streamer.chat import Conversation, sampler_params, thinks
 from streamer.cli.common import (
     check_output_path,
     check_prompt,
@@ -35,7 +38,11 @@ from streamer.cli.options import (
     with_stream_options,
 )
 from streamer.errors import ModelFileChanged, StreamerError
+from streamer.generate import Generator
+from streamer.io import atomic_save_npy, read_text
 from streamer.options import StreamOptions
+from streamer.sampler import Sampler, SamplerParams
+from streamer.tokenizer import Tokenizer
 
 
 @with_stream_options
@@ -77,13 +84,7 @@ def run(
 ) -> None:
     """Complete a prompt (greedy by default), streaming the text; end with a speed summary on stderr.
     Ctrl-C stops the run (exit code 130) after printing what was generated."""
-    from streamer import timing
-
     timing.mark("cli")
-    from streamer.io import read_text
-    from streamer.sampler import Sampler, SamplerParams
-    from streamer.tokenizer import Tokenizer
-
     if sum(x is not None for x in (prompt, file, tokens)) != 1:
         raise StreamerError("give exactly one of -p/--prompt, -f/--file or --tokens")
     if logits_out is not None and tokens is None:
@@ -116,9 +117,6 @@ def run(
 
 
 def _write_logits(s, ids: list[int], path: Path) -> None:
-    import numpy as np
-
-    from streamer.io import atomic_save_npy
 
     logits = s.model.forward(np.asarray(ids, np.int64), s.model.new_state(), all_logits=True)
     atomic_save_npy(path, logits.astype(np.float32))
@@ -126,9 +124,6 @@ def _write_logits(s, ids: list[int], path: Path) -> None:
 
 
 def _complete(s, ids, sampler, n_predict, display_prompt, ignore_eos) -> None:
-    from streamer import timing
-    from streamer.generate import Generator
-
     s.tokenizer_in_background()  # a prompt of token ids: the tokenizer builds while the prompt runs
     if sampler.params.temperature > 0:
         print(f"sampling with seed {sampler.seed}", file=sys.stderr)
@@ -188,10 +183,6 @@ def chat(
     /reset starts over, /exit or end of input quits. Sampling defaults are Qwen3's recommendations
     (thinking: temp 0.6, top-k 20, top-p 0.95; --no-think: 0.7, 20, 0.8); Qwen2 models never think, use the
     latter and Qwen2.5's default system prompt."""
-    from streamer.chat import Conversation, sampler_params, thinks
-    from streamer.generate import Generator
-    from streamer.sampler import Sampler
-
     overrides = dict(
         temperature=temp,
         top_k=top_k,

@@ -3,6 +3,7 @@ cache and its KV cache warm between requests. Needs the `[serve]` extra (starlet
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Annotated, Optional
 
@@ -11,7 +12,10 @@ import typer
 from streamer.cli.common import open_session, probe
 from streamer.cli.options import CtxSize, ModelArg, Threads, with_stream_options
 from streamer.errors import StreamerError
+from streamer.io import parse_size
 from streamer.options import StreamOptions
+from streamer.server.engine import Engine
+from streamer.server.schemas import Limits
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
 
@@ -58,9 +62,7 @@ def serve(
         import uvicorn
     except ImportError:
         raise StreamerError(INSTALL_HINT) from None
-    from streamer.server.app import ServerOptions, create_app
-    from streamer.server.engine import Engine
-    from streamer.server.schemas import Limits
+    from streamer.server.app import ServerOptions, create_app  # starlette: the optional serve extra
 
     body = _checked(queue, max_tokens, max_messages, port, max_body)
     gf, cfg = probe(model)  # a file we can run, checked before the socket is bound
@@ -98,8 +100,6 @@ def serve(
 
 def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, max_body: str) -> int:
     """The server's own flags checked (one error line each); the body limit in bytes."""
-    from streamer.io import parse_size
-
     if queue < 0:
         raise StreamerError(f"--queue must be >= 0, got {queue}")
     if max_tokens is not None and max_tokens < 1:
@@ -116,8 +116,6 @@ def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, m
 
 def _bound(host: str, port: int):
     """(a socket bound to host:port, the host as a URL shows it); one error line if the address is taken."""
-    import socket
-
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

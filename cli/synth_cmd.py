@@ -8,9 +8,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from gguf.constants import GGMLQuantizationType as T
 
 from streamer.cli.common import progress_printer
 from streamer.errors import StreamerError
+from streamer.gguf_file import GGUFFile
+from streamer.io import parse_size
+from streamer.synth.writer import Split, spec_for, write_model
 
 Preset = Annotated[
     str,
@@ -77,11 +81,6 @@ def synth(
     ] = False,
 ) -> None:
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
-    from gguf.constants import GGMLQuantizationType as T
-
-    from streamer.io import parse_size
-    from streamer.synth.writer import Split, spec_for, write_model
-
     split = Split(
         parse_size(split_max_size) if split_max_size is not None else 0, split_max_tensors, no_tensor_first_split
     )
@@ -105,8 +104,6 @@ def synth(
     spec = spec_for(preset, qtype or "Q8_0", layers, tied=tied, real_vocab=real, seed=seed, recipe=recipe, **extra)
     first = write_model(out, spec, progress=progress_printer(f"writing {out.name}"), split=split, overwrite=force)
     if first != os.path.realpath(out):
-        from streamer.gguf_file import GGUFFile
-
         n = len(GGUFFile(first).shards)
         print(f"wrote {n} shards: {first} (open this one) and the rest beside it", file=sys.stderr)
     else:

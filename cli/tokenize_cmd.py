@@ -10,6 +10,8 @@ from typing import Optional
 import typer
 
 from streamer.errors import StreamerError
+from streamer.gguf_file import GGUFFile
+from streamer.tokenizer import Tokenizer
 
 
 def tokenize(
@@ -20,9 +22,6 @@ def tokenize(
     text: Optional[str] = typer.Option(None, "--text", help="Text to tokenize instead of FILE."),
 ) -> None:
     """Print the token ids of FILE (or --text), one per line, as llama-tokenize counts them."""
-    from streamer.gguf_file import GGUFFile
-    from streamer.tokenizer import Tokenizer
-
     if (file is None) == (text is None):
         raise StreamerError("give exactly one of FILE or --text")
     if file is not None:

@@ -9,6 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from streamer.cli.demo_cmd import demo_model, demo_options
+from streamer.options import StreamOptions
+from streamer.session import open_model
+
 
 def warmup(
     models: Annotated[
@@ -26,7 +30,7 @@ def warmup(
     in-place edit of the kernel sources, it drops their stale cached machine code first."""
     t0 = time.perf_counter()
     print("loading numba...", file=sys.stderr, flush=True)
-    from streamer import warmup as kw
+    from streamer import warmup as kw  # numba, and every kernel module: after the line above is shown
     from streamer.kernels._cache import drop_stale_numba_cache
 
     drop_stale_numba_cache()  # kernel sources edited in place: their old machine code goes, before any loads
@@ -50,8 +54,6 @@ def warmup(
             k, c = _model(kw, path)
             n, compiled = n + k, compiled + c
     else:
-        from streamer.cli.demo_cmd import demo_model, demo_options
-
         k, c = _model(kw, demo_model(), demo_options())
         qtypes, combos = kw.recipe_formats()
         reports = kw.warmup(before, after, only=kw.common_groups(qtypes), qtypes=qtypes, decode_combos=combos)
@@ -66,9 +68,6 @@ def warmup(
 def _model(kw, path: Path, options=None) -> tuple[int, int]:
     """Open the model as a run does (which compiles, or loads, the kernels its run calls) and close it: (kernels,
     compiled)."""
-    from streamer.options import StreamOptions
-    from streamer.session import open_model
-
     t0, c0 = time.perf_counter(), kw.compiles()
     with open_model(path, options or StreamOptions(learn=False), lazy_kernels=False) as s:
         n = len(s.kernels)  # the dispatchers its run calls (model_kernels: one per format tuple)

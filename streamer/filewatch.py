@@ -70,8 +70,7 @@ def install_bus_error_exit(path: str) -> None:
 
 def _compile_handler(path: str):
     """(engine, address) of a native `void on_sigbus(int)` that writes the error line and calls _exit(2)."""
-    import llvmlite.binding as llvm  # numba's compiler: loaded when a handler is installed, not on import
-    from llvmlite import ir
+    from llvmlite import binding as llvm, ir  # numba's compiler: loaded when a handler is installed, not on import
 
     msg = f"error: {path} was truncated or changed while in use (bus error reading its mapping)\n".encode(
         "utf-8", "replace"

@@ -67,7 +67,7 @@ class Attention:
         v = v.reshape(m, cfg.n_head_kv, cfg.head_dim)
         self.norm_rope(q, self.q_norm, pos0)
         self.norm_rope(k, self.k_norm, pos0)
-        kv.store(pos0, k, v)
+        ops.store_kv(k, v, kv.k, kv.v, pos0)  # (m, n_kv, head_dim) at positions pos0 ..
         return ops.attention(q, kv.k, kv.v, pos0, self.scale, np.empty_like(q))
 
     def norm_rope(self, x: np.ndarray, w, pos0: int) -> None:

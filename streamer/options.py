@@ -14,7 +14,9 @@ from enum import StrEnum
 from importlib import resources
 from pathlib import Path
 
+from streamer import budget
 from streamer.errors import StreamerError
+from streamer.io import parse_size
 
 # Parallel expert reads. 8, not 4: a cold first token reads each layer's 8 routed experts (3 parts each) at
 # once, and this disk served 1-2 MiB random O_DIRECT reads at 0.6-0.7 GB/s 4 deep, 0.7-1.1 GB/s 8 deep; a cold
@@ -53,8 +55,6 @@ class StreamOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.ram_budget, str):
-            from streamer.io import parse_size  # numpy: not on the --help path
-
             object.__setattr__(self, "ram_budget", parse_size(self.ram_budget))
         if self.io not in set(IoMode):
             raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
@@ -85,9 +85,7 @@ class StreamOptions:
         given = {k: v for k, v in given.items() if v is not None}
         fraction = values.pop("budget_fraction", None)
         if fraction is not None and "ram_budget" not in given:
-            from streamer.budget import available_memory  # psutil and numpy: not on the --help path
-
-            values["ram_budget"] = int(fraction * available_memory())
+            values["ram_budget"] = int(fraction * budget.available_memory())
         return cls(**{**values, **given})
 
 

@@ -3,6 +3,7 @@ extra), written atomically."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import numpy as np
@@ -22,20 +23,14 @@ MARKER = {"lru": "o", "lfu": "s", "pinned-lru": "^", "belady": "D", "uniform": "
 
 def require_matplotlib() -> None:
     """Fail before any work when --plot cannot be honoured."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise StreamerError(
-            "--plot needs matplotlib: pip install 'stream-run[plot]' (or pip install matplotlib)"
-        ) from None
+    if importlib.util.find_spec("matplotlib") is None:
+        raise StreamerError("--plot needs matplotlib: pip install 'stream-run[plot]' (or pip install matplotlib)")
 
 
 def _figure(rows: int, height: float):
-    import matplotlib
+    import matplotlib.pyplot as plt  # the optional plot extra: imported by the plots only
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt.switch_backend("Agg")  # files, never a window
     fig, axes = plt.subplots(rows, 1, figsize=(9, height), squeeze=False)
     return plt, fig, axes[:, 0]
 

@@ -7,6 +7,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -64,6 +65,9 @@ class Session:
     _tokenizer: Tokenizer | None = None
     pagein: PageIn | None = None  # the background page-in open_model started (None: nothing fits the budget)
     kernels: list = field(default_factory=list)  # the numba dispatchers a run of this model may call
+    loaded: Callable[[list], int] = lambda kernels: (
+        0
+    )  # how many of these dispatchers have loaded or compiled (warmup.loaded)
     _building: threading.Thread | None = None  # tokenizer_in_background's thread, until .tokenizer joins it
 
     def report(self, stream) -> None:
@@ -105,9 +109,7 @@ class Session:
                 expert_prefetch_bytes=sum(st.prefetch_bytes for st in layers),
                 expert_stall_s=round(sum(st.stall_s for st in layers), 4),
             )
-        from streamer.warmup import loaded  # numba's (loaded by now); not on import, as _open's
-
-        timing.mark("first_token", kernels_loaded=loaded(self.kernels), **figures)
+        timing.mark("first_token", kernels_loaded=self.loaded(self.kernels), **figures)
 
     @property
     def traffic(self) -> ExpertTraffic | None:
@@ -311,13 +313,6 @@ def readahead_step(gf: GGUFFile) -> int:
     return min(readahead_bytes(s.path) for s in gf.shards)
 
 
-def physical_cores() -> int:
-    """llama.cpp's default thread count: physical cores (not more than numba's pool)."""
-    import numba  # not on import, as _open's
-
-    return max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, numba.config.NUMBA_NUM_THREADS))
-
-
 def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> None:
     """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
     need = sum(t.nbytes for t in gf.tensors.values()) + cfg.state_bytes(cfg.context(n_ctx))
@@ -395,32 +390,28 @@ def open_model(
 
 
 def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, lazy_kernels) -> Session:
-    # numba and the kernels load here, when a model is opened, not when this module is imported (cli/early.py
-    # plans the page-in with it before they load)
-    from streamer import kernels
-    from streamer.model import Model
+    # numba and the kernels load here, when a model is opened, not when this module is imported: the page-in
+    # open_model (or cli/early.py) started reads while they load, and the CLI's --help and input checks need none
+    from streamer import kernels, model as models, moe_build, warmup
 
-    kernels.set_threads(threads or physical_cores())
+    kernels.set_threads(threads)
     timing.mark("kernels_imported")
     moe = None
     if cfg.is_moe:
-        from streamer.moe_build import build_moe_ffn  # numba, as above
-
         paged_in = (lambda: early.done) if early is not None else (lambda: 0)
-        moe = build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
+        moe = moe_build.build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
     elif options.ram_budget is not None:  # a budget the user gave
         warn_dense_budget(gf, cfg, n_ctx, budget)
     watch = None if gf.in_memory else FileWatch([s.path for s in gf.shards])  # a copy: the file may change
-    model = Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=watch)
+    model = models.Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=watch)
     session = Session(gf, cfg, model, moe, tokenizer)
     if not gf.in_memory:
         advise_pages(gf)
         start_pagein(session, budget, early)
     timing.mark("model_built")
-    from streamer.warmup import cached, decode_formats, model_kernels, warmup_shared  # numba, as above
-
-    session.kernels = model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
-    all_cached = cached(session.kernels)
+    session.kernels = warmup.model_kernels(model, cfg.is_moe, cfg.is_moe and moe.needs_tiles())
+    session.loaded = warmup.loaded  # not a closure over the session: a cycle would outlive close()
+    all_cached = warmup.cached(session.kernels)
     if not (lazy_kernels and all_cached):  # compile now, not inside the first token
         with notice_if_slow("compiling kernels (first run only; numba caches them)..."):
             qtypes, only = None, ()
@@ -431,10 +422,10 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
             only += ("recurrent",) if cfg.full_attn_interval else ()
-            combos = decode_formats(model, moe)
+            combos = warmup.decode_formats(model, moe)
             # a second compiling process: only when there is something to compile, and it needs memory of its
             # own, so not under a budget the user set
             helper = not all_cached and options.ram_budget is None
-            warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=helper)
+            warmup.warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=helper)
     timing.mark("warmed_up")
     return session

@@ -43,12 +43,6 @@ class KVRows:
         self.v = np.zeros((n_kv, n_ctx, head_dim), np.uint16)
         self.nbytes = self.k.nbytes + self.v.nbytes
 
-    def store(self, pos0: int, k: np.ndarray, v: np.ndarray) -> None:
-        """k, v: (m, n_kv, head_dim) for positions pos0 .. pos0+m-1."""
-        from streamer.kernels import ops  # here: check_room serves the CLI's checks, which must not import numba
-
-        ops.store_kv(k, v, self.k, self.v, pos0)
-
 
 class Recurrent:
     """A linear-attention layer's state as named float32 arrays (e.g. a conv window and a delta-rule matrix),

@@ -257,7 +257,7 @@ HELP_SCRIPT = textwrap.dedent("""
         except SystemExit as e:
             assert not e.code, (cmd, e.code)
         times[cmd or "(app)"] = time.perf_counter() - t0
-        heavy = [m for m in ("numba", "numpy", "streamer.kernels", "gguf") if m in sys.modules]
+        heavy = [m for m in ("numba", "streamer.kernels", "starlette", "matplotlib") if m in sys.modules]
         assert not heavy, (cmd, heavy)
     print("TIMES", times, file=sys.stderr)
 """)

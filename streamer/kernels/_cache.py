@@ -11,11 +11,11 @@ loaded; importing the kernels deletes nothing. Best effort: an unwritable cache 
 import hashlib
 from pathlib import Path
 
+from numba.core import config
+from numba.core.caching import UserProvidedCacheLocator
+
 
 def _cache_dirs(here: Path) -> list[Path]:
-    from numba.core import config  # numba loads when a cache is looked at, not on import
-    from numba.core.caching import UserProvidedCacheLocator
-
     dirs = [here / "__pycache__"]
     if config.CACHE_DIR:  # numba's own rule for where NUMBA_CACHE_DIR keeps this directory's kernels
         dirs.append(Path(config.CACHE_DIR) / UserProvidedCacheLocator.get_suitable_cache_subpath(str(here / "x.py")))

@@ -1,10 +1,12 @@
 """QMatrix: one 2-D GGUF weight over a zero-copy view, bound once to its format's kernels."""
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import numba
 import numpy as np
+import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import StreamerError
@@ -159,9 +161,12 @@ class QMatrix:
         return out
 
 
-def set_threads(n: int) -> None:
-    """Threads the parallel kernels use (numba.set_num_threads; per calling thread)."""
+def set_threads(n: int | None = None) -> None:
+    """Threads the parallel kernels use (numba.set_num_threads; per calling thread). None: llama.cpp's default,
+    the physical cores (not more than numba's pool)."""
     top = numba.config.NUMBA_NUM_THREADS
+    if n is None:
+        n = max(1, min(psutil.cpu_count(logical=False) or os.cpu_count() or 1, top))
     if not 1 <= n <= top:
         raise StreamerError(f"threads={n} is out of range (1..{top} on this machine)")
     numba.set_num_threads(n)
