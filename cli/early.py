@@ -85,7 +85,7 @@ def start(argv: list[str]) -> None:
         _read_header_ahead(path)  # the CLI reads the header whatever the flags say: have it on its way
         # numpy and the header parser import only now, while the header is on its way (and not at all for --help
         # or another command)
-        from streamer import budget, config, gguf_file, options, session
+        from streamer import config, gguf_file, options, session
 
         n_ctx = int(found["n_ctx"]) if "n_ctx" in found else None
         opts = options.StreamOptions.build(
@@ -95,7 +95,9 @@ def start(argv: list[str]) -> None:
         cfg = config.ModelConfig.from_gguf(gf)
         timing.mark("header")
         _held.update(path=path, gf=gf, cfg=cfg)
-        ranges, whole = session.early_plan(gf, cfg, opts, budget.resolve(opts.ram_budget), n_ctx, rss_margin=RSS_MARGIN)
+        ranges, whole = session.early_plan(
+            gf, cfg, opts, session.run_budget(gf, cfg, opts, n_ctx), n_ctx, rss_margin=RSS_MARGIN
+        )
         if ranges and gf.mm is not None:
             _held.update(ranges=ranges, pagein=session.start_pagein_of(gf, ranges, whole))
     except Exception:  # a hint only: the CLI reports whatever is wrong, in its own words

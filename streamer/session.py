@@ -272,6 +272,15 @@ def early_plan(
     return forward_order(gf, [(t.offset, t.nbytes) for t in tensors]), whole
 
 
+def run_budget(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> int:
+    """The run's RAM budget in bytes: --ram-budget as given, else budget.resolve's share of the available
+    memory, widened (budget.roomy) for a streamed MoE that fits whole in a larger share: it runs in place."""
+    budget = resolve_budget(options.ram_budget)
+    if options.ram_budget is None and cfg.is_moe and options.stream and options.expert_cache_bytes is None:
+        budget = roomy(budget, lambda b: moe_fits_resident(gf, cfg, n_ctx, b))
+    return budget
+
+
 def moe_fits_resident(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> bool:
     """Whether the budget plan keeps every expert of the file in place at this budget."""
     layout = ExpertLayout(gf, cfg)
@@ -371,9 +380,7 @@ def open_model(
     timing.mark("header")
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
-    budget = resolve_budget(options.ram_budget)  # once: every check below uses this figure
-    if options.ram_budget is None and cfg.is_moe and options.stream and options.expert_cache_bytes is None:
-        budget = roomy(budget, lambda b: moe_fits_resident(gf, cfg, n_ctx, b))
+    budget = run_budget(gf, cfg, options, n_ctx)  # once: every check below uses this figure
     if options.mmap:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
     else:

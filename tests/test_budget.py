@@ -226,6 +226,8 @@ def test_without_a_budget_a_model_that_fits_whole_runs_in_place(streaming_moe, m
     """No --ram-budget: when every expert fits in ROOMY_FRACTION of available memory (but not in
     DEFAULT_FRACTION), the model runs in place (as llama.cpp's mmap); when it does not, it streams."""
     import streamer.budget as budget
+    import streamer.session as session
+    from streamer.cli import early
     from streamer.gguf_file import GGUFFile
     from streamer.session import ModelConfig, moe_fits_resident, open_model
 
@@ -240,5 +242,17 @@ def test_without_a_budget_a_model_that_fits_whole_runs_in_place(streaming_moe, m
     assert budget.roomy(default, lambda b: moe_fits_resident(gf, cfg, 64, b)) == default
     monkeypatch.setattr(budget, "available_memory", lambda: int(hi / 0.9))  # fits at 0.95, not at 0.8
     assert not moe_fits_resident(gf, cfg, 64, budget.resolve(None))
+    # the CLI's entry point plans its early page-in at the budget open_model will use (session.run_budget)
+    budgets = []
+    plan = session.early_plan
+    monkeypatch.setattr(
+        session, "early_plan", lambda gf, cfg, o, b, *a, **k: budgets.append(b) or plan(gf, cfg, o, b, *a, **k)
+    )
+    try:
+        early.start(["stream-run", "run", str(streaming_moe), "-c", "64", "--tokens", "1"])
+    finally:
+        early.stop()
+    assert budgets == [session.run_budget(gf, cfg, StreamOptions(learn=False), 64)]
+    assert budgets[0] > budget.resolve(None)  # widened: not the default share
     with open_model(streaming_moe, StreamOptions(learn=False), n_ctx=64) as s:
         assert not s.moe.source.streams
