@@ -1,8 +1,9 @@
-"""Entry point: registers the commands on the app. Heavy imports live inside the commands, so --help is instant.
-main() first lets cli/early.py start reading a `run` or `chat` model (stdlib, numpy and the header
-parser only), before typer and the commands are imported: the disk works while the CLI loads. It then builds
-only the command it was asked for (typer turns every registered command's signature into click parameters
-before it parses anything: 0.16 s for all of them, most of a one-off run's CLI time)."""
+"""Entry point: registers the commands on the app. numba and the kernels load only when a model is opened, so
+--help and bad input answer in tenths of a second. main() first lets cli/early.py start reading a `run` or
+`chat` model (stdlib, numpy and the header parser only), before typer and the commands are imported: the disk
+works while the CLI loads. It then builds only the command it was asked for (typer turns every registered
+command's signature into click parameters before it parses anything: 0.16 s for all of them, most of a one-off
+run's CLI time)."""
 
 from __future__ import annotations
 

@@ -65,9 +65,8 @@ class Session:
     _tokenizer: Tokenizer | None = None
     pagein: PageIn | None = None  # the background page-in open_model started (None: nothing fits the budget)
     kernels: list = field(default_factory=list)  # the numba dispatchers a run of this model may call
-    loaded: Callable[[list], int] = lambda kernels: (
-        0
-    )  # how many of these dispatchers have loaded or compiled (warmup.loaded)
+    # how many of these dispatchers have loaded or compiled: warmup.loaded, set when the kernels load
+    loaded: Callable[[list], int] = lambda kernels: 0
     _building: threading.Thread | None = None  # tokenizer_in_background's thread, until .tokenizer joins it
 
     def report(self, stream) -> None:
