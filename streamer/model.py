@@ -77,6 +77,12 @@ class WithSharedExpert:
         y += self.routed(layer, h)
         return y
 
+    def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
+        """One token: x += the shared expert's output, then the routed experts' (MoEFFN.decode: one kernel call
+        when every expert is in place)."""
+        x += self._shared(layer, h)
+        self.routed.decode(layer, h, x)
+
 
 class Layer:
     """One block: x += mixer(attn_norm(x)); x += ffn(ffn_norm(x)). The FFN is the model's, called with the
@@ -219,6 +225,7 @@ class Model:
         if m == 1 and self._decode is not None:
             self._decode_layers(x, h, state, pos0)
         else:
+            decode_ffn = hasattr(self.ffn, "decode")
             for i, L in enumerate(self.layers):
                 interrupts.check()
                 ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
@@ -226,7 +233,10 @@ class Model:
                 for hook in self.hooks:
                     hook.after_attention(i, x)
                 ops.rmsnorm(x, L.ffn_norm, cfg.rms_eps, h)
-                x += self.ffn(i, h)
+                if m == 1 and decode_ffn:  # a MoE's one-token FFN: one kernel call where it can
+                    self.ffn.decode(i, h, x)
+                else:
+                    x += self.ffn(i, h)
         state.commit(m)
         return x
 

@@ -64,8 +64,9 @@ def test_moe_one_call_layer_equals_per_call_and_streamed(synth_model, qtype):
     for name in ("one-call", "per-call"):
         s = open_model(path, StreamOptions(stream=False))
         s.moe.source.resident()
-        if name == "per-call":
+        if name == "per-call":  # every layer's calls one by one: no attention block, no MoEFFN.decode
             s.model._decode = None
+            s.model.ffn = s.moe.__call__
         runs[name] = (steps(s.model)[0], s.moe.traffic.report()["totals"], s.moe.usage.counts.copy())
         assert (s.moe.whole_layer._dec is not None) == (name == "one-call")  # the path under test was taken
     (a, ta, ua), (b, tb, ub) = runs["one-call"], runs["per-call"]

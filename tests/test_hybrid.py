@@ -80,8 +80,10 @@ def test_the_linear_attention_matters(synth_model, preset):
 @pytest.mark.parametrize("preset", ["tiny-qwen35moe", pytest.param("tiny-qwen3next", marks=pytest.mark.slow)])
 def test_streamed_equals_resident_bit_for_bit(synth_model, preset):
     path = synth_model(preset, "Q8_0", recipe="Q4_K_M")
-    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     r = open_model(path, StreamOptions(stream=False, learn=False))
+    r.moe.source.resident()  # every expert in RAM: a token's routed experts are one kernel call per layer
+    resident = run(r)
+    assert r.moe.whole_layer._dec is not None  # that one-call path (MoEFFN.decode) was taken
     slot = ExpertLayout(r.gf, r.cfg).slot_bytes
     for slots in (5, 24):
         s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot))
