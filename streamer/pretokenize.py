@@ -35,42 +35,41 @@ _STAND_IN = {"L": "\u00aa", "N": "\u00b2", "M": "\u0300"}  # ª (Lo), ² (No), U
 _OTHER = "\u00a6"
 
 # llama.cpp's unicode-data.cpp is generated from Unicode 15.1; Python 3.11's unicodedata is 14.0. These are
-# all the code points that are L or N in 15.1 but unassigned in 14.0 (computed with Python 3.13's 15.1 data).
-# All are astral, so only the stand-in lookup needs them. Characters added in Unicode 16 are unassigned
-# for llama.cpp (HF tokenizers' oniguruma already knows them, so HF and llama.cpp differ there).
-UNICODE_15_1_LN = (
+# the code points that are L, N or M in 15.1 but unassigned in 14.0 (the letters and numbers computed with
+# Python 3.13's 15.1 data; the marks, which only qwen35's split sets apart, checked against llama.cpp's ids in
+# tests/tok_llama_golden.json). Two marks are in the BMP (unicode_classes adds them); the rest are astral, for
+# the stand-in lookup. Characters added in Unicode 16 are unassigned for llama.cpp (HF tokenizers' oniguruma
+# already knows them, so HF and llama.cpp differ there).
+UNICODE_15_1_NEW = (
+    (0x0CF3, 0x0CF3, "M"),
+    (0x0ECE, 0x0ECE, "M"),
+    (0x10EFD, 0x10EFF, "M"),
     (0x1123F, 0x11240, "L"),
+    (0x11241, 0x11241, "M"),
+    (0x11F00, 0x11F01, "M"),
     (0x11F02, 0x11F02, "L"),
+    (0x11F03, 0x11F03, "M"),
     (0x11F04, 0x11F10, "L"),
     (0x11F12, 0x11F33, "L"),
+    (0x11F34, 0x11F3A, "M"),
+    (0x11F3E, 0x11F42, "M"),
     (0x11F50, 0x11F59, "N"),
     (0x1342F, 0x1342F, "L"),
+    (0x13440, 0x13440, "M"),
     (0x13441, 0x13446, "L"),
+    (0x13447, 0x13455, "M"),
     (0x1B132, 0x1B132, "L"),
     (0x1B155, 0x1B155, "L"),
     (0x1D2C0, 0x1D2D3, "N"),
     (0x1DF25, 0x1DF2A, "L"),
     (0x1E030, 0x1E06D, "L"),
+    (0x1E08F, 0x1E08F, "M"),
     (0x1E4D0, 0x1E4EB, "L"),
+    (0x1E4EC, 0x1E4EF, "M"),
     (0x1E4F0, 0x1E4F9, "N"),
     (0x2B739, 0x2B739, "L"),
     (0x2EBF0, 0x2EE5D, "L"),
     (0x31350, 0x323AF, "L"),
-)
-# The marks (M) Unicode 15.0 added, which Python 3.11's unicodedata does not know: two in the BMP, the rest
-# astral (qwen35 keeps marks with letters; qwen2 treats them as "other", as it does any unassigned point).
-UNICODE_15_BMP_MARKS = (0x0CF3, 0x0ECE)
-UNICODE_15_1_M = (
-    (0x10EFD, 0x10EFF),
-    (0x11241, 0x11241),
-    (0x11F00, 0x11F01),
-    (0x11F03, 0x11F03),
-    (0x11F34, 0x11F3A),
-    (0x11F3E, 0x11F42),
-    (0x13440, 0x13440),
-    (0x13447, 0x13455),
-    (0x1E08F, 0x1E08F),
-    (0x1E4EC, 0x1E4EF),
 )
 
 
@@ -89,18 +88,18 @@ def _ranges(cps: list[int]) -> str:
 @lru_cache(maxsize=1)
 def unicode_classes() -> tuple[str, str, str, str]:
     """(letters, numbers, whitespace, marks) of the BMP as regex class bodies, from this Python's unicodedata
-    (and Unicode 15's two new BMP marks)."""
+    and UNICODE_15_1_NEW's BMP entries."""
     cat = unicodedata.category
-    letters, numbers, marks = [], [], list(UNICODE_15_BMP_MARKS)
+    classes: dict[str, list[int]] = {"L": [], "N": [], "M": []}
     for cp in range(0x10000):
         c = cat(chr(cp))[0]
-        if c == "L":
-            letters.append(cp)
-        elif c == "N":
-            numbers.append(cp)
-        elif c == "M":
-            marks.append(cp)
-    return _ranges(letters), _ranges(numbers), _ranges(sorted(WHITESPACE)), _ranges(sorted(marks))
+        if c in classes:
+            classes[c].append(cp)
+    for lo, hi, c in UNICODE_15_1_NEW:
+        if hi < 0x10000:
+            classes[c] += range(lo, hi + 1)
+    letters, numbers, marks = (_ranges(sorted(classes[c])) for c in "LNM")
+    return letters, numbers, _ranges(sorted(WHITESPACE)), marks
 
 
 @lru_cache(maxsize=2)
@@ -125,8 +124,7 @@ def _stand_in(ch: str) -> str:
     cat = unicodedata.category(ch)
     if cat == "Cn":
         cp = ord(ch)
-        cat = next((c for lo, hi, c in UNICODE_15_1_LN if lo <= cp <= hi), cat)
-        cat = next(("M" for lo, hi in UNICODE_15_1_M if lo <= cp <= hi), cat)
+        cat = next((c for lo, hi, c in UNICODE_15_1_NEW if lo <= cp <= hi), cat)
     return _STAND_IN.get(cat[0], _OTHER)
 
 
