@@ -12,7 +12,7 @@ after the other; the committed files were trained side by side (`train --model m
 in two processes, one thread each). torch is imported only here, never by the runtime.
 
 How the committed files differ from a fresh run of this script, honestly: their schedules were shortened while
-they ran, to fit the session's clock on a loaded machine. MoE: first cycle 550 -> 400 steps at step 45 (still
+they ran, to finish within a time limit on a loaded machine. MoE: first cycle 550 -> 400 steps at step 45 (still
 in warm-up, so no effect), second cycle 400 -> 300 steps at step 489 (steps 400-488 followed a 400-step
 cosine). Dense: first cycle 600 -> 450 steps at step 81 (steps 50-80 followed a 600-step cosine). Everything
 else (data order, seeds, the rest of the schedules) is what this script does.
