@@ -102,6 +102,17 @@ STREAM_FLAGS = {
         ],
         None,
     ),
+    "expert_skip": (
+        Annotated[
+            Optional[float],
+            typer.Option(
+                "--expert-skip",
+                help="Per token, skip a routed expert that is neither cached nor being read when its share of "
+                "the routing weight is below this (APPROXIMATE outputs; e.g. 0.05) [default: 0 = off].",
+            ),
+        ],
+        None,
+    ),
     "prefetch": (
         Annotated[
             Optional[bool],

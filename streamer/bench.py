@@ -98,6 +98,8 @@ def run_bench(
         "demand_miss_rate": tg_report["miss_rate"] if tg_report else None,
         "read_bytes_per_token": tg_report["read_bytes_per_token"] if tg_report else 0.0,
         "prefetch_recall": tg_report["prefetch_recall"] if tg_report else None,
+        "skipped_weight_share": tg_report["skipped_weight_share"] if tg_report else 0.0,  # --expert-skip, decode
+        "skipped_bytes_per_token": tg_report["skipped_bytes_per_token"] if tg_report else 0.0,
         "io_stall_share": tg_report["stall_share"] if tg_report else 0.0,
         "prefill_read_bytes": pp_report["read_bytes"] if pp_report else 0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

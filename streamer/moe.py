@@ -1,5 +1,5 @@
 """Qwen3-MoE FFN: router softmax over all experts, top-k, renormalised weights (norm_topk_prob), optional
-expert top-p, SwiGLU per selected expert, weighted sum. Experts come from an ExpertSource (resident or
+expert top-p, optional cache-aware expert skipping, SwiGLU per selected expert, weighted sum. Experts come from an ExpertSource (resident or
 streamed); each layer's experts are computed in ascending id order, so the floating-point sum per token is
 the same whatever the cache did, and streamed logits are bit-identical to resident ones.
 
@@ -53,6 +53,26 @@ def apply_top_p(ids: np.ndarray, w: np.ndarray, top_p: float) -> tuple[np.ndarra
     return np.where(keep, ids, -1), w.astype(np.float32)
 
 
+def apply_skip(ids: np.ndarray, w: np.ndarray, threshold: float, present: np.ndarray):
+    """Cache-aware expert skipping over route's output: an expert is dropped for a token when it is not
+    present (neither cached nor in flight: present is a bool array like ids), its share of the token's routing
+    weight is below threshold, it is not the token's top expert, and no other token of the call keeps it (that
+    token reads it anyway). A token's survivors are rescaled to its old total, as expert top-p does; tokens
+    that lose nothing keep their weights bit for bit. -> (ids with the skipped ones -1, weights, skipped mask)."""
+    total = w.sum(axis=1, keepdims=True)
+    skip = ~present & (ids >= 0) & (w < threshold * total)
+    skip[:, 0] = False  # route orders by weight: the top expert is always computed
+    if skip.any() and ids.shape[0] > 1:
+        skip &= ~np.isin(ids, ids[(ids >= 0) & ~skip])
+    if not skip.any():
+        return ids, w, skip
+    rows = skip.any(axis=1)
+    kept = np.where(skip[rows], 0.0, w[rows])
+    w = w.copy()
+    w[rows] = kept * (total[rows] / kept.sum(axis=1, keepdims=True))
+    return np.where(skip, -1, ids), w, skip
+
+
 class Router:
     """Each layer's router (and its ffn_norm, for the lookahead): routed expert ids and weights."""
 
@@ -71,17 +91,15 @@ class Router:
             self.trace.route(layer, ids_k, w_k, w)
         return ids, w
 
-    def predict(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """The experts `layer` would pick for the residual x of one token (before its attention)."""
+    def predict(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The experts `layer` would pick for the residual x of one token (before its attention): ids and
+        weights (1, k) after expert top-p, as __call__ returns them."""
         h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h)
         self.mats[layer].matvec(h[0], self._logits[0])
         ids_k, w_k = route_topk(self._logits, self.cfg.n_expert_used)
         if self.trace is not None:
             self.trace.lookahead(layer, ids_k, w_k)
-        if self.expert_top_p >= 1.0:
-            return ids_k[0]
-        ids, _ = apply_top_p(ids_k, w_k, self.expert_top_p)
-        return ids[0][ids[0] >= 0]
+        return apply_top_p(ids_k, w_k, self.expert_top_p)
 
 
 class MoEFFN:
@@ -99,10 +117,12 @@ class MoEFFN:
         expert_top_p: float = 1.0,
         prefetch: bool = True,
         plan: BudgetSplit | None = None,
+        expert_skip: float = 0.0,
     ):
-        """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming)."""
+        """plan: the RAM budget plan the expert cache was sized by (None: sized exactly, or not streaming).
+        expert_skip: apply_skip's threshold (0: off); its decisions ask the source which experts are present."""
         self.gf, self.cfg, self.source, self.traffic, self.usage = gf, cfg, source, traffic, usage
-        self.prefetch, self.plan = prefetch, plan
+        self.prefetch, self.plan, self.expert_skip = prefetch, plan, expert_skip
         self.router = Router(gf, cfg, expert_top_p)
         self.predicted: dict[int, np.ndarray] = {}
         self.tuning = Tuning(window=cfg.n_expert_used, group=cfg.n_expert_used)
@@ -127,14 +147,20 @@ class MoEFFN:
         residual; the experts it picks are prefetched while layer L computes. Decode only (one token)."""
         nxt = layer + 1
         if self.prefetch and x.shape[0] == 1 and nxt < self.cfg.n_layer and self.source.wants_lookahead:
-            self.predicted[nxt] = self.router.predict(nxt, x)
+            ids, w = self.router.predict(nxt, x)
+            if self.expert_skip > 0:  # what the layer would skip now is not worth reading ahead
+                ids, w, _ = apply_skip(ids, w, self.expert_skip, self.source.present(nxt, ids))
+            self.predicted[nxt] = ids[0][ids[0] >= 0]
 
     def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
         """The layer's FFN of h (m, n_embd): route, record, compute the routed experts in ascending id order."""
         m = h.shape[0]
         self._starting(layer, m)
         ids, w = self.router(layer, h)
-        self.traffic.routed(layer, ids, self.predicted.pop(layer, None))
+        n_skipped = 0
+        if self.expert_skip > 0:
+            ids, w, n_skipped = self._skip(layer, ids, w)
+        self.traffic.routed(layer, ids, self.predicted.pop(layer, None), n_skipped)
         used = ids[ids >= 0]
         if self.usage is not None:
             self.usage.record(layer, used)
@@ -151,6 +177,17 @@ class MoEFFN:
         else:
             self.compute[layer].prefill(layer, h, ids, w, experts, out, None)
         return out
+
+    def _skip(self, layer: int, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """apply_skip against the experts the source has (cached or in flight), counted in the traffic: the
+        routing weight share skipped, and the bytes of the experts no token of the call reads."""
+        new_ids, new_w, skip = apply_skip(ids, w, self.expert_skip, self.source.present(layer, ids))
+        n = int(skip.sum())
+        if n:
+            share = float(((w * skip).sum(axis=1) / w.sum(axis=1)).sum())
+            nbytes = len(np.unique(ids[skip])) * self.source.layout.expert_bytes(layer)
+            self.traffic.skipped(layer, n, share, nbytes)
+        return new_ids, new_w, n
 
     def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
         """One token: x += this layer's FFN of h (= ffn_norm(x)); as one kernel call (WholeLayer) where every

@@ -53,7 +53,15 @@ def build_moe_ffn(
         cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used)
         source = StreamingSource(gf.files, layout, cache, traffic, n_readers=options.readers, direct=options.io.direct)
     ffn = MoEFFN(
-        gf, cfg, source, traffic, usage, expert_top_p=options.expert_top_p, prefetch=options.prefetch, plan=plan
+        gf,
+        cfg,
+        source,
+        traffic,
+        usage,
+        expert_top_p=options.expert_top_p,
+        prefetch=options.prefetch,
+        plan=plan,
+        expert_skip=options.expert_skip,
     )
     if trace is not None:
         traffic.trace = ffn.router.trace = TraceRecorder(

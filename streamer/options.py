@@ -52,6 +52,7 @@ class StreamOptions:
     pin_share: float = 0.5  # at most this share of the expert cache is pinned to learned hot experts
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
     mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
+    expert_skip: float = 0.0  # per token, drop uncached routed experts below this weight share (0: off)
 
     def __post_init__(self) -> None:
         if isinstance(self.ram_budget, str):
@@ -64,6 +65,7 @@ class StreamOptions:
         checks = (
             (self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),
             (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too
+            (not 0.0 <= self.expert_skip < 1.0, "--expert-skip must be in [0, 1)", self.expert_skip),
             (self.readers < 1, "readers must be at least 1", self.readers),
             (not 0.0 <= self.pin_share <= 1.0, "pin_share must be in [0, 1]", self.pin_share),
             (
@@ -96,6 +98,7 @@ PRESET_KEYS = {
     "budget_fraction": (float, int),
     "prefetch": (bool,),
     "expert_top_p": (float, int),
+    "expert_skip": (float, int),
     "pin_share": (float, int),
     "readers": (int,),
 }

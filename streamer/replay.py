@@ -470,6 +470,12 @@ def format_replay(r: dict, per_layer: bool = False) -> str:
         f"demand reads are not hits); MiB/token counts demand and prefetch reads"
     )
     lines = [r["trace"], how]
+    skip = r["header"]["options"].get("expert_skip", 0.0)
+    if skip > 0:
+        lines.append(
+            f"the run skipped uncached experts (--expert-skip {skip:g}); the replay does not: it reads every routed "
+            "expert, so its misses and MiB/token are above the run's"
+        )
     if r["recorded"] is not None:
         rec = r["recorded"]
         lines.append(f"as recorded ({rec['n_slots']} slots, {rec['policy']}): live vs replay")

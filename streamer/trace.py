@@ -105,6 +105,7 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
         },
         "options": {
             "expert_top_p": ffn.expert_top_p,
+            "expert_skip": ffn.expert_skip,  # replay does not model it: it replays the routes before skipping
             "prefetch": bool(ffn.prefetch),
             "stream": cache is not None,
             "pin_share": pin_share,

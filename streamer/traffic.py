@@ -26,6 +26,10 @@ class LayerStats:
     hit_prefetched: int = 0  # first use of an expert a prefetch brought in (or had in flight)
     miss: int = 0  # demand reads
     dropped: int = 0  # experts removed by expert top-p (never read)
+    tokens: int = 0  # tokens routed (each one's routing weight is a share of 1)
+    skipped: int = 0  # (token, expert) uses removed by expert skipping (--expert-skip)
+    skipped_share: float = 0.0  # their shares of their tokens' routing weight, summed
+    skipped_bytes: int = 0  # bytes of the experts skipping kept from being read
     read_bytes: int = 0  # bytes requested by demand reads
     prefetch_issued: int = 0
     prefetch_bytes: int = 0
@@ -59,10 +63,12 @@ class ExpertTraffic:
         if self.trace is not None:
             self.trace.reset()
 
-    def routed(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None = None) -> None:
-        """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p;
-        for one token, how many of its experts the router lookahead had predicted."""
+    def routed(self, layer: int, ids: np.ndarray, predicted: np.ndarray | None = None, skipped: int = 0) -> None:
+        """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p
+        or skipped (`skipped` of them); for one token, how many of its experts the lookahead had predicted."""
         st = self.layers[layer]
+        st.tokens += ids.shape[0]
+        st.dropped -= skipped
         if ids.shape[0] == 1:  # decode: a handful of ids, cheaper in Python than in numpy calls
             row = [e for e in ids[0].tolist() if e >= 0]
             st.routed += len(row)
@@ -76,6 +82,14 @@ class ExpertTraffic:
             st.dropped += int((~used).sum())
         if layer == 0:
             self.tokens += ids.shape[0]
+
+    def skipped(self, layer: int, n: int, share: float, nbytes: int) -> None:
+        """Count expert skipping's drops in one layer call: n uses, their routing-weight shares summed, and the
+        bytes of the experts it kept from being read."""
+        st = self.layers[layer]
+        st.skipped += n
+        st.skipped_share += share
+        st.skipped_bytes += nbytes
 
     def totals(self) -> LayerStats:
         t = LayerStats()
@@ -98,6 +112,8 @@ class ExpertTraffic:
             "prefetch_recall": t.recall_hit / t.recall_total if t.recall_total else None,
             "prefetch_wasted": t.prefetch_issued - t.prefetch_used,
             "stall_share": t.stall_s / wall if wall > 0 else 0.0,
+            "skipped_weight_share": t.skipped_share / t.tokens if t.tokens else 0.0,  # of all routing weight
+            "skipped_bytes_per_token": t.skipped_bytes / max(self.tokens, 1),
             "totals": asdict(t),
             "layers": [asdict(s) for s in self.layers],
         }
@@ -109,18 +125,25 @@ class ExpertTraffic:
             return "n/a" if v is None else f"{100 * v:.1f}%"
 
         rec = pct(r["prefetch_recall"])
+        t = r["totals"]
+        skip = ""
+        if t["skipped"]:
+            skip = (
+                f"; skipped {t['skipped']} routed experts ({pct(r['skipped_weight_share'])} of the routing weight, "
+                f"{r['skipped_bytes_per_token'] / 2**20:.1f} MiB/token not read)"
+            )
         return (
             f"experts: hit rate {pct(r['hit_rate'])} (prefetched {pct(r['prefetched_rate'])}, demand reads "
             f"{pct(r['miss_rate'])}), {r['read_bytes_per_token'] / 2**20:.1f} MiB read/token "
             f"(disk {r['disk_read_bytes'] / 2**20:.0f} MiB total), prefetch recall {rec}, "
-            f"I/O stall {100 * r['stall_share']:.0f}% of wall time"
+            f"I/O stall {100 * r['stall_share']:.0f}% of wall time{skip}"
         )
 
     def table(self) -> str:
         """routed: (token, expert) uses; reqs: distinct experts asked for per layer call, which are served as
         pinned / LRU hits, prefetched, or demand-read (miss)."""
         head = (
-            f"{'layer':>5} {'routed':>7} {'reqs':>6} {'pinned':>7} {'lru':>7} {'prefet':>7} {'miss':>7} {'drop':>6} "
+            f"{'layer':>5} {'routed':>7} {'reqs':>6} {'pinned':>7} {'lru':>7} {'prefet':>7} {'miss':>7} {'drop':>6} {'skip':>6} "
             f"{'MiB read':>9} {'pf iss':>7} {'pf used':>7} {'recall':>7} {'stall s':>8}"
         )
         rows = [head]
@@ -129,7 +152,7 @@ class ExpertTraffic:
             name = "all" if i == len(self.layers) else str(i)
             rows.append(
                 f"{name:>5} {s.routed:>7} {s.requests:>6} {s.hit_pinned:>7} {s.hit_lru:>7} {s.hit_prefetched:>7} {s.miss:>7} "
-                f"{s.dropped:>6} {(s.read_bytes + s.prefetch_bytes) / 2**20:>9.1f} {s.prefetch_issued:>7} "
+                f"{s.dropped:>6} {s.skipped:>6} {(s.read_bytes + s.prefetch_bytes) / 2**20:>9.1f} {s.prefetch_issued:>7} "
                 f"{s.prefetch_used:>7} {rec} {s.stall_s:>8.3f}"
             )
         return "\n".join(rows)

@@ -136,7 +136,37 @@ class Reference:
             out.append({int(e): we / kept for e, we in keep})
         return out
 
-    def ffn(self, i, h, top_p, trace):
+    @staticmethod
+    def skip_experts(i, routes, skip):
+        """Cache-aware expert skipping, by its definition, on one layer's routes (as route returns them), in
+        the forward calls skip["calls"] (token counts) of a run whose cache never evicts and reads nothing
+        ahead, so an expert is present exactly when an earlier call read it (skip["seen"]: (layer, expert)).
+        Per call: a token drops an expert that is not present, whose weight is below skip["threshold"] and
+        which is not its top one, unless another token of the call keeps it; the rest are rescaled to sum 1.
+        Counts skip["skipped"] (token, expert) pairs and skip["unread"] (layer call, expert) pairs."""
+        out, start = [], 0
+        for n in skip["calls"]:
+            call = routes[start : start + n]
+            start += n
+            drop = [
+                {
+                    e
+                    for j, (e, we) in enumerate(sel.items())
+                    if j > 0 and (i, e) not in skip["seen"] and we < skip["threshold"]
+                }
+                for sel in call
+            ]
+            kept = {e for sel, d in zip(call, drop) for e in sel if e not in d}
+            drop = [d - kept for d in drop]
+            for sel, d in zip(call, drop):
+                left = sum(we for e, we in sel.items() if e not in d)
+                out.append({e: we / left for e, we in sel.items() if e not in d})
+                skip["skipped"] += len(d)
+            skip["unread"] += len(set().union(*drop))
+            skip["seen"] |= {(i, e) for e in kept}
+        return out
+
+    def ffn(self, i, h, top_p, trace, skip=None):
         W = self.w
 
         def silu(z):
@@ -148,6 +178,8 @@ class Reference:
         out = np.zeros_like(h)
         G, U, D = (W[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
         routes = self.route(h, W[f"blk.{i}.ffn_gate_inp.weight"], top_p)
+        if skip is not None:
+            routes = self.skip_experts(i, routes, skip)
         if trace is not None:
             trace[i] = routes
         for t, sel in enumerate(routes):
@@ -159,9 +191,10 @@ class Reference:
             out += gate[:, None] * ((silu(h @ g.T) * (h @ u.T)) @ d.T)
         return out
 
-    def logits(self, tokens, top_p: float = 1.0, trace: dict | None = None) -> np.ndarray:
+    def logits(self, tokens, top_p: float = 1.0, trace: dict | None = None, skip: dict | None = None) -> np.ndarray:
         """All-position logits (n, vocab) for the token sequence starting at position 0. trace, if given,
-        receives each MoE layer's routing: trace[layer] = [{expert: weight} per token]."""
+        receives each MoE layer's routing: trace[layer] = [{expert: weight} per token]. skip: expert
+        skipping's state (see skip_experts)."""
         W, n = self.w, len(tokens)
         pos = np.arange(n, dtype=np.float64)
         x = W["token_embd.weight"][np.asarray(tokens)]
@@ -171,6 +204,6 @@ class Reference:
             recurrent = self.interval and (i + 1) % self.interval
             x = x + (self.delta_net(i, h) if recurrent else self.attention(i, h, pos))
             norm = W.get(b + "ffn_norm.weight", W.get(b + "post_attention_norm.weight"))
-            x = x + self.ffn(i, self.rmsnorm(x, norm), top_p, trace)
+            x = x + self.ffn(i, self.rmsnorm(x, norm), top_p, trace, skip)
         head = W.get("output.weight", W["token_embd.weight"])
         return self.rmsnorm(x, W["output_norm.weight"]) @ head.T

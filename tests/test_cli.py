@@ -221,6 +221,7 @@ def test_more_bad_input(synth_model, tmp_path):
     user_error(invoke("run", moe, "--tokens", ",", "--logits-out", tmp_path / "x.npy"), "no tokens")
     user_error(invoke("run", moe, "-p", "x", "--expert-top-p", "0"), r"--expert-top-p must be in \(0, 1\]")
     user_error(invoke("run", moe, "-p", "x", "--expert-top-p", "1.5"), r"--expert-top-p must be in \(0, 1\]")
+    user_error(invoke("run", moe, "-p", "x", "--expert-skip", "1"), r"--expert-skip must be in \[0, 1\)")
     user_error(invoke("run", moe, "-p", "x", "--io", "fast"), "--io must be")
     user_error(invoke("run", moe, "-p", "x", "-c", "-5"), "ctx-size must be positive")
     bad = tmp_path / "p.toml"

@@ -88,7 +88,7 @@ def test_every_builtin_preset_gives_valid_options(ten_gib):
     for name in available_presets():
         opts = StreamOptions.build(name)
         for key, value in load_preset(name).items():
-            if key in ("readers", "pin_share", "expert_top_p", "prefetch"):
+            if key in ("readers", "pin_share", "expert_top_p", "expert_skip", "prefetch"):
                 assert getattr(opts, key) == value, (name, key)
 
 
@@ -128,7 +128,7 @@ def test_profiles_command_lists_every_builtin():
     # the defaults it states are StreamOptions' own (it once said readers 4 where the default is 8)
     d = StreamOptions()
     text = " ".join(r.stdout.split())
-    for k in ("expert_top_p", "pin_share", "readers"):
+    for k in ("expert_top_p", "expert_skip", "pin_share", "readers"):
         assert f"{k} {getattr(d, k)}" in text, k
 
 

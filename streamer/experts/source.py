@@ -77,6 +77,10 @@ class ResidentSource:
         self._warm(layer, (e,))
         return True
 
+    def present(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Which of ids (any shape) are cached or being read: all of them, always."""
+        return np.ones(ids.shape, bool)
+
     def request_all(self, layer: int, experts) -> None:
         """request() for each of experts, counted at once (they are all in place)."""
         st = self.traffic.layers[layer]
@@ -193,6 +197,12 @@ class StreamingSource:
         if self.traffic.trace is not None:
             self.traffic.trace.request(layer, e, tier, nbytes)
         return True
+
+    def present(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Which of ids (any shape; -1 for none) have a cache entry now: read, or a read in flight."""
+        u, inv = np.unique(ids, return_inverse=True)
+        entries = self.cache.entries
+        return np.array([(layer, e) in entries for e in u.tolist()], bool)[inv].reshape(ids.shape)
 
     def prefetch(self, layer: int, experts) -> None:
         st = self.traffic.layers[layer]

@@ -83,8 +83,16 @@ def _experts(o: _Out, session) -> None:
     per_layer("expert_prefetch_bytes_total", "Bytes of prefetch reads.", lambda s: s.prefetch_bytes)
     per_layer("expert_prefetch_issued_total", "Prefetch reads issued.", lambda s: s.prefetch_issued)
     per_layer("expert_prefetch_used_total", "Prefetched experts later used.", lambda s: s.prefetch_used)
-    per_layer("expert_routed_total", "(token, expert) uses after top-k and expert top-p.", lambda s: s.routed)
+    per_layer("expert_routed_total", "(token, expert) uses after top-k, expert top-p and skipping.", lambda s: s.routed)
     per_layer("expert_dropped_total", "Experts removed by expert top-p.", lambda s: s.dropped)
+    per_layer(
+        "expert_skipped_total",
+        "(token, expert) uses skipped as neither cached nor read (--expert-skip).",
+        lambda s: s.skipped,
+    )
+    per_layer(
+        "expert_skipped_bytes_total", "Bytes of the experts skipping kept from being read.", lambda s: s.skipped_bytes
+    )
     per_layer("expert_stall_seconds_total", "Time the compute thread waited for expert reads.", lambda s: s.stall_s)
     cache = getattr(session.moe.source, "cache", None)  # streaming only
     if cache is not None:
