@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
     if len(gf.files) != 1:
-        sys.exit("a single-file model, please")
+        sys.exit("a single-file model, please (or the largest shard's layers: not supported)")
     fd = os.open(a.model, os.O_RDONLY | os.O_DIRECT)
     rng = np.random.default_rng(0)
     slot = layout.slot_bytes + 2 * ALIGN

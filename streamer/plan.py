@@ -30,7 +30,7 @@ import psutil
 
 import streamer.model  # noqa: F401  the RSS baseline counts what a run has imported when it plans
 import streamer.moe_build  # noqa: F401
-from streamer.budget import MARGIN_DIV, MARGIN_FIXED, cgroup_limit, scratch_bytes, split_at
+from streamer.budget import MARGIN_DIV, MARGIN_FIXED, available_memory, cgroup_limit, resolve, scratch_bytes, split_at
 from streamer.buffers import aligned_empty
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
@@ -182,14 +182,14 @@ def machine_memory() -> int:
     return total if limit is None else min(total, limit)
 
 
-def budget_ladder(plan_parts: dict, geometry: dict, top: int) -> list[int]:
+def budget_ladder(plan_parts: dict, geometry: dict, top: int, also=()) -> list[int]:
     """From the smallest budget that runs to `top`: powers of two GiB, the smallest and the all-resident
-    budget; nothing beyond the first all-resident one but `top`."""
+    budget, and `also` (e.g. the default budget); nothing beyond the first all-resident one but `top`."""
     p = plan_parts
     rest = p["baseline"] + p["nonexpert"] + p["kv"] + p["scratch"]
     lo = -(-(rest + geometry["n_expert_used"] * geometry["slot_bytes"] + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
     resident = -(-(rest + p["expert_total"] + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
-    cands = {lo, top} | {g * 2**30 for g in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)}
+    cands = {lo, top, *also} | {g * 2**30 for g in (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)}
     # and the budgets whose expert cache holds 10%, 25%, 50% and 75% of the experts
     cands |= {
         -(-(rest + int(s * p["expert_total"]) + MARGIN_FIXED) * MARGIN_DIV // (MARGIN_DIV - 1))
@@ -205,7 +205,7 @@ def budget_ladder(plan_parts: dict, geometry: dict, top: int) -> list[int]:
         if fits and b != top:
             out += [top] if top > b else []
             break
-    return sorted(set(out))
+    return sorted(set(out) | {a for a in also if lo <= a <= top})
 
 
 def uniform_hit_rate(n_slots: int, geometry: dict) -> float:
@@ -263,9 +263,14 @@ def predict(
     return rows
 
 
-def recommend(rows: list[dict], policy: str) -> dict | None:
-    """The smallest budget whose predicted decode speed is within 10% of the best (runtime policy)."""
-    ok = [r for r in rows if r["policy"] == policy and r["state"] != "too small"]
+def recommend(rows: list[dict], policy: str, limit: int | None = None) -> dict | None:
+    """The smallest budget whose predicted decode speed is within 10% of the best (runtime policy), among those
+    up to `limit` (the memory available now: a budget beyond it cannot be had)."""
+    ok = [
+        r
+        for r in rows
+        if r["policy"] == policy and r["state"] != "too small" and (limit is None or r["budget"] <= limit)
+    ]
     if not ok:
         return None
     best = max(r["decode_tok_s"] for r in ok)
@@ -306,8 +311,9 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
             "expert_total": layout.total_bytes,
             "slot_bytes": layout.slot_bytes,
         }
-    top = machine_memory()
-    budgets = list(opts.budgets) if opts.budgets else budget_ladder(parts, geometry, top)
+    top, avail = machine_memory(), available_memory()
+    default = resolve(None)
+    budgets = list(opts.budgets) if opts.budgets else budget_ladder(parts, geometry, avail, (default,))
     say(f"disk probe: random {np.mean(geometry['expert_bytes']) / 2**20:.1f} MiB expert reads of {Path(model).name}")
     disk = disk_figures(gf, layout, opts, progress)
     say("compute: timing a warm decode step")
@@ -324,13 +330,15 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
         "geometry": geometry,
         "plan_parts": parts,
         "machine_memory": top,
+        "available_memory": avail,  # now: the ladder's top, and what a recommendation may ask for
+        "default_budget": default,
         "disk": disk,
         "decode_step_s": step_s,
         "prompt_tokens": opts.prompt_tokens,
         "hit_model": "uniform routing bound" if trace is None else f"replay of {trace.path.name}",
         "policy": policy,
         "rows": rows,
-        "recommended": recommend(rows, policy),
+        "recommended": recommend(rows, policy, avail),
         "replay": replayed,
     }
 
@@ -350,8 +358,9 @@ def format_plan(r: dict) -> str:
         ),
         f"compute  {1e3 * r['decode_step_s']:.0f} ms per decode step (measured: one warm step, weights in memory)",
         f"hits     {r['hit_model']} (decode steps{', ' + r['policy'] + ' policy' if r['policy'] != 'uniform' else ''})",
-        f"memory   {human(r['machine_memory'])} on this machine (cgroup limit included)",
-        f"{'budget':>10} {'slots':>6} {'hit':>6} {'MiB/tok':>8} {'tok/s':>7} {'TTFT s':>7}"
+        f"memory   {human(r['machine_memory'])} on this machine, {human(r['available_memory'])} available now "
+        f"(cgroup limit included); the default budget is {human(r['default_budget'])}",
+        f"{'budget':>10} {'slots':>6} {'hit':>6} {'MiB/tok':>8} {'tok/s':>7} {'serial':>7} {'TTFT s':>7}"
         + (f" {'Belady tok/s':>12}" if r["policy"] != "uniform" else "")
         + f"   ({r['policy']} policy)",
     ]
@@ -367,10 +376,15 @@ def format_plan(r: dict) -> str:
         best = ceiling.get(row["budget"])
         lines.append(
             f"{b:>10} {slots:>6} {100 * row['hit_rate']:5.1f}% {row['read_bytes_per_token'] / 2**20:8.1f} "
-            f"{row['decode_tok_s']:7.2f} {row['ttft_s']:7.1f}"
+            f"{row['decode_tok_s']:7.2f} {row['decode_tok_s_serial']:7.2f} {row['ttft_s']:7.1f}"
             + (f" {best['decode_tok_s']:12.2f}" if best is not None else "")
+            + ("   <- the default budget" if row["budget"] == r.get("default_budget") else "")
         )
     rec = r["recommended"]
+    lines.append(
+        "tok/s: reads fully overlapped with compute; serial: none overlapped (a bound below, nearer the real speed "
+        "when the lookahead's reads cannot land within a layer's compute)"
+    )
     lines.append(
         f"TTFT: a {r['prompt_tokens']}-token prompt from a cold start (non-expert weights and the prompt's "
         f"experts read, one decode step of compute per prompt token)"

@@ -107,3 +107,33 @@ def test_plot_without_matplotlib_is_one_line(synth_model, tmp_path, monkeypatch)
         invoke("profile", synth_model("tiny-moe", "Q8_0"), "--plot", tmp_path / "p.png"),
         r"pip install 'stream-run\[plot\]'",
     )
+
+
+def test_recommendation_stays_within_the_memory_available():
+    from streamer.plan import recommend
+
+    G = 2**30
+    rows = [
+        {"budget": b * G, "policy": "uniform", "state": None, "decode_tok_s": v}
+        for b, v in ((4, 1.0), (8, 1.5), (24, 2.0))
+    ]
+    assert recommend(rows, "uniform")["budget"] == 24 * G  # the whole machine's memory, if nothing bounds it
+    assert recommend(rows, "uniform", limit=16 * G)["budget"] == 8 * G  # the best of what can be had
+    assert recommend(rows, "uniform", limit=2 * G) is None
+
+
+def test_plan_ladder_shows_the_default_budget(synth_model, monkeypatch):
+    from streamer import plan
+
+    monkeypatch.setattr(plan, "available_memory", lambda: 3 * 2**30)
+    monkeypatch.setattr(plan, "resolve", lambda b: 1234567890)
+    path = synth_model("tiny-moe", "Q8_0")
+    r = invoke("plan", path, "--probe-seconds", "0.2", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    budgets = [x["budget"] for x in out["rows"]]
+    assert 1234567890 in budgets and max(budgets) <= 3 * 2**30
+    assert out["available_memory"] == 3 * 2**30 and out["default_budget"] == 1234567890
+    assert out["recommended"]["budget"] <= 3 * 2**30
+    text = invoke("plan", path, "--probe-seconds", "0.2")
+    assert "<- the default budget" in text.stdout and "available now" in text.stdout
