@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -24,16 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cgroup  # noqa: E402  (bench/cgroup.py)
 
-
-def cpu_line() -> str:
-    flags, model = set(), platform.processor()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and not model:
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    isa = "AVX-512" + ("/VNNI" if "avx512_vnni" in flags else "") if "avx512f" in flags else "AVX2 only"
-    return f"{model} ({isa})"
+from streamer import machine  # noqa: E402
 
 
 def run_one(a, top_p: float, skip: float) -> dict:
@@ -50,6 +40,7 @@ def run_one(a, top_p: float, skip: float) -> dict:
         r = json.loads(lines[-1])
         keys = ("tg_tok_s", "pp_tok_s", "read_bytes_per_token", "expert_hit_rate", "io_stall_share")
         out.update({k: r[k] for k in keys + ("skipped_weight_share", "skipped_bytes_per_token")})
+        out["machine_during"] = r.get("machine_during")  # page faults and reclaim while it ran
     else:
         out["stderr"] = res.stderr[-1500:]
     return out
@@ -68,7 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args(argv)
     configs = [tuple(float(x) for x in c.split(":")) for c in a.configs.split(",")]
-    print(f"{cpu_line()}; cap {a.cap}, budget {a.ram_budget or 'default'}, pp {a.pp}, tg {a.tg}", flush=True)
+    print(
+        f"{machine.line(machine.describe())}; cap {a.cap}, budget {a.ram_budget or 'default'}, pp {a.pp}, tg {a.tg}",
+        flush=True,
+    )
     runs: dict = {c: [] for c in configs}
     for i in range(a.rounds):
         order = configs[i % len(configs) :] + configs[: i % len(configs)]

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from streamer import machine
 from streamer.traffic import disk_read_bytes
 
 
@@ -38,6 +39,7 @@ def run_bench(
     never repeats (greedy text from random weights falls into loops), the worst case for an expert cache.
     progress(done, total): bytes of the warm-up's page-in."""
     model, traffic = session.model, session.traffic
+    state = machine.describe()
     ids = prompt_tokens(session.cfg.n_vocab, pp)
     feed = prompt_tokens(session.cfg.n_vocab, tg, seed=99) if random_decode else None
     t0 = time.perf_counter()
@@ -103,6 +105,8 @@ def run_bench(
         "io_stall_share": tg_report["stall_share"] if tg_report else 0.0,
         "prefill_read_bytes": pp_report["read_bytes"] if pp_report else 0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "machine": state,  # at the start: CPU, ISA, memory, THP, free page reporting, the kernel's counters
+        "machine_during": machine.during(state),  # the machine's page-fault and reclaim counters' growth
         "tokens": tokens,
     }
 
@@ -140,5 +144,6 @@ def format_bench(r: dict) -> str:
             f"{pct(r['demand_miss_rate'])}, {r['read_bytes_per_token'] / 2**20:.1f} MiB read per "
             f"decoded token, prefetch recall {pct(r['prefetch_recall'])}, I/O stall {pct(r['io_stall_share'])}",
             f"memory   peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+            f"machine  {machine.line(r['machine'], r['machine_during'])}",
         ]
     )

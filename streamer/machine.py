@@ -1,0 +1,121 @@
+"""The state of the machine beside a benchmark's figures: the CPU and its vector ISA, the memory free and
+available, the transparent-huge-page and free-page-reporting settings, and the kernel's page-fault and reclaim
+counters over the run. On virtual machines these move the timings as much as the code does (a guest that
+reports freed memory to its host refaults it at first touch), so `bench` records them with every result.
+Linux files only; on other systems the fields are None."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VMSTAT_KEYS = ("pgfault", "pgmajfault", "thp_fault_alloc", "pgscan_kswapd", "pgscan_direct", "compact_stall")
+REPORTING_BIT = 5  # VIRTIO_BALLOON_F_REPORTING: the guest tells the host which pages are free
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    text = _read("/proc/cpuinfo") or ""
+    model, flags = None, set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def isa_name(flags: set[str]) -> str | None:
+    """The vector ISA the kernels can use, as the project names it: 'AVX-512/VNNI', 'AVX-512', 'AVX2 only'."""
+    if "avx512f" in flags:
+        return "AVX-512/VNNI" if "avx512_vnni" in flags else "AVX-512"
+    if "avx2" in flags:
+        return "AVX2 only"
+    return None
+
+
+def _thp(name: str) -> str | None:
+    """The bracketed (active) choice of a transparent_hugepage setting."""
+    text = _read(f"/sys/kernel/mm/transparent_hugepage/{name}")
+    if text is None or "[" not in text:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def free_page_reporting() -> bool | None:
+    """Whether a virtio balloon device negotiated free page reporting (None: no balloon device)."""
+    devices = Path("/sys/bus/virtio/drivers/virtio_balloon")
+    try:
+        feats = [(d / "features").read_text().strip() for d in devices.glob("virtio*")]
+    except OSError:
+        return None
+    if not feats:
+        return None
+    return any(len(f) > REPORTING_BIT and f[REPORTING_BIT] == "1" for f in feats)
+
+
+def vmstat() -> dict[str, int]:
+    """The kernel's counters in VMSTAT_KEYS (those this kernel has)."""
+    out = {}
+    for line in (_read("/proc/vmstat") or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key in VMSTAT_KEYS:
+            out[key] = int(value)
+    return out
+
+
+def meminfo() -> dict[str, int]:
+    """MemTotal, MemFree and MemAvailable in bytes."""
+    out = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in ("MemTotal", "MemFree", "MemAvailable"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def describe() -> dict:
+    """The machine now: CPU, ISA, CPUs this process may use, memory, THP and free page reporting, vmstat."""
+    model, flags = _cpuinfo()
+    return {
+        "cpu": model,
+        "isa": isa_name(flags),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory": meminfo(),
+        "thp_enabled": _thp("enabled"),
+        "thp_defrag": _thp("defrag"),
+        "free_page_reporting": free_page_reporting(),
+        "vmstat": vmstat(),
+    }
+
+
+def during(before: dict) -> dict[str, int]:
+    """The vmstat counters' growth since describe() returned `before`."""
+    now = vmstat()
+    return {k: now[k] - v for k, v in before["vmstat"].items() if k in now}
+
+
+def line(state: dict, delta: dict | None = None) -> str:
+    """One line for a benchmark's text output."""
+    mem = state["memory"]
+    gib = 2**30
+    parts = [
+        f"{state['cpu'] or 'unknown CPU'} ({state['isa'] or 'no AVX2'}), {state['cpus']} CPUs",
+        f"{mem.get('MemAvailable', 0) / gib:.1f} of {mem.get('MemTotal', 0) / gib:.1f} GiB available "
+        f"({mem.get('MemFree', 0) / gib:.1f} free) at the start",
+        f"THP {state['thp_enabled']}/{state['thp_defrag']}",
+        "free page reporting " + {True: "on", False: "off", None: "n/a"}[state["free_page_reporting"]],
+    ]
+    if delta:
+        parts.append(
+            f"during the run, machine-wide: {delta.get('pgfault', 0)} page faults ({delta.get('pgmajfault', 0)} major)"
+        )
+    return "; ".join(parts)

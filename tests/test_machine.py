@@ -1,0 +1,48 @@
+"""The machine's state beside bench's figures: the ISA as LLVM (what numba compiles for) sees it, the parsing
+of /proc and /sys by hand, and `bench` recording it with its results."""
+
+import json
+
+import pytest
+from test_cli import invoke
+
+from streamer import machine
+from streamer.kernels import cpu
+
+
+def test_isa_names_by_hand():
+    assert machine.isa_name({"avx2", "avx512f", "avx512_vnni"}) == "AVX-512/VNNI"
+    assert machine.isa_name({"avx2", "avx512f"}) == "AVX-512"
+    assert machine.isa_name({"avx2", "fma"}) == "AVX2 only"
+    assert machine.isa_name({"sse4_2"}) is None
+
+
+@pytest.mark.skipif(not cpu.X86, reason="x86 only")
+def test_isa_agrees_with_llvm():
+    isa = machine.describe()["isa"]
+    assert isa.startswith("AVX-512") == cpu.has("avx512f")
+    assert isa.endswith("VNNI") == cpu.has("avx512f", "avx512vnni")
+    assert (isa == "AVX2 only") == (cpu.has("avx2") and not cpu.has("avx512f"))
+
+
+def test_state_fields():
+    s = machine.describe()
+    mem = s["memory"]
+    assert 0 < mem["MemFree"] <= mem["MemTotal"] and 0 < mem["MemAvailable"] <= mem["MemTotal"]
+    assert s["thp_enabled"] in (None, "always", "madvise", "never")
+    assert s["free_page_reporting"] in (None, True, False)
+    assert s["vmstat"]["pgfault"] > 0
+    bytes_ = bytearray(64 * 2**20)  # touched: at least 64 MiB / 4 KiB page faults, machine-wide
+    bytes_[::4096] = b"x" * len(bytes_[::4096])
+    assert machine.during(s)["pgfault"] >= 64 * 2**20 // 4096 // 2  # THP may map some of it in larger pages
+
+
+def test_bench_records_the_machine(synth_model):
+    path = synth_model("tiny-moe", "Q8_0")
+    r = invoke("bench", path, "--pp", "4", "--tg", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["machine"]["isa"] == machine.describe()["isa"] and out["machine"]["cpus"] >= 1
+    assert out["machine_during"]["pgfault"] >= 0
+    text = invoke("bench", path, "--pp", "4", "--tg", "3")
+    assert "machine  " in text.stdout and "free page reporting" in text.stdout
