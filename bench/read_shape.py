@@ -32,15 +32,16 @@ from streamer.experts.store import ExpertLayout, aligned_span  # noqa: E402
 from streamer.gguf_file import GGUFFile  # noqa: E402
 
 
-def spans(layout: ExpertLayout, layer: int, e: int, base: int, joined: bool) -> list[tuple[int, int]]:
+def spans(layout: ExpertLayout, layer: int, e: int, joined: bool) -> list[tuple[int, int]]:
+    """(aligned file offset, length) of each read of expert (layer, e) of a single-file model."""
     parts = layout.parts[layer]
     if joined:  # one read of the expert's bytes, from where its gate starts
-        start = parts[0].offset - base + e * parts[0].nbytes
+        start = parts[0].offset + e * parts[0].nbytes
         a0, alen, _ = aligned_span(start, sum(p.nbytes for p in parts))
         return [(a0, alen)]
     out = []
     for p in parts:
-        a0, alen, _ = aligned_span(p.offset - base + e * p.nbytes, p.nbytes)
+        a0, alen, _ = aligned_span(p.offset + e * p.nbytes, p.nbytes)
         out.append((a0, alen))
     return out
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_gguf(gf)
     layout = ExpertLayout(gf, cfg)
     if len(gf.files) != 1:
-        sys.exit("a single-file model, please (or the largest shard's layers: not supported)")
+        sys.exit("a single-file model, please")
     fd = os.open(a.model, os.O_RDONLY | os.O_DIRECT)
     rng = np.random.default_rng(0)
     slot = layout.slot_bytes + 2 * ALIGN
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
         nbytes = sum(layout.expert_bytes(layer) for layer, _ in keys)
         order = ("three reads", "one read") if r % 2 == 0 else ("one read", "three reads")
         for way in order:
-            jobs = [spans(layout, layer, e, 0, way == "one read") for layer, e in keys]
+            jobs = [spans(layout, layer, e, way == "one read") for layer, e in keys]
             times[way].append(read_all(fd, jobs, a.threads, slot))
             print(f"round {r + 1} {way}: {times[way][-1]:.2f} s", flush=True)
     os.close(fd)

@@ -44,7 +44,8 @@ def presets() -> None:
             f'PATH.toml, a TOML file anywhere, with any of: {", ".join(PRESET_KEYS)}. ram_budget is a size ("7G"); '
             "budget_fraction (0 < f <= 1) is a share of the memory available when the model opens; give one or "
             f"the other. Unset keys keep the defaults (budget {DEFAULT_FRACTION:.0%} of available memory, prefetch "
-            f"{_value(d.prefetch)}, expert_top_p {d.expert_top_p}, expert_skip {d.expert_skip}, pin_share {d.pin_share}, readers {d.readers}).",
+            f"{_value(d.prefetch)}, expert_top_p {d.expert_top_p}, expert_skip {d.expert_skip}, "
+            f"pin_share {d.pin_share}, readers {d.readers}).",
             100,
         )
     )

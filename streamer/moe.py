@@ -1,7 +1,8 @@
 """Qwen3-MoE FFN: router softmax over all experts, top-k, renormalised weights (norm_topk_prob), optional
-expert top-p, optional cache-aware expert skipping, SwiGLU per selected expert, weighted sum. Experts come from an ExpertSource (resident or
-streamed); each layer's experts are computed in ascending id order, so the floating-point sum per token is
-the same whatever the cache did, and streamed logits are bit-identical to resident ones.
+expert top-p and cache-aware expert skipping, SwiGLU per selected expert, weighted sum. Experts come from an
+ExpertSource (resident or streamed); each layer's experts are computed in ascending id order, so the
+floating-point sum per token is the same whatever the cache did, and streamed logits are bit-identical to
+resident ones.
 
 Routing is here (Router: which experts, with which weights, and the lookahead's guess for the next layer);
 computing the routed experts is moe_compute.py's (one strategy per layer, chosen when the FFN is built);

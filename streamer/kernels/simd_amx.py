@@ -41,6 +41,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 
+from streamer.machine import cpu_flags
+
 from ._bits import intrinsic
 from .simd import F32, I8, I8P, I32, I64, V, _c_array, _Emit, _k4_scales
 
@@ -72,15 +74,7 @@ def config() -> np.ndarray:
 
 
 def _cpu_has_amx_int8() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split()
-                    return "amx_int8" in flags and "amx_tile" in flags and "avx512bw" in flags
-    except OSError:
-        return False
-    return False
+    return {"amx_int8", "amx_tile", "avx512bw"} <= cpu_flags()
 
 
 _ENABLED: bool | None = None
