@@ -129,13 +129,25 @@ def main(argv=None) -> int:
     out, lock = [], threading.Lock()
     t0 = time.perf_counter()
     deadline = time.monotonic() + a.time_limit
+    batches, done_flag = [], threading.Event()
+
+    def watch_batches() -> None:  # the decode steps' batch sizes, sampled from /metrics
+        while not done_flag.wait(0.5):
+            try:
+                batches.append(srv.metrics().get("streamrun_batch_size", 0))
+            except Exception:  # noqa: BLE001 - a sample missed while the server is busy
+                pass
+
     try:
         threads = [threading.Thread(target=client, args=(k, a, srv.url, deadline, out, lock)) for k in range(a.clients)]
+        watcher = threading.Thread(target=watch_batches, daemon=True)
+        watcher.start()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
+        done_flag.set()
         m = wait_idle(srv)
         alive = srv.alive()
         peak_rss = srv.peak_rss()
@@ -179,6 +191,9 @@ def main(argv=None) -> int:
         "server_requests": {k.split('"')[1]: v for k, v in m.items() if k.startswith("streamrun_requests_total")},
         "expert_slots_after": slots,
         "leaked_slots": slots.get("in_use", 0) + slots.get("reading", 0),
+        "busy_sequence_slots_after": m.get('streamrun_slots{state="busy"}', 0),
+        "batch_size_max": max(batches, default=0),
+        "batch_size_mean": sum(batches) / len(batches) if batches else 0.0,
         "server_alive_after": alive,
         "server_peak_rss_bytes": peak_rss,
         "rss_within_budget": None if budget is None else peak_rss <= budget,
@@ -188,6 +203,7 @@ def main(argv=None) -> int:
         alive
         and report["errors"] == 0
         and report["leaked_slots"] == 0
+        and report["busy_sequence_slots_after"] == 0
         and report["answered"] + len(cut) + len(refused) == report["sent"]
         and report["rss_within_budget"] is not False
         and not stopped.get("oom_kill_count")
@@ -198,7 +214,8 @@ def main(argv=None) -> int:
         f"answered {len(done)}, disconnected {len(cut)}, 503 {len(refused)}, errors {len(errors)} | latency p50 "
         f"{report['latency_p50_s'] or 0:.2f} s p95 {report['latency_p95_s'] or 0:.2f} s | ttft p50 "
         f"{report['ttft_p50_s'] or 0:.2f} s | {report['throughput_tok_s'] or 0:.2f} tok/s overall | leaked slots "
-        f"{report['leaked_slots']:.0f} | peak RSS {peak_rss / 2**30:.2f} GiB | {'OK' if ok else 'FAILED'}",
+        f"{report['leaked_slots']:.0f}, busy sequence slots {report['busy_sequence_slots_after']:.0f} | batch "
+        f"max {report['batch_size_max']:.0f} mean {report['batch_size_mean']:.2f} | peak RSS {peak_rss / 2**30:.2f} GiB | {'OK' if ok else 'FAILED'}",
         file=sys.stderr,
     )
     return 0 if ok else 1

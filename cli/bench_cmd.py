@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -47,6 +48,15 @@ def bench(
             "the expert cache).",
         ),
     ] = False,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "--parallel",
+            "-np",
+            help="Sequences decoded together, each from its own random prompt (their KV caches count in the "
+            "budget); reports all of them together and per sequence.",
+        ),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print exactly one JSON line.")] = False,
     trace: TraceOut = None,
 ) -> None:
@@ -54,15 +64,20 @@ def bench(
     expert hit rate, MiB read per token, prefetch recall and peak RSS."""
     if pp < 1 or tg < 1:
         raise StreamerError("--pp and --tg must be at least 1")
+    if parallel < 1:
+        raise StreamerError(f"--parallel must be at least 1, got {parallel}")
+    if trace is not None and parallel > 1:
+        raise StreamerError("--trace records one sequence's routing: drop it or --parallel")
     t0 = time.perf_counter()
     ctx = pp + tg + 1 if ctx_size is None else ctx_size
     gf, cfg = probe(model)
     check_trace(trace, cfg)
     check_room(0, pp + tg - 1, cfg.context(ctx))  # the prefill, then tg - 1 decode steps
+    options = dataclasses.replace(options, n_seq=parallel)
     with open_session(gf, options, ctx, threads, trace=trace) as s:
         load_s = time.perf_counter() - t0
         progress = progress_printer("reading weights into RAM", after_s=1.0)
-        r = run_bench(s, pp, tg, load_s=load_s, random_decode=random_decode, progress=progress)
+        r = run_bench(s, pp, tg, load_s=load_s, random_decode=random_decode, progress=progress, parallel=parallel)
     print(json.dumps(r) if as_json else format_bench(r))
 
 

@@ -3,6 +3,7 @@ cache and its KV cache warm between requests. Needs the `[serve]` extra (starlet
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from typing import Annotated, Optional
@@ -16,6 +17,7 @@ from streamer.io import parse_size
 from streamer.options import StreamOptions
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
+from streamer.session import run_budget
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
 
@@ -37,8 +39,18 @@ def serve(
         Optional[str],
         typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (401 otherwise; /health stays open)."),
     ] = None,
+    parallel: Annotated[
+        Optional[int],
+        typer.Option(
+            "--parallel",
+            "-np",
+            help="Requests decoded together (continuous batching; each slot's KV cache counts in the RAM budget) "
+            "[default: 4 if four contexts' KV caches take at most an eighth of the budget, else 2 or 1].",
+            show_default=False,
+        ),
+    ] = None,
     queue: Annotated[
-        int, typer.Option("--queue", help="Requests that may wait while one generates; more get 503.")
+        int, typer.Option("--queue", help="Requests that may wait while the slots are busy; more get 503.")
     ] = 8,
     max_body: Annotated[str, typer.Option("--max-body", help="Largest request body (413 beyond).")] = "4M",
     max_tokens: Annotated[
@@ -55,8 +67,9 @@ def serve(
     options: Optional[StreamOptions] = None,  # the memory/streaming flags and --preset (with_stream_options)
 ) -> None:
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
-    /detokenize, /metrics. One generation at a time from a FIFO queue; the KV cache is reused across requests
-    that share a prompt prefix. Loads the model after the socket is bound (/health: 503, then 200)."""
+    /detokenize, /metrics. Up to --parallel requests decode together, more wait in a FIFO queue; each slot's KV
+    cache is reused by requests that share a prompt prefix. Loads the model after the socket is bound (/health:
+    503, then 200)."""
     try:
         import starlette  # noqa: F401
         import uvicorn
@@ -65,8 +78,13 @@ def serve(
     from streamer.server.app import ServerOptions, create_app  # starlette: the optional serve extra
 
     body = _checked(queue, max_tokens, max_messages, port, max_body)
+    if parallel is not None and parallel < 1:
+        raise StreamerError(f"--parallel must be at least 1, got {parallel}")
     gf, cfg = probe(model)  # a file we can run, checked before the socket is bound
-    cfg.context(ctx_size)
+    n_ctx = cfg.context(ctx_size)
+    if parallel is None:
+        parallel = default_parallel(run_budget(gf, cfg, options, ctx_size), cfg.state_bytes(n_ctx))
+    options = dataclasses.replace(options, n_seq=parallel)
     opts = ServerOptions(
         alias or model.name.removesuffix(".gguf"),
         api_key,
@@ -75,8 +93,12 @@ def serve(
 
     def load() -> Engine:
         s = open_session(gf, options, ctx_size, threads)
-        print(f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens", file=sys.stderr, flush=True)
-        return Engine(s, queue_size=queue)
+        print(
+            f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens, {parallel} parallel",
+            file=sys.stderr,
+            flush=True,
+        )
+        return Engine(s, queue_size=queue, parallel=parallel)
 
     fatal: list[BaseException] = []
     server = None
@@ -96,6 +118,15 @@ def serve(
     server.run(sockets=[sock])
     if fatal:
         raise fatal[0]
+
+
+def default_parallel(budget: int, state_bytes: int) -> int:
+    """--parallel's default: 4 slots, as llama-server's, when four sequences' states take at most an eighth
+    of the RAM budget; else 2, else 1."""
+    for n in (4, 2):
+        if n * state_bytes <= budget // 8:
+            return n
+    return 1
 
 
 def _checked(queue: int, max_tokens: int | None, max_messages: int, port: int, max_body: str) -> int:

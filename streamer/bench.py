@@ -1,5 +1,6 @@
 """The benchmark behind `stream-run bench`: warm-up, prefill of pp tokens, greedy decode of tg tokens, with
-speed, weight bytes touched per token, disk reads, expert traffic and peak RSS."""
+speed, weight bytes touched per token, disk reads, expert traffic and peak RSS. With several sequences
+(--parallel N), N prompts are prefilled one after another and then decoded together (Model.step)."""
 
 from __future__ import annotations
 
@@ -17,31 +18,43 @@ def prompt_tokens(n_vocab: int, pp: int, seed: int = 1234) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, n_vocab, size=pp, dtype=np.int64)
 
 
-def weight_bytes_per_token(session, routed_per_token: float) -> float:
+def weight_bytes_per_token(session, routed_per_token: float, n_seq: int = 1) -> float:
     """Weight bytes one decoded token reads: every non-expert matrix except the embedding table (one row),
-    plus the routed experts' bytes."""
+    plus the routed experts' bytes (routed_per_token: expert uses over all layers). n_seq > 1: a batched step's
+    tokens share its reads; routed_per_token is then the step's distinct experts over all layers, and the step's
+    bytes are divided among its n_seq tokens."""
     gf, cfg = session.gf, session.cfg
     dense = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     embd = gf.tensors["token_embd.weight"]
     if not cfg.tied:  # a tied table is read in full as the head
         dense -= embd.nbytes - embd.nbytes // embd.shape[0]
     if not cfg.is_moe:
-        return float(dense)
+        return dense / n_seq
     # the mean over layers: a mixed file (say Q4_K_M's Q6_K ffn_down on some layers) has experts of several sizes
     experts = sum(t.nbytes for t in gf.tensors.values() if "_exps." in t.name)
-    return dense + routed_per_token * experts / (cfg.n_layer * cfg.n_expert)
+    return (dense + routed_per_token * experts / (cfg.n_layer * cfg.n_expert)) / n_seq
 
 
 def run_bench(
-    session, pp: int = 128, tg: int = 64, load_s: float = 0.0, random_decode: bool = False, progress=None
+    session,
+    pp: int = 128,
+    tg: int = 64,
+    load_s: float = 0.0,
+    random_decode: bool = False,
+    progress=None,
+    parallel: int = 1,
 ) -> dict:
     """random_decode feeds each decode step a fresh random token instead of the greedy one: routing then
     never repeats (greedy text from random weights falls into loops), the worst case for an expert cache.
-    progress(done, total): bytes of the warm-up's page-in."""
+    progress(done, total): bytes of the warm-up's page-in. parallel: sequences, each with its own random
+    prompt (sequence 0's is the one-sequence run's), prefilled in turn and decoded together; tg_tok_s is then
+    each sequence's rate and aggregate_tg_tok_s all of them together (generated tokens per second of wall time)."""
     model, traffic = session.model, session.traffic
     state = machine.describe()
-    ids = prompt_tokens(session.cfg.n_vocab, pp)
-    feed = prompt_tokens(session.cfg.n_vocab, tg, seed=99) if random_decode else None
+    n_vocab = session.cfg.n_vocab
+    prompts = [prompt_tokens(n_vocab, pp, seed=1234 + s) for s in range(parallel)]
+    feed = [prompt_tokens(n_vocab, tg, seed=99 + s) for s in range(parallel)] if random_decode else None
+    ids = prompts[0]
     t0 = time.perf_counter()
     disk0 = disk_read_bytes()
     # warm-up: the weights used in place come into RAM, as llama.cpp's load reads them (large ordered reads)
@@ -52,33 +65,40 @@ def run_bench(
     warmup_s = time.perf_counter() - t0
     if traffic is not None:
         traffic.reset()
-    cache = model.new_state()
+    states = [model.new_state() for _ in range(parallel)]
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
-    logits = model.forward(ids, cache)
+    tokens = [[int(np.argmax(model.forward(p, st)))] for p, st in zip(prompts, states)]
     t_pp = time.perf_counter() - t0
     pp_report = traffic.report() if traffic is not None else None
     if traffic is not None:
         traffic.reset()
-    tokens = [int(np.argmax(logits))]
-    steps = np.empty(max(tg - 1, 0))  # each decode step's seconds, the token's argmax included
+    steps = np.empty(max(tg - 1, 0))  # each decode step's seconds, the tokens' argmax included
     t0 = time.perf_counter()
     for i in range(tg - 1):
         ts = time.perf_counter()
-        nxt = tokens[-1] if feed is None else int(feed[i])
-        logits = model.forward(np.array([nxt], dtype=np.int64), cache)
-        tokens.append(int(np.argmax(logits)))
+        nxt = [t[-1] for t in tokens] if feed is None else [int(f[i]) for f in feed]
+        if parallel == 1:
+            logits = model.forward(np.array(nxt, dtype=np.int64), states[0])[None]
+        else:
+            logits = model.step(nxt, states)
+        for t, row in zip(tokens, logits):
+            t.append(int(np.argmax(row)))
         steps[i] = time.perf_counter() - ts
     t_tg = time.perf_counter() - t0
     tg_report = traffic.report() if traffic is not None else None
     tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
     disk = disk_read_bytes() - disk0
     requested = (pp_report["read_bytes"] + tg_report["read_bytes"]) if traffic is not None else 0
-    routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
-    wbytes = weight_bytes_per_token(session, routed)
+    if parallel == 1:
+        routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
+    else:  # the distinct experts of a step's layer calls, shared by its tokens
+        routed = (tg_report["experts_per_call"] or 0.0) * session.cfg.n_layer if tg_report else 0.0
+    wbytes = weight_bytes_per_token(session, routed, parallel)
     return {
         "pp": pp,
         "tg": tg,
+        "parallel": parallel,
         "random_decode": random_decode,
         "load_s": load_s,
         "warmup_s": warmup_s,
@@ -86,12 +106,17 @@ def run_bench(
         "pagein_s": pagein_s,  # waited for it in the warm-up (the background page-in had started at open)
         "pagein_disk_bytes": pagein_disk,  # read from disk meanwhile (process counters)
         "pagein_disk_gb_s": pagein_disk / pagein_s / 1e9 if pagein_s > 0 else 0.0,
-        "pp_tok_s": pp / t_pp if t_pp > 0 else 0.0,
-        "tg_tok_s": tg_tok_s,
+        "pp_tok_s": parallel * pp / t_pp if t_pp > 0 else 0.0,
+        "tg_tok_s": tg_tok_s,  # per sequence
+        "aggregate_tg_tok_s": parallel * tg_tok_s,  # every sequence's generated tokens per second of wall time
+        "experts_per_step": tg_report["experts_per_call"] if tg_report else None,  # distinct, per layer per step
+        "shared_bytes_per_token": tg_report["totals"]["shared_bytes"] / max(tg_report["tokens"], 1)
+        if tg_report
+        else 0.0,
         # the decode steps' spread: min, median, 90th percentile and max, ms (a slow run uniformly slow, or stalled)
         "tg_step_ms": step_quantiles(steps),
         "weight_bytes_per_token": wbytes,
-        "weight_gb_s": wbytes * tg_tok_s / 1e9,
+        "weight_gb_s": wbytes * parallel * tg_tok_s / 1e9,
         "disk_read_bytes": disk,
         "expert_read_bytes": requested,  # expert bytes our cache asked for (demand + prefetch), pp + tg
         "disk_per_expert_byte": disk / requested if requested else None,
@@ -107,7 +132,8 @@ def run_bench(
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "machine": state,  # at the start: CPU, ISA, memory, THP, free page reporting, the kernel's counters
         "machine_during": machine.during(state),  # the machine's page-fault and reclaim counters' growth
-        "tokens": tokens,
+        "tokens": tokens[0],
+        "tokens_per_sequence": tokens,
     }
 
 
@@ -119,18 +145,28 @@ def step_quantiles(steps: np.ndarray) -> dict | None:
     return {k: round(float(v), 3) for k, v in zip(("min", "median", "p90", "max"), q)}
 
 
+def _rates(r: dict) -> str:
+    if r["parallel"] == 1:
+        return f"{r['tg_tok_s']:.2f} tok/s "
+    experts = f", {r['experts_per_step']:.1f} distinct experts per layer per step" if r["experts_per_step"] else ""
+    return f"{r['aggregate_tg_tok_s']:.2f} tok/s in all, {r['tg_tok_s']:.2f} per sequence{experts} "
+
+
 def format_bench(r: dict) -> str:
     def pct(v):
         return "n/a" if v is None else f"{100 * v:.1f}%"
+
+    per_seq = f" x {r['parallel']} sequences" if r["parallel"] > 1 else ""
 
     return "\n".join(
         [
             f"load     {r['load_s']:.2f} s (open, budget plan, kernels), warm-up {r['warmup_s']:.2f} s (weights into RAM: "
             f"{r['pagein_bytes'] / 2**30:.2f} GiB paged in, {r['pagein_disk_bytes'] / 2**30:.2f} GiB of it read from "
             f"disk in {r['pagein_s']:.2f} s, {r['pagein_disk_gb_s']:.2f} GB/s)",
-            f"prefill  {r['pp']} tokens: {r['pp_tok_s']:.2f} tok/s",
-            f"decode   {r['tg']} tokens{' (random inputs)' if r['random_decode'] else ''}: {r['tg_tok_s']:.2f} tok/s "
-            f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)"
+            f"prefill  {r['pp']} tokens{per_seq}: {r['pp_tok_s']:.2f} tok/s",
+            f"decode   {r['tg']} tokens{per_seq}{' (random inputs)' if r['random_decode'] else ''}: "
+            + _rates(r)
+            + f"({r['weight_bytes_per_token'] / 2**20:.0f} MiB of weights per token = {r['weight_gb_s']:.2f} GB/s)"
             + (
                 ", steps {min:.1f} / {median:.1f} / {p90:.1f} / {max:.1f} ms (min / median / p90 / max)".format(
                     **r["tg_step_ms"]

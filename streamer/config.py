@@ -112,10 +112,10 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_attn_layers * self.n_head_kv * self.head_dim * 2  # K and V, float16
 
-    def state_bytes(self, n_ctx: int) -> int:
-        """The memory of one sequence's state (model.new_state()) at a context of n_ctx: the K/V rows, and the
-        recurrent state twice (committed and in progress) plus its saved copies (state.SAVED_MAX)."""
-        return n_ctx * self.kv_bytes_per_token + (2 + SAVED_MAX) * self.recurrent_bytes
+    def state_bytes(self, n_ctx: int, n_seq: int = 1) -> int:
+        """The memory of n_seq sequences' states (model.new_state()) at a context of n_ctx each: the K/V rows,
+        and the recurrent state twice (committed and in progress) plus its saved copies (state.SAVED_MAX)."""
+        return n_seq * (n_ctx * self.kv_bytes_per_token + (2 + SAVED_MAX) * self.recurrent_bytes)
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> ModelConfig:

@@ -85,21 +85,32 @@ class Generator:
         self.stats.prompt_tokens += len(ids)
         return logits
 
-    def generate(self, prompt_ids, n_predict: int = -1) -> Iterator[int]:
-        """Yield sampled tokens until an end-of-generation token (not yielded), n_predict tokens (-1: no limit)
-        or a full context. stop_reason says which: 'eog', 'length' or 'context'."""
+    def start(self, prompt_ids) -> np.ndarray:
+        """Prefill the prompt (feed) and take the stop ids that wait for it; the logits of its last position."""
         logits = self.feed(prompt_ids)
         if self.stop_ids_after_prompt is not None:
             self.stop_ids, self.stop_ids_after_prompt = self.stop_ids_after_prompt(), None
+        return logits
+
+    def pick(self, logits: np.ndarray) -> int | None:
+        """Sample the next token from `logits`; it becomes pending. None if it ends the generation ('eog')."""
+        tok = self.pending = self.sampler(logits, self.history)
+        if tok in self.stop_ids:
+            self.stop_reason = "eog"
+            return None
+        return tok
+
+    def generate(self, prompt_ids, n_predict: int = -1) -> Iterator[int]:
+        """Yield sampled tokens until an end-of-generation token (not yielded), n_predict tokens (-1: no limit)
+        or a full context. stop_reason says which: 'eog', 'length' or 'context'."""
+        logits = self.start(prompt_ids)
         n = 0
         while True:
             if n_predict >= 0 and n >= n_predict:
                 self.stop_reason = "length"
                 return
-            tok = self.sampler(logits, self.history)
-            self.pending = tok
-            if tok in self.stop_ids:
-                self.stop_reason = "eog"
+            tok = self.pick(logits)
+            if tok is None:
                 return
             n += 1
             yield tok
@@ -113,3 +124,25 @@ class Generator:
             logits = self._step([tok])  # interrupted: tok stays pending, fed before the next prompt
             self.stats.gen_s += time.perf_counter() - t0
             self.stats.gen_tokens += 1
+
+
+def step_together(gens: list[Generator]) -> np.ndarray:
+    """Decode every generator's pending token in one batched step (Model.step: the FFN's experts read once for
+    all of them); returns their logits (len(gens), vocab). All or nothing: if the step fails or is interrupted,
+    every pending token stays pending and no state moves."""
+    toks = [g.pending for g in gens]
+    t0 = time.perf_counter()
+    if len(gens) == 1:  # the generator's own one-token step
+        g = gens[0]
+        logits = g._step(toks)[None]
+        g.stats.gen_s += time.perf_counter() - t0
+        g.stats.gen_tokens += 1
+        return logits
+    logits = gens[0].model.step(toks, [g.state for g in gens])
+    dt = time.perf_counter() - t0
+    for g, tok in zip(gens, toks):
+        g.pending = None
+        g.history.append(tok)
+        g.stats.gen_s += dt
+        g.stats.gen_tokens += 1
+    return logits

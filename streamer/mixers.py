@@ -28,6 +28,14 @@ class Mixer(Protocol):
 
     def __call__(self, h: np.ndarray, state, pos0: int) -> np.ndarray: ...
 
+    def step(self, h: np.ndarray, states: list, positions: list[int]) -> np.ndarray: ...
+
+
+def one_by_one(mix: Mixer, h: np.ndarray, states: list, positions: list[int]) -> np.ndarray:
+    """A decode step of several sequences as separate one-token calls: row b of h is sequence b's token at
+    positions[b], mixed with its own state."""
+    return np.concatenate([mix(h[b : b + 1], st, pos) for b, (st, pos) in enumerate(zip(states, positions))])
+
 
 class Attention:
     """Grouped-query attention with RoPE, the token mixer of qwen2/qwen3 layers: Qwen3 has per-head q/k RMSNorm,
@@ -58,6 +66,21 @@ class Attention:
             if bias is not None:
                 out += bias
         att = self._attend(q.reshape(m, cfg.n_head, cfg.head_dim), k, v, kv, pos0)
+        return linear(self.wo, att.reshape(m, -1))
+
+    def step(self, h: np.ndarray, states: list[KVRows], positions: list[int]) -> np.ndarray:
+        """A decode step of several sequences, row b of h being sequence b's token at positions[b]: the
+        projections of all rows together (each weight row read once for the batch), the attention of each row
+        over its own sequence's K/V."""
+        cfg, m = self.cfg, h.shape[0]
+        q, k, v = linear(self.wq, h), linear(self.wk, h), linear(self.wv, h)
+        for out, bias in ((q, self.bq), (k, self.bk), (v, self.bv)):
+            if bias is not None:
+                out += bias
+        q = q.reshape(m, 1, cfg.n_head, cfg.head_dim)
+        att = np.empty((m, cfg.n_head, cfg.head_dim), np.float32)
+        for b, (kv, pos) in enumerate(zip(states, positions)):
+            att[b] = self._attend(q[b], k[b : b + 1], v[b : b + 1], kv, pos)[0]
         return linear(self.wo, att.reshape(m, -1))
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, kv: KVRows, pos0: int) -> np.ndarray:
@@ -104,6 +127,9 @@ class GatedAttention(Attention):
         att = self._attend(q, linear(self.wk, h), linear(self.wv, h), kv, pos0).reshape(m, -1)
         recurrent.sigmoid_gate(att, np.ascontiguousarray(qg[:, :, 1]).reshape(m, -1))
         return linear(self.wo, att)
+
+    def step(self, h: np.ndarray, states: list[KVRows], positions: list[int]) -> np.ndarray:
+        return one_by_one(self, h, states, positions)
 
     def block_args(self, attn_norm, ffn_norm) -> None:
         return None
@@ -161,6 +187,9 @@ class GatedDeltaNet:
         recurrent.delta_rule(mixed, beta, alpha, self.dt, self.a, *args)
         recurrent.gated_rmsnorm(o, z, self.norm, c.rms_eps, o)
         return linear(self.wout, o)
+
+    def step(self, h: np.ndarray, states: list[Recurrent], positions: list[int]) -> np.ndarray:
+        return one_by_one(self, h, states, positions)
 
 
 def mixer(gf: GGUFFile, i: int, cfg: ModelConfig, cos, sin) -> Mixer:

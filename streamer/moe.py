@@ -93,11 +93,14 @@ class Router:
         return ids, w
 
     def predict(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The experts `layer` would pick for the residual x of one token (before its attention): ids and
-        weights (1, k) after expert top-p, as __call__ returns them."""
-        h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h)
-        self.mats[layer].matvec(h[0], self._logits[0])
-        ids_k, w_k = route_topk(self._logits, self.cfg.n_expert_used)
+        """The experts `layer` would pick for the residual x (m, n_embd) of a decode step's tokens (before
+        their attention): ids and weights (m, k) after expert top-p, as __call__ returns them."""
+        m = x.shape[0]
+        h = ops.rmsnorm(x, self.ffn_norm[layer], self.cfg.rms_eps, self._h if m == 1 else np.empty_like(x))
+        logits = self._logits if m == 1 else np.empty((m, self.cfg.n_expert), np.float32)
+        for b in range(m):
+            self.mats[layer].matvec(h[b], logits[b])
+        ids_k, w_k = route_topk(logits, self.cfg.n_expert_used)
         if self.trace is not None:
             self.trace.lookahead(layer, ids_k, w_k)
         return apply_top_p(ids_k, w_k, self.expert_top_p)
@@ -144,25 +147,32 @@ class MoEFFN:
         return self.router.expert_top_p
 
     def after_attention(self, layer: int, x: np.ndarray) -> None:
-        """A model hook: right after layer L's attention, apply layer L+1's ffn_norm and router to the
-        residual; the experts it picks are prefetched while layer L computes. Decode only (one token)."""
+        """A model hook, called in decode steps (one token, or one per sequence of a batch): right after layer
+        L's attention, apply layer L+1's ffn_norm and router to the residual; the experts it picks (for a batch,
+        the union of every token's) are prefetched while layer L computes."""
         nxt = layer + 1
-        if self.prefetch and x.shape[0] == 1 and nxt < self.cfg.n_layer and self.source.wants_lookahead:
+        if self.prefetch and nxt < self.cfg.n_layer and self.source.wants_lookahead:
             ids, w = self.router.predict(nxt, x)
             if self.expert_skip > 0:  # what the layer would skip now is not worth reading ahead
                 ids, w, _ = apply_skip(ids, w, self.expert_skip, self.source.present(nxt, ids))
-            self.predicted[nxt] = ids[0][ids[0] >= 0]
+            self.predicted[nxt] = ids[0][ids[0] >= 0] if len(ids) == 1 else np.unique(ids[ids >= 0])
 
-    def __call__(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """The layer's FFN of h (m, n_embd): route, record, compute the routed experts in ascending id order."""
+    def __call__(self, layer: int, h: np.ndarray, step: bool = False) -> np.ndarray:
+        """The layer's FFN of h (m, n_embd): route, record, compute the routed experts in ascending id order.
+        step: the m tokens are a decode step of m sequences, not a prompt (the cache grows as for decode, the
+        lookahead's union of next-layer experts is prefetched behind this layer's, and the uses the batch
+        shares are counted)."""
         m = h.shape[0]
-        self._starting(layer, m)
+        self._starting(layer, 1 if step else m)
         ids, w = self.router(layer, h)
         n_skipped = 0
         if self.expert_skip > 0:
             ids, w, n_skipped = self._skip(layer, ids, w)
         self.traffic.routed(layer, ids, self.predicted.pop(layer, None), n_skipped)
         used = ids[ids >= 0]
+        if step and m > 1:
+            shared = len(used) - len(np.unique(used))  # uses served by an expert another sequence also reads
+            self.traffic.shared(layer, shared, shared * self.source.layout.expert_bytes(layer))
         if self.usage is not None:
             self.usage.record(layer, used)
         if m == 1:  # one token's ids are distinct: sorting them gives the experts and, alongside, their weights
@@ -176,7 +186,7 @@ class MoEFFN:
         if m == 1:
             self.compute[layer].decode(layer, h, ids, w, experts, wts, out, self.predicted.get(layer + 1))
         else:
-            self.compute[layer].prefill(layer, h, ids, w, experts, out, None)
+            self.compute[layer].prefill(layer, h, ids, w, experts, out, self.predicted.get(layer + 1) if step else None)
         return out
 
     def _skip(self, layer: int, ids: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -191,16 +201,26 @@ class MoEFFN:
         return new_ids, new_w, n
 
     def decode(self, layer: int, h: np.ndarray, x: np.ndarray) -> None:
-        """One token: x += this layer's FFN of h (= ffn_norm(x)); as one kernel call (WholeLayer) where every
-        expert is resident and nothing needs the routing between its steps (lookahead, expert top-p, trace)."""
+        """A decode step, one token per sequence: x += this layer's FFN of h (= ffn_norm(x)). One token runs as
+        one kernel call (WholeLayer) where every expert is resident and nothing needs the routing between its
+        steps (lookahead, expert top-p, trace)."""
         src, r = self.source, self.router
         routing_seen = src.wants_lookahead or r.expert_top_p < 1.0 or r.trace is not None
         if self.fused[layer] is None or not src.in_place or routing_seen:
-            x += self(layer, h)
+            x += self(layer, h, step=True)
             return
-        ids = self.whole_layer(layer, h, x, self.usage.counts[layer] if self.usage is not None else None)
+        # every expert in place: each token as its own one-call step (bit for bit its result alone; with tokens
+        # that rarely share an expert the grouped kernels saved nothing and cost more Python per layer)
+        counts = self.usage.counts[layer] if self.usage is not None else None
+        m = h.shape[0]
+        ids = np.concatenate([self.whole_layer(layer, h[b : b + 1], x[b : b + 1], counts).copy() for b in range(m)])
         self.traffic.routed(layer, ids, self.predicted.pop(layer, None))
-        src.request_all(layer, ids[0])
+        used = ids[ids >= 0]
+        experts = np.unique(used) if m > 1 else used
+        if m > 1:
+            shared = len(used) - len(experts)
+            self.traffic.shared(layer, shared, shared * src.layout.expert_bytes(layer))
+        src.request_all(layer, experts)
 
     def _starting(self, layer: int, m: int) -> None:
         """Per layer call: count the steps, start the prefault thread after the first layer (its kernels are

@@ -31,7 +31,7 @@ def build_moe_ffn(
     usage = Usage(gf, cfg.n_layer, cfg.n_expert, options.learn)
     layout = ExpertLayout(gf, cfg)
     plan = None
-    kv = cfg.state_bytes(cfg.context(n_ctx))
+    kv = cfg.state_bytes(cfg.context(n_ctx), options.n_seq)
     if expert_cache_bytes is None and stream:
         plan = split_budget(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv, paged_in)
         logger.info(plan.line())

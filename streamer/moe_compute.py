@@ -171,7 +171,8 @@ class Fused:
         call (kernels/grouped.py, int8.grouped_matmul): experts with at most grouped_max tokens by the decode
         row dots, the others by matmul (the integer kernel on h quantized once per layer, or dequantized f32
         tiles, as QMatrix.matmul). Reads run `window` experts ahead of the group being computed (streaming);
-        resident experts are computed in one group. Each token's outputs of the row-dot experts are added into
+        resident experts are computed in one group; nxt (a batched decode step: the lookahead's union for the next
+        layer) is prefetched once this layer's reads are queued. Each token's outputs of the row-dot experts are added into
         out in ascending expert order, those of the matmul experts into big_out likewise, and big_out into out
         at the end: the same additions whatever the grouping, so streamed == resident bit for bit (and a token
         with only row-dot experts gets exactly the per-token path's result)."""
@@ -216,9 +217,9 @@ class Fused:
 
         t = self.tuning
         if self.source.in_place:
-            serve(self.source, layer, experts, compute, len(experts), None, len(experts))
+            serve(self.source, layer, experts, compute, len(experts), nxt, len(experts))
         else:
-            serve(self.source, layer, experts, compute, t.group + t.window, None, t.group)
+            serve(self.source, layer, experts, compute, t.group + t.window, nxt, t.group)
         if lanes_out is not None:
             out += lanes_out
         if big_out is not None:

@@ -53,6 +53,7 @@ class StreamOptions:
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
     mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
     expert_skip: float = 0.0  # per token, drop uncached routed experts below this weight share (0: off)
+    n_seq: int = 1  # sequences decoded together (serve and bench --parallel): the budget holds each one's state
 
     def __post_init__(self) -> None:
         if isinstance(self.ram_budget, str):
@@ -67,6 +68,7 @@ class StreamOptions:
             (not 0.0 < self.expert_top_p <= 1.0, "--expert-top-p must be in (0, 1]", self.expert_top_p),  # NaN too
             (not 0.0 <= self.expert_skip < 1.0, "--expert-skip must be in [0, 1)", self.expert_skip),
             (self.readers < 1, "readers must be at least 1", self.readers),
+            (self.n_seq < 1, "--parallel must be at least 1", self.n_seq),
             (not 0.0 <= self.pin_share <= 1.0, "pin_share must be in [0, 1]", self.pin_share),
             (
                 self.expert_cache_bytes is not None and self.expert_cache_bytes <= 0,

@@ -254,7 +254,7 @@ def early_plan(
     if cfg.is_moe and options.stream:
         if options.expert_cache_bytes is None:
             layout = ExpertLayout(gf, cfg)
-            kv = cfg.state_bytes(cfg.context(n_ctx))
+            kv = cfg.state_bytes(cfg.context(n_ctx), options.n_seq)
             nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
             mem = psutil.Process().memory_info()
             rss = mem.rss - min(mapped, getattr(mem, "shared", 0)) + rss_margin
@@ -276,14 +276,14 @@ def run_budget(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: in
     memory, widened (budget.roomy) for a streamed MoE that fits whole in a larger share: it runs in place."""
     budget = resolve_budget(options.ram_budget)
     if options.ram_budget is None and cfg.is_moe and options.stream and options.expert_cache_bytes is None:
-        budget = roomy(budget, lambda b: moe_fits_resident(gf, cfg, n_ctx, b))
+        budget = roomy(budget, lambda b: moe_fits_resident(gf, cfg, n_ctx, b, options.n_seq))
     return budget
 
 
-def moe_fits_resident(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> bool:
-    """Whether the budget plan keeps every expert of the file in place at this budget."""
+def moe_fits_resident(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int, n_seq: int = 1) -> bool:
+    """Whether the budget plan keeps every expert of the file in place at this budget (n_seq sequences' states)."""
     layout = ExpertLayout(gf, cfg)
-    kv = cfg.state_bytes(cfg.context(n_ctx))
+    kv = cfg.state_bytes(cfg.context(n_ctx), n_seq)
     try:
         return split_budget(budget, cfg, gf, layout.total_bytes, layout.slot_bytes, kv).fits_resident
     except StreamerError:  # too small to run at all
@@ -321,9 +321,9 @@ def readahead_step(gf: GGUFFile) -> int:
     return min(readahead_bytes(s.path) for s in gf.shards)
 
 
-def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int) -> None:
+def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget: int, n_seq: int = 1) -> None:
     """A dense model has nothing to stream: say so if its weights and KV cache exceed the budget."""
-    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.state_bytes(cfg.context(n_ctx))
+    need = sum(t.nbytes for t in gf.tensors.values()) + cfg.state_bytes(cfg.context(n_ctx), n_seq)
     if need > budget:
         logger.warning(
             f"this dense model needs {human(need)} (weights + KV cache), more than --ram-budget "
@@ -338,7 +338,7 @@ def read_model_into_memory(
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    rest = cfg.state_bytes(cfg.context(n_ctx)) + scratch_bytes(cfg)
+    rest = cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg)
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(
@@ -407,7 +407,7 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
         paged_in = (lambda: early.done) if early is not None else (lambda: 0)
         moe = moe_build.build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
     elif options.ram_budget is not None:  # a budget the user gave
-        warn_dense_budget(gf, cfg, n_ctx, budget)
+        warn_dense_budget(gf, cfg, n_ctx, budget, options.n_seq)
     watch = None if gf.in_memory else FileWatch([s.path for s in gf.shards])  # a copy: the file may change
     model = models.Model(gf, cfg, ffn=moe, n_ctx=n_ctx, watch=watch)
     session = Session(gf, cfg, model, moe, tokenizer)

@@ -34,6 +34,9 @@ class LayerStats:
     prefetch_issued: int = 0
     prefetch_bytes: int = 0
     prefetch_used: int = 0
+    calls: int = 0  # layer calls (a decode step or a prompt chunk): requests / calls is the distinct experts per call
+    shared: int = 0  # (token, expert) uses of a batched decode step served by an expert another sequence reads
+    shared_bytes: int = 0  # the bytes those uses would have asked for alone
     recall_hit: int = 0  # |predicted ∩ routed| summed over decode steps
     recall_total: int = 0  # |routed| summed over the same steps
     stall_s: float = 0.0  # compute thread waiting for reads
@@ -67,6 +70,7 @@ class ExpertTraffic:
         """Count one routing decision of `layer`: ids (m tokens, k) with -1 for experts dropped by expert top-p
         or skipped (`skipped` of them); for one token, how many of its experts the lookahead had predicted."""
         st = self.layers[layer]
+        st.calls += 1
         st.tokens += ids.shape[0]
         st.dropped -= skipped
         if ids.shape[0] == 1:  # decode: a handful of ids, cheaper in Python than in numpy calls
@@ -80,8 +84,19 @@ class ExpertTraffic:
             used = ids >= 0
             st.routed += int(used.sum())
             st.dropped += int((~used).sum())
+            if predicted is not None:  # a batched decode step: the union the lookahead read ahead
+                union = np.unique(ids[used])
+                st.recall_hit += int(np.isin(union, predicted).sum())
+                st.recall_total += len(union)
         if layer == 0:
             self.tokens += ids.shape[0]
+
+    def shared(self, layer: int, n: int, nbytes: int) -> None:
+        """Count a batched decode step's sharing in one layer call: n uses served by an expert that another
+        sequence of the step also reads, worth nbytes had each sequence read its own."""
+        st = self.layers[layer]
+        st.shared += n
+        st.shared_bytes += nbytes
 
     def skipped(self, layer: int, n: int, share: float, nbytes: int) -> None:
         """Count expert skipping's drops in one layer call: n uses, their routing-weight shares summed, and the
@@ -114,6 +129,8 @@ class ExpertTraffic:
             "stall_share": t.stall_s / wall if wall > 0 else 0.0,
             "skipped_weight_share": t.skipped_share / t.tokens if t.tokens else 0.0,  # of all routing weight
             "skipped_bytes_per_token": t.skipped_bytes / max(self.tokens, 1),
+            "experts_per_call": t.requests / t.calls if t.calls else None,  # distinct experts per layer call
+            "shared_bytes": t.shared_bytes,  # expert bytes a batched step's sequences shared (read once, used twice+)
             "totals": asdict(t),
             "layers": [asdict(s) for s in self.layers],
         }

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 from streamer.gguf_file import GGUFFile
-from streamer.kernels import QMatrix
+from streamer.kernels import QMatrix, int8, lanes
 
 
 def qmatrix(gf: GGUFFile, name: str, expert: int | None = None) -> QMatrix:
@@ -29,3 +30,24 @@ def linear(w: QMatrix, h: np.ndarray) -> np.ndarray:
             w.matvec(h[i], out[i])
         return out
     return w.matmul(h)
+
+
+def lanes_serve(w: QMatrix) -> bool:
+    """lanes.grouped computes this matrix for a few rows at once here: Q4_K, an ISA for it, two digits."""
+    return w.qtype == T.Q4_K and lanes.host_isa() is not None and int8.DIGITS == 2
+
+
+def linear_few(w: QMatrix, h: np.ndarray) -> np.ndarray:
+    """(m, n_in) -> (m, n_out) for the few rows of a batched decode step on a matrix too big for the CPU's cache
+    (the output head): lanes.grouped reads each weight row once for all m rows where it serves the format (on
+    the 30B-A3B's 151936 x 2048 Q4_K head, 4 rows: 10.6 ms against 19.6 for 4 matvecs and 23.8 for the int8
+    matmul, 2026-12-06), else linear."""
+    m = h.shape[0]
+    if not 1 < m <= lanes.MAX_TOKENS or not lanes_serve(w):
+        return linear(w, h)
+    fmt, rows = w.block
+    out = np.empty((1, m, w.n_out), np.float32)
+    act = int8.quantize(fmt, np.ascontiguousarray(h, np.float32))
+    one = np.zeros((1, 1), np.int64)
+    lanes.grouped(rows.reshape(-1), one, rows.shape[1], act, np.arange(m), np.array([0, m]), out, lanes.host_isa())
+    return out[0]

@@ -20,11 +20,11 @@ LOAD_TIMEOUT = 900
 
 
 class Running:
-    def __init__(self, session, queue_size=8, load=None, **opts):
+    def __init__(self, session, queue_size=8, load=None, parallel=1, **opts):
         self.session = session
         limits = opts.pop("limits", Limits())
         self.options = ServerOptions(alias="tiny", limits=limits, **opts)
-        self.app = create_app(load or (lambda: Engine(session, queue_size=queue_size)), self.options)
+        self.app = create_app(load or (lambda: Engine(session, queue_size=queue_size, parallel=parallel)), self.options)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -1,11 +1,17 @@
-"""The generation engine: one model, one KV cache, one worker thread running one generation at a time from a
-bounded FIFO queue. The KV cache is kept between requests: a prompt that starts with what the cache holds
-(the usual multi-turn chat) prefills only the rest, as llama-server's cache_prompt.
+"""The generation engine: one model, a few sequence slots (--parallel), one worker thread that decodes every
+running request together (continuous batching) and takes new ones from a bounded FIFO queue. Each slot keeps
+its KV cache between requests: a prompt that starts with what a free slot holds (the usual multi-turn chat)
+goes to that slot and prefills only the rest, as llama-server's cache_prompt.
+
+Each turn of the worker: requests whose client is gone leave; queued requests take free slots; one prompt
+chunk (at most Model.ubatch tokens) of one new request is prefilled; then every decoding request samples its
+next token and all of them step together (Model.step: each layer's experts read once for the batch). A new
+request so joins at the next step, running streams keep flowing while a long prompt is prefilled chunk by chunk,
+and a finished or cancelled request frees its slot at once. Sampling settings, seeds, penalties and stop strings
+are per request.
 
 Jobs talk to the HTTP side through a callback (`emit(kind, payload)`), called from the worker thread:
-("delta", (reasoning, content)) pieces, then exactly one ("done", Result) or ("error", APIError). A job can be
-cancelled at any time (client gone): the worker stops at the next token (or the next prefill chunk) and the
-MoE layer has already released every expert it held (it does so after each step)."""
+("delta", (reasoning, content)) pieces, then exactly one ("done", Result) or ("error", APIError)."""
 
 from __future__ import annotations
 
@@ -17,17 +23,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from streamer.errors import ModelFileChanged, StreamerError
-from streamer.generate import Generator
+from streamer.generate import Generator, step_together
 from streamer.sampler import Sampler, SamplerParams
 from streamer.server.schemas import APIError, GenRequest
 from streamer.server.text import StopMatcher, ThinkSplitter
 
 log = logging.getLogger(__name__)
-
-
-class Cancelled(Exception):
-    pass
 
 
 @dataclass
@@ -83,24 +87,86 @@ def common_prefix(a, b) -> int:
     return n
 
 
+class Reply:
+    """One request's output as it is generated: token pieces through the stop strings and the think splitter
+    to the client (emit), the reply's text kept for the replies memory."""
+
+    def __init__(self, job: Job, tok):
+        self.job, self.req = job, job.req
+        self.dec, self.stops, self.think = (
+            tok.stream_decoder(),
+            StopMatcher(job.req.stops),
+            ThinkSplitter(job.req.think),
+        )
+        self.parts: dict[str, list[str]] = {"reasoning": [], "content": []}
+        self.raw: list[str] = []  # the reply's text as generated
+        self.n = 0  # tokens generated
+
+    def _out(self, text: str, final: bool = False) -> None:
+        r, c = self.think.push(text)
+        if final:
+            r2, c2 = self.think.flush()
+            r, c = r + r2, c + c2
+        if r or c:
+            self.parts["reasoning"].append(r)
+            self.parts["content"].append(c)
+            self.job.emit("delta", (r, c))
+
+    def push(self, t: int) -> bool:
+        """A generated token; True if a stop string ended the reply."""
+        self.n += 1
+        piece = self.dec.push(t)
+        self.raw.append(piece)
+        self._out(self.stops.push(piece))
+        return self.stops.stopped
+
+    def close(self, finish: str) -> tuple[str, str]:
+        """The reply's (reasoning, content), the text held back flushed (unless cancelled)."""
+        tail = self.dec.flush()
+        self.raw.append(tail)
+        if finish != "cancelled":
+            self._out(self.stops.push(tail) + self.stops.flush(), final=True)
+        return "".join(self.parts["reasoning"]), "".join(self.parts["content"])
+
+
+@dataclass
+class Slot:
+    """One sequence the engine can decode: its generator (KV cache, token history, sampler) and, while it serves
+    one, the request's job, reply, prompt tokens still to prefill and the logits its next token is sampled from."""
+
+    gen: Generator
+    job: Job | None = None
+    reply: Reply | None = None
+    todo: list = field(default_factory=list)
+    logits: np.ndarray | None = None
+    keep: int = 0  # prompt tokens reused from the cache
+    n_prompt: int = 0
+    used_at: float = 0.0  # when its last request ended (a new request takes the least recently used free slot)
+
+
 class Engine:
-    def __init__(self, session, queue_size: int = 8, replies_kept: int = 64):
+    def __init__(self, session, queue_size: int = 8, replies_kept: int = 64, parallel: int = 1):
         self.session, self.tok = session, session.tokenizer
         model = session.model
         self.n_ctx, self.n_vocab = model.n_ctx, session.cfg.n_vocab
-        self.gen = Generator(model, model.new_state(), Sampler(SamplerParams()), self.tok.eog_ids)
-        self.gen.on_prefill = self._prefill_progress
+        self.ubatch = getattr(model, "ubatch", 512)
+        self.slots = [Slot(Generator(model, model.new_state(), Sampler(SamplerParams()))) for _ in range(parallel)]
         self.tok.encode_raw("warm up")  # builds the merge table now, not in two request threads at once
         self.queue_size = queue_size
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
-        self._current: Job | None = None
         self._closed = False
         self.counters = Counters()
+        self.batch_size = 0  # sequences in the last decode step
         self.replies: OrderedDict[str, str] = OrderedDict()  # reply content -> the reply as generated
         self.replies_kept = replies_kept
         self._worker = threading.Thread(target=self._run, name="serve-worker", daemon=True)
         self._worker.start()
+
+    @property
+    def gen(self) -> Generator:
+        """The first slot's generator (the only one with --parallel 1)."""
+        return self.slots[0].gen
 
     # ---- the HTTP side ----
     def submit(self, job: Job) -> None:
@@ -115,7 +181,7 @@ class Engine:
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if it still waits, else stop it at its next token."""
+        """The client is gone: drop the job if it still waits, else it leaves its slot at the worker's next turn."""
         job.cancel()
         with self._cv:
             try:
@@ -123,14 +189,29 @@ class Engine:
                 self.counters.requests["cancelled"] += 1
             except ValueError:
                 pass
+            self._cv.notify()
 
     @property
     def depth(self) -> int:
         return len(self._queue)
 
     @property
+    def active(self) -> int:
+        """Slots serving a request."""
+        return sum(s.job is not None for s in self.slots)
+
+    def slot_speeds(self) -> list[tuple[int, float]]:
+        """(slot index, tokens per second of decoding) of each slot serving a request that has decoded."""
+        out = []
+        for i, s in enumerate(self.slots):
+            st = s.gen.stats
+            if s.job is not None and st.gen_s > 0:
+                out.append((i, st.gen_tokens / st.gen_s))
+        return out
+
+    @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self.active > 0
 
     def reply_memory(self) -> dict:
         with self._cv:
@@ -141,8 +222,9 @@ class Engine:
         with self._cv:
             self._closed = True
             waiting, self._queue = list(self._queue), deque()
-            if self._current is not None:
-                self._current.cancel()
+            for s in self.slots:
+                if s.job is not None:
+                    s.job.cancel()
             self._cv.notify_all()
         for job in waiting:
             job.cancel()
@@ -153,53 +235,132 @@ class Engine:
     # ---- the worker ----
     def _run(self) -> None:
         while True:
+            if not self.busy:
+                self._release_experts()  # idle: no expert slot stays busy between requests
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue and not self.busy and not self._closed:
                     self._cv.wait()
                 if self._closed:
+                    self._fail_all(APIError(503, "the server is shutting down", "unavailable_error", "shutting_down"))
                     return
-                job = self._current = self._queue.popleft()
+                self._admit()
             try:
-                self._serve(job)
+                self._turn()
             except Exception:  # never let the worker die: the server would hang with a full queue
                 log.error("the worker failed:\n%s", traceback.format_exc())
-            finally:
-                with self._cv:
-                    self._current = None
+                self._fail_all(internal_error(), reset=True)
 
-    def _prefill_progress(self, done: int, total: int) -> None:
-        job = self._current
-        if job is not None and job.cancelled.is_set():
-            raise Cancelled  # Generator rolls the cache back to where this prefill started
+    def _admit(self) -> None:
+        """Queued jobs into free slots, in order (called with the lock held)."""
+        while self._queue:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                return
+            job = self._queue.popleft()
+            if job.cancelled.is_set():
+                self.counters.requests["cancelled"] += 1
+                job.emit("done", Result("cancelled", 0, 0, 0, 0.0, 0.0))
+                continue
+            # the slot whose cache holds most of this prompt; among equals the least recently used
+            slot = max(free, key=lambda s: (self.plan(job.req, s.gen)[0], -s.used_at))
+            self._start(slot, job)
 
-    def _serve(self, job: Job) -> None:
-        c = self.counters
-        try:
-            res = self._generate(job)
-        except APIError as e:
-            c.requests["error"] += 1
-            job.emit("error", e)
-            return
-        except ModelFileChanged as e:  # the weights are gone: every request will fail, say why
-            c.requests["error"] += 1
-            job.emit("error", APIError(500, str(e), "server_error", "model_file_changed"))
-            return
-        except StreamerError as e:  # e.g. context overflow: a client error, the engine carries on
-            c.requests["error"] += 1
-            job.emit("error", APIError(400, str(e), "invalid_request_error", "invalid_request"))
-            return
-        except Exception:  # a bug: log it, start the next request from an empty cache
-            log.error("generation failed:\n%s", traceback.format_exc())
-            self.gen.reset()
-            c.requests["error"] += 1
+    def _start(self, slot: Slot, job: Job) -> None:
+        """Set a slot up for a job: keep the cached prefix, the request's sampler and stops; or answer at once
+        (an error, or a job cancelled before it started)."""
+        req, gen = job.req, slot.gen
+        keep, new = self.plan(req, gen)
+        if keep + len(new) > self.n_ctx:
+            self.counters.requests["error"] += 1
             job.emit(
                 "error",
-                APIError(500, "internal error while generating (see the server log)", "server_error", "internal_error"),
+                APIError(
+                    400,
+                    f"the prompt has {keep + len(new)} tokens, more than the context size {self.n_ctx}",
+                    "invalid_request_error",
+                    "context_length_exceeded",
+                ),
             )
             return
-        finally:
-            self._release_experts()
-        c.requests["cancelled" if res.finish_reason == "cancelled" else "ok"] += 1
+        gen.state.truncate(keep)
+        del gen.history[keep:]
+        gen.pending = None
+        gen.sampler = Sampler(req.params)
+        gen.stop_ids = frozenset() if req.ignore_eos else self.tok.eog_ids
+        gen.stats = type(gen.stats)()
+        slot.job, slot.reply, slot.todo, slot.logits = job, Reply(job, self.tok), list(new), None
+        slot.keep, slot.n_prompt = keep, keep + len(new)
+
+    def _turn(self) -> None:
+        """One turn: cancelled requests leave, one prompt chunk is prefilled, every decoding request samples a
+        token, and those still going step together."""
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled.is_set():
+                self._finish(s, "cancelled")
+        filling = [s for s in self.slots if s.job is not None and s.todo]
+        if filling:
+            self._prefill(filling[0])
+        going = []
+        for s in self.slots:
+            if s.job is not None and s.logits is not None and self._next_token(s):
+                going.append(s)
+        self.batch_size = len(going)
+        if not going:
+            return
+        try:
+            logits = step_together([s.gen for s in going])
+        except Exception as e:  # noqa: BLE001 - each request of the step gets the error
+            for s in going:
+                self._fail(s, e)
+            return
+        for s, row in zip(going, logits):
+            s.logits = row
+
+    def _prefill(self, s: Slot) -> None:
+        """The slot's next prompt chunk; after the last, the logits its first token is sampled from."""
+        chunk, s.todo = s.todo[: self.ubatch], s.todo[self.ubatch :]
+        try:
+            logits = s.gen.feed(chunk)
+        except Exception as e:  # noqa: BLE001
+            self._fail(s, e)
+            return
+        if not s.todo:
+            s.logits = logits
+
+    def _next_token(self, s: Slot) -> bool:
+        """Sample the slot's next token and send it; True if the request goes on (its token is then pending,
+        to be decoded by the next step), else the slot is finished."""
+        gen, r = s.gen, s.reply
+        logits, s.logits = s.logits, None
+        max_tokens = s.job.req.max_tokens
+        if 0 <= max_tokens <= r.n:
+            self._finish(s, "length")
+            return False
+        tok = gen.pick(logits)
+        if tok is None:
+            self._finish(s, "stop")
+            return False
+        if r.push(tok):
+            self._finish(s, "stop")
+            return False
+        if s.job.cancelled.is_set():
+            self._finish(s, "cancelled")
+            return False
+        if gen.state.room() == 0 or 0 <= max_tokens <= r.n:
+            self._finish(s, "length")
+            return False
+        return True
+
+    def _finish(self, s: Slot, finish: str) -> None:
+        """The slot's request is done: send its result, count it, free the slot."""
+        job, r, gen = s.job, s.reply, s.gen
+        reasoning, content = r.close(finish)
+        req = job.req
+        if req.text is not None and finish != "cancelled" and not r.stops.stopped:
+            self._remember(content, req.head + "".join(r.raw))
+        res = Result(finish, s.n_prompt, s.keep, r.n, gen.stats.prompt_s, gen.stats.gen_s, reasoning, content)
+        c = self.counters
+        c.requests["cancelled" if finish == "cancelled" else "ok"] += 1
         c.prompt_tokens += res.prefilled
         c.cached_tokens += res.cached_tokens
         c.completion_tokens += res.completion_tokens
@@ -209,20 +370,54 @@ class Engine:
             c.last_prompt_tps = res.prefilled / res.prompt_s
         if res.gen_s > 0 and res.completion_tokens > 1:
             c.last_gen_tps = (res.completion_tokens - 1) / res.gen_s
+        self._free(s)
         job.emit("done", res)
+
+    def _fail(self, s: Slot, e: BaseException) -> None:
+        """The slot's request failed: its error to the client, the slot freed (its cache emptied after a bug)."""
+        if isinstance(e, ModelFileChanged):  # the weights are gone: every request will fail, say why
+            err = APIError(500, str(e), "server_error", "model_file_changed")
+        elif isinstance(e, StreamerError):  # e.g. context overflow: a client error, the engine carries on
+            err = APIError(400, str(e), "invalid_request_error", "invalid_request")
+        elif isinstance(e, APIError):
+            err = e
+        else:  # a bug: log it, start this slot's next request from an empty cache
+            log.error("generation failed:\n%s", "".join(traceback.format_exception(e)))
+            err = internal_error()
+            s.gen.reset()
+        self.counters.requests["error"] += 1
+        job = s.job
+        self._free(s)
+        job.emit("error", err)
+
+    def _fail_all(self, err: APIError, reset: bool = False) -> None:
+        for s in self.slots:
+            if s.job is not None:
+                if reset:
+                    s.gen.reset()
+                self.counters.requests["error"] += 1
+                job = s.job
+                self._free(s)
+                job.emit("error", err)
+
+    def _free(self, s: Slot) -> None:
+        with self._cv:
+            s.job, s.reply, s.todo, s.logits = None, None, [], None
+            s.used_at = time.monotonic()
 
     def _release_experts(self) -> None:
         """Let prefetches in flight land, so no expert slot is busy between requests."""
         if self.session.moe is not None:
             self.session.moe.source.drain()
 
-    def plan(self, req: GenRequest) -> tuple[int, list[int]]:
-        """(tokens of the cache to keep, tokens to prefill after them). Chat prompts are matched as text
+    def plan(self, req: GenRequest, gen: Generator | None = None) -> tuple[int, list[int]]:
+        """(tokens of gen's cache to keep, tokens to prefill after them). Chat prompts are matched as text
         first: the cache holds earlier replies as the tokens we sampled, which re-encoding their text need not
         reproduce. Otherwise (or when the text differs, or the cache ends inside a character, which then
         decodes to U+FFFD) the longest common token prefix is kept. At least one token is always prefilled
         (its logits start the reply)."""
-        hist = self.gen.history
+        gen = self.gen if gen is None else gen
+        hist = gen.history
         if not req.cache_prompt:
             return 0, list(req.ids)
         if req.text is not None and hist:
@@ -232,66 +427,8 @@ class Engine:
             if len(req.text) > len(cached) and req.text.startswith(cached):
                 return len(hist), self.tok.encode_raw(req.text[len(cached) :])
         ids = list(req.ids)
-        keep = self.gen.state.restorable(min(common_prefix(hist, ids), len(ids) - 1))  # a recurrent state: saved points
+        keep = gen.state.restorable(min(common_prefix(hist, ids), len(ids) - 1))  # a recurrent state: saved points
         return keep, ids[keep:]
-
-    def _generate(self, job: Job) -> Result:
-        req, gen = job.req, self.gen
-        if job.cancelled.is_set():
-            return Result("cancelled", 0, 0, 0, 0.0, 0.0)
-        keep, new = self.plan(req)
-        if keep + len(new) > self.n_ctx:
-            raise APIError(
-                400,
-                f"the prompt has {keep + len(new)} tokens, more than the context size {self.n_ctx}",
-                "invalid_request_error",
-                "context_length_exceeded",
-            )
-        gen.state.truncate(keep)
-        del gen.history[keep:]
-        gen.pending = None
-        gen.sampler = Sampler(req.params)
-        gen.stop_ids = frozenset() if req.ignore_eos else self.tok.eog_ids
-        gen.stats = type(gen.stats)()
-        dec, stops, think = self.tok.stream_decoder(), StopMatcher(req.stops), ThinkSplitter(req.think)
-        parts = {"reasoning": [], "content": []}
-        raw = []  # the reply's text as generated (for the replies memory)
-
-        def out(text: str, final: bool = False) -> None:
-            r, c = think.push(text)
-            if final:
-                r2, c2 = think.flush()
-                r, c = r + r2, c + c2
-            if r or c:
-                parts["reasoning"].append(r)
-                parts["content"].append(c)
-                job.emit("delta", (r, c))
-
-        n, finish = 0, None
-        try:
-            for t in gen.generate(new, req.max_tokens):
-                n += 1
-                piece = dec.push(t)
-                raw.append(piece)
-                out(stops.push(piece))
-                if stops.stopped:
-                    finish = "stop"
-                    break
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-        except Cancelled:
-            finish = "cancelled"
-        if finish is None:
-            finish = "stop" if gen.stop_reason == "eog" else "length"
-        tail = dec.flush()
-        raw.append(tail)
-        if finish != "cancelled":
-            out(stops.push(tail) + stops.flush(), final=True)
-        reasoning, content = "".join(parts["reasoning"]), "".join(parts["content"])
-        if req.text is not None and finish != "cancelled" and not stops.stopped:
-            self._remember(content, req.head + "".join(raw))
-        return Result(finish, keep + len(new), keep, n, gen.stats.prompt_s, gen.stats.gen_s, reasoning, content)
 
     def _remember(self, content: str, body: str) -> None:
         if content != body:
@@ -300,3 +437,7 @@ class Engine:
                 self.replies.move_to_end(content)
                 while len(self.replies) > self.replies_kept:
                     self.replies.popitem(last=False)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal error while generating (see the server log)", "server_error", "internal_error")

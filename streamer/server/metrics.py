@@ -49,7 +49,23 @@ def render(engine, loaded: bool = True) -> str:
     o.metric("queue_depth", "gauge", "Requests waiting for the worker.", engine.depth)
     o.metric("queue_size", "gauge", "Requests that may wait before new ones get 503.", engine.queue_size)
     o.metric("busy", "gauge", "1 while a generation runs.", int(engine.busy))
-    o.metric("kv_cache_tokens", "gauge", "Tokens held in the KV cache.", engine.gen.state.n)
+    active = engine.active
+    o.metric(
+        "slots",
+        "gauge",
+        "Sequence slots (--parallel) serving a request, and free.",
+        [({"state": "busy"}, active), ({"state": "idle"}, len(engine.slots) - active)],
+    )
+    o.metric("batch_size", "gauge", "Sequences in the last decode step.", engine.batch_size)
+    o.metric(
+        "slot_tokens_per_second",
+        "gauge",
+        "Decode speed of the request each busy slot serves.",
+        [({"slot": str(i)}, tps) for i, tps in engine.slot_speeds()],
+    )
+    o.metric(
+        "kv_cache_tokens", "gauge", "Tokens held in the slots' KV caches.", sum(s.gen.state.n for s in engine.slots)
+    )
     o.metric("context_size", "gauge", "Context size in tokens.", engine.n_ctx)
     _experts(o, engine.session)
     return "\n".join(o.lines) + "\n"
@@ -92,6 +108,12 @@ def _experts(o: _Out, session) -> None:
     )
     per_layer(
         "expert_skipped_bytes_total", "Bytes of the experts skipping kept from being read.", lambda s: s.skipped_bytes
+    )
+    o.metric(
+        "expert_shared_bytes_total",
+        "counter",
+        "Expert bytes that batched requests shared: uses served by an expert another sequence of the step read.",
+        sum(s.shared_bytes for s in layers),
     )
     per_layer("expert_stall_seconds_total", "Time the compute thread waited for expert reads.", lambda s: s.stall_s)
     cache = getattr(session.moe.source, "cache", None)  # streaming only
