@@ -9,7 +9,8 @@ In RAM (no --cap) the page cache is left warm and every stream-run run uses the 
 budget keeps a model that fits). With --cap every stream-run run is a fresh process in a fresh memory cgroup
 (bench/cgroup.py) after the model was evicted from the page cache. Each round runs every N once, the order
 reversed every other round, then (with --llama-python, never under a cap) one bench/llama_parallel.py sweep of
-the same N, threads, pp and tg. Before every stream-run run the guest's free page reporting must have been idle for
+the same N, threads, pp and tg, followed by one untimed stream-run run (the run after llama.cpp's was the round's
+slowest, whichever N it was: llama.cpp's repacked copy had pushed part of the file out of the page cache). Before every stream-run run the guest's free page reporting must have been idle for
 --settle seconds at a trickle (memory the previous run freed is otherwise still being handed back to the host, with
 CPU steal, while this one is timed). Prints each run, then per N the medians: aggregate and per-sequence decode tok/s,
 the ratio of the aggregate to N=1's (of the same round, then the median), the expert bytes read per generated
@@ -168,6 +169,10 @@ def main(argv=None) -> int:
             for r in run_llama(a, a.parallel):
                 runs.append((i, r))
                 show(i, r)
+            # llama.cpp's repacked copy pushed part of the file out of the page cache and its exit frees 17 GB:
+            # the next run, whichever N, was the round's slowest (2026-12-06). One untimed run absorbs that.
+            warm = run_stream(argparse.Namespace(**{**vars(a), "pp": 1, "tg": 2}), 1)
+            print(f"round {i + 1}: an untimed stream-run run after llama.cpp's (exit {warm['returncode']})", flush=True)
     engines = ["stream-run"] + (["llama.cpp"] if a.llama_python else [])
     print(
         "\n| engine | N | aggregate tok/s median (range) | x N=1 (median of rounds) | per sequence | MiB read/token "

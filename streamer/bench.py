@@ -1,6 +1,6 @@
 """The benchmark behind `stream-run bench`: warm-up, prefill of pp tokens, greedy decode of tg tokens, with
 speed, weight bytes touched per token, disk reads, expert traffic and peak RSS. With several sequences
-(--parallel N), N prompts are prefilled one after another and then decoded together (Model.step)."""
+(--parallel N), N prompts are prefilled together and then decoded together (Model.forward_many, Model.step)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def run_bench(
     """random_decode feeds each decode step a fresh random token instead of the greedy one: routing then
     never repeats (greedy text from random weights falls into loops), the worst case for an expert cache.
     progress(done, total): bytes of the warm-up's page-in. parallel: sequences, each with its own random
-    prompt (sequence 0's is the one-sequence run's), prefilled in turn and decoded together; tg_tok_s is then
+    prompt (sequence 0's is the one-sequence run's), prefilled together and decoded together; tg_tok_s is then
     each sequence's rate and aggregate_tg_tok_s all of them together (generated tokens per second of wall time)."""
     model, traffic = session.model, session.traffic
     state = machine.describe()
@@ -68,7 +68,13 @@ def run_bench(
     states = [model.new_state() for _ in range(parallel)]
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
-    tokens = [[int(np.argmax(model.forward(p, st)))] for p, st in zip(prompts, states)]
+    if parallel == 1:
+        tokens = [[int(np.argmax(model.forward(prompts[0], states[0])))]]
+    else:  # the prompts together (Model.forward_many), at most Model.ubatch tokens a forward
+        share = max(1, model.ubatch // parallel)
+        for s in range(0, pp, share):
+            logits = model.forward_many([p[s : s + share] for p in prompts], states)
+        tokens = [[int(np.argmax(row))] for row in logits]
     t_pp = time.perf_counter() - t0
     pp_report = traffic.report() if traffic is not None else None
     if traffic is not None:

@@ -146,3 +146,36 @@ def step_together(gens: list[Generator]) -> np.ndarray:
         g.stats.gen_s += dt
         g.stats.gen_tokens += 1
     return logits
+
+
+def feed_together(gens: list[Generator], chunks: list[list[int]]) -> np.ndarray:
+    """Run each generator's chunk (a prompt's next tokens, or the pending token of a decoding sequence: then
+    chunk is [pending]) in one forward (Model.forward_many); returns the logits of each chunk's last token.
+    A prompt chunk is timed as prompt, a one-token chunk of a decoding sequence as generation. A recurrent
+    state is saved before and after each prompt chunk, as Generator.feed does. All or nothing: on failure no
+    state, history or pending token moves."""
+    decoding = [len(c) == 1 and g.pending == c[0] for g, c in zip(gens, chunks)]
+    if all(decoding):
+        return step_together(gens)
+    t0 = time.perf_counter()
+    if len(gens) == 1:  # one prompt: the generator's own forward
+        logits = gens[0]._step(list(chunks[0]))[None]
+    else:
+        for g, c in zip(gens, chunks):
+            if len(c) > 1:
+                g.state.save()
+        logits = gens[0].model.forward_many(chunks, [g.state for g in gens])
+        for g, c in zip(gens, chunks):
+            if len(c) > 1:
+                g.state.save()
+            g.pending = None
+            g.history.extend(c)
+    dt = time.perf_counter() - t0
+    for g, c, dec in zip(gens, chunks, decoding):
+        if dec:
+            g.stats.gen_s += dt
+            g.stats.gen_tokens += 1
+        else:
+            g.stats.prompt_s += dt
+            g.stats.prompt_tokens += len(c)
+    return logits

@@ -256,6 +256,46 @@ class Model:
                 s.commit(1)
         return linear_few(self.head, ops.rmsnorm(x, self.out_norm, cfg.rms_eps, np.empty_like(x)))
 
+    def forward_many(self, chunks: list, states: list[SequenceState]) -> np.ndarray:
+        """Several sequences' tokens in one forward: chunks[b] at the end of states[b]; returns the logits of
+        each chunk's last token (B, vocab). One token each is a decode step (step). Otherwise a prompt pass: per
+        layer each sequence's tokens mix with its own state, as its own forward would, and the FFN runs every
+        token at once (a MoE reads the union of their experts once: several prompts share their reads). At
+        most Model.ubatch tokens in all. All or nothing, like forward."""
+        chunks = [np.asarray(c, dtype=np.int64).reshape(-1) for c in chunks]
+        if len(chunks) != len(states) or len({id(s) for s in states}) != len(states):
+            raise StreamerError("a forward of several sequences needs one chunk for each of distinct sequences")
+        lens = np.array([len(c) for c in chunks])
+        if (lens == 0).any():
+            raise StreamerError("no tokens to run (a chunk is empty)")
+        if (lens == 1).all():
+            return self.step(np.concatenate(chunks), states)
+        if lens.sum() > self.ubatch:
+            raise StreamerError(f"{lens.sum()} tokens in one forward, more than the chunk size {self.ubatch}")
+        ids = np.concatenate(chunks)
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            self.cfg.check_tokens(ids)
+        if self.watch is not None:
+            self.watch.check()
+        for s, m in zip(states, lens):
+            s.check_room(int(m))
+        cfg, bounds = self.cfg, np.concatenate(([0], np.cumsum(lens)))
+        x = self.embd.rows(ids)
+        h = np.empty_like(x)
+        with interrupts.deferred():
+            for i, L in enumerate(self.layers):
+                interrupts.check()
+                ops.rmsnorm(x, L.attn_norm, cfg.rms_eps, h)
+                for b, st in enumerate(states):
+                    a, e = bounds[b], bounds[b + 1]
+                    x[a:e] += L.mixer(h[a:e], st.layers[i], st.n)
+                ops.rmsnorm(x, L.ffn_norm, cfg.rms_eps, h)
+                x += self.ffn(i, h)
+            for s, m in zip(states, lens):
+                s.commit(int(m))
+        last = x[bounds[1:] - 1]
+        return linear_few(self.head, ops.rmsnorm(last, self.out_norm, cfg.rms_eps, np.empty_like(last)))
+
     def _attend_rows(self, i: int, x: np.ndarray, h: np.ndarray, states: list[SequenceState], positions) -> None:
         """Layer i's attention for a batched step, row by row as the one-call block (decode.attn_block) of each
         sequence's own one-token step: bit for bit its logits alone, and faster than the batch's projections

@@ -186,3 +186,67 @@ def test_parallel_below_one_is_one_line_and_exit_2(synth_model, cmd):
     assert r.exit_code == 2, r.output
     assert r.stderr.strip().splitlines()[-1] == "error: --parallel must be at least 1, got 0"
     assert "Traceback" not in r.output
+
+
+def many(s, seqs: list[np.ndarray], cut: list[int]) -> np.ndarray:
+    """Prefill seqs[b][:cut[b]] alone, then the rest of every sequence in one forward_many: each one's logits."""
+    states = [s.model.new_state() for _ in seqs]
+    for st, ids, c in zip(states, seqs, cut):
+        if c:
+            s.model.forward(ids[:c], st)
+    out = s.model.forward_many([ids[c:] for ids, c in zip(seqs, cut)], states)
+    assert [st.n for st in states] == [len(ids) for ids in seqs]
+    return out
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE], ids=["dense", "moe"])
+def test_prompts_together_match_their_own_float64_forward(path):
+    """Chunks of different lengths (one of a single token) from different positions, in one forward."""
+    rng = np.random.default_rng(8)
+    with open_model(path, RESIDENT, n_ctx=64) as s:
+        seqs = [rng.integers(0, s.cfg.n_vocab, size=n) for n in (12, 7, 20)]
+        cut = [0, 6, 9]  # the second sequence adds one token, the others 12 and 11
+        got = many(s, seqs, cut)
+        alone = [s.model.forward(ids, s.model.new_state()) for ids in seqs]
+    ref = Reference(str(path))
+    for i, ids in enumerate(seqs):
+        want = ref.logits(ids)[-1]
+        g = got[i]
+        assert np.dot(g, want) / np.linalg.norm(g) / np.linalg.norm(want) >= 0.9999
+        assert np.abs(g - alone[i]).max() <= 2e-3 * np.abs(alone[i]).max()
+        assert g.argmax() == alone[i].argmax()
+
+
+def test_streamed_prompts_together_equal_resident_bit_for_bit():
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(0, 400, size=n) for n in (10, 16, 5)]
+    cut = [0, 4, 2]
+    with open_model(MOE, RESIDENT, n_ctx=64) as s:
+        resident = many(s, seqs, cut)
+        quarter = ExpertLayout(s.gf, s.cfg).total_bytes // 4
+    with open_model(MOE, StreamOptions(learn=False, expert_cache_bytes=quarter), n_ctx=64) as s:
+        np.testing.assert_array_equal(many(s, seqs, cut), resident)
+        assert s.traffic.report()["totals"]["miss"] > 0
+
+
+def test_hybrid_prompts_together_match_float64_reference(synth_model):
+    path = synth_model("tiny-qwen35moe", "Q8_0")
+    rng = np.random.default_rng(3)
+    with open_model(path, RESIDENT, n_ctx=64) as s:
+        seqs = [rng.integers(0, s.cfg.n_vocab, size=n) for n in (9, 14)]
+        got = many(s, seqs, [3, 5])
+    ref = Reference(str(path))
+    for g, ids in zip(got, seqs):
+        want = ref.logits(ids)[-1]
+        assert np.dot(g, want) / np.linalg.norm(g) / np.linalg.norm(want) >= 0.999
+
+
+def test_bad_forwards_of_several_sequences_are_refused():
+    with open_model(DENSE, RESIDENT, n_ctx=64) as s:
+        a, b = s.model.new_state(), s.model.new_state()
+        with pytest.raises(StreamerError, match="empty"):
+            s.model.forward_many([[1, 2], []], [a, b])
+        s.model.ubatch = 8
+        with pytest.raises(StreamerError, match="more than the chunk size 8"):
+            s.model.forward_many([list(range(1, 6)), list(range(1, 6))], [a, b])
+        assert (a.n, b.n) == (0, 0)

@@ -92,21 +92,30 @@ def test_concurrent_requests_get_what_they_get_alone(srv, oai, resident):
     assert m['streamrun_requests_total{outcome="error"}'] == 0
 
 
-def test_sampling_settings_stay_per_request(oai):
-    """A seeded sampled request gives the same text alone and beside greedy ones."""
-    kw = dict(model="tiny", prompt=[7, 8, 9], max_tokens=16, temperature=0.9, seed=11, extra_body=NO_CACHE)
-    alone = oai.completions.create(**kw).choices[0].text
+def test_sampling_settings_stay_per_request(oai, resident):
+    """Three requests together: one sampled (temperature, seed), one greedy, one greedy cut by a stop string. Each
+    keeps its own settings: the greedy ones give their text alone, the sampled one is not its prompt's greedy
+    text. (A sampled reply's exact text may differ from the same seed's alone: prompts prefilled together take
+    other kernels for the experts they share, and sampling follows the logits' last bits.)"""
+    n = 16
+    greedy_a = resident.tokenizer.decode(greedy(resident, [7, 8, 9], n))
+    want_b = resident.tokenizer.decode(greedy(resident, PROMPTS[1], n))
+    alone_c = resident.tokenizer.decode(greedy(resident, PROMPTS[2], n))
+    stop = alone_c[6:9]
+    cut = alone_c[: alone_c.find(stop)]
 
     def run(i):
+        kw = dict(model="tiny", max_tokens=n, extra_body=NO_CACHE)
         if i == 0:
-            return oai.completions.create(**kw).choices[0].text
-        return (
-            oai.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=16, temperature=0, extra_body=NO_CACHE)
-            .choices[0]
-            .text
-        )
+            return oai.completions.create(prompt=[7, 8, 9], temperature=0.9, seed=11, **kw)
+        if i == 1:
+            return oai.completions.create(prompt=PROMPTS[1], temperature=0, **kw)
+        return oai.completions.create(prompt=PROMPTS[2], temperature=0, stop=[stop], **kw)
 
-    assert together(run, range(3))[0] == alone
+    a, b, c = (r.choices[0] for r in together(run, range(3)))
+    assert b.text == want_b and b.finish_reason == "length"
+    assert (c.text, c.finish_reason) == (cut, "stop")
+    assert a.finish_reason == "length" and a.text != greedy_a
 
 
 def test_a_disconnected_stream_leaves_its_slot_and_the_others_go_on(srv, oai, resident):

@@ -3,12 +3,13 @@ running request together (continuous batching) and takes new ones from a bounded
 its KV cache between requests: a prompt that starts with what a free slot holds (the usual multi-turn chat)
 goes to that slot and prefills only the rest, as llama-server's cache_prompt.
 
-Each turn of the worker: requests whose client is gone leave; queued requests take free slots; one prompt
-chunk (at most Model.ubatch tokens) of one new request is prefilled; then every decoding request samples its
-next token and all of them step together (Model.step: each layer's experts read once for the batch). A new
-request so joins at the next step, running streams keep flowing while a long prompt is prefilled chunk by chunk,
-and a finished or cancelled request frees its slot at once. Sampling settings, seeds, penalties and stop strings
-are per request.
+Each turn of the worker: requests whose client is gone leave; queued requests take free slots; every decoding
+request samples its next token; then one forward (Model.forward_many) runs those tokens together with a chunk
+of each prompt being prefilled (Model.ubatch tokens in all, BUSY_CHUNK while others decode): each layer's
+experts are read once for all of them. A new request so joins at the next step, running streams keep flowing
+while a long prompt is prefilled chunk by chunk, several new prompts share their expert reads, and a finished
+or cancelled request frees its slot at once. Sampling settings, seeds, penalties and stop strings are per
+request.
 
 Jobs talk to the HTTP side through a callback (`emit(kind, payload)`), called from the worker thread:
 ("delta", (reasoning, content)) pieces, then exactly one ("done", Result) or ("error", APIError)."""
@@ -26,12 +27,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from streamer.errors import ModelFileChanged, StreamerError
-from streamer.generate import Generator, step_together
+from streamer.generate import Generator, feed_together
 from streamer.sampler import Sampler, SamplerParams
 from streamer.server.schemas import APIError, GenRequest
 from streamer.server.text import StopMatcher, ThinkSplitter
 
 log = logging.getLogger(__name__)
+
+# Tokens in a worker turn's forward while requests decode (theirs and the prompt chunks beside them): each of
+# their steps waits for it (the 30B-A3B in RAM prefills 25-30 tok/s here: about 2 s), where a whole Model.ubatch
+# would stall them for 20 s.
+BUSY_CHUNK = 64
 
 
 @dataclass
@@ -292,40 +298,36 @@ class Engine:
         slot.keep, slot.n_prompt = keep, keep + len(new)
 
     def _turn(self) -> None:
-        """One turn: cancelled requests leave, one prompt chunk is prefilled, every decoding request samples a
-        token, and those still going step together."""
+        """One turn: cancelled requests leave, every decoding request samples a token, and one forward runs the
+        pending tokens of those still going together with a prompt chunk of each request being prefilled."""
         for s in self.slots:
             if s.job is not None and s.job.cancelled.is_set():
                 self._finish(s, "cancelled")
+        going = [s for s in self.slots if s.job is not None and s.logits is not None and self._next_token(s)]
         filling = [s for s in self.slots if s.job is not None and s.todo]
-        if filling:
-            self._prefill(filling[0])
-        going = []
-        for s in self.slots:
-            if s.job is not None and s.logits is not None and self._next_token(s):
-                going.append(s)
         self.batch_size = len(going)
-        if not going:
+        # the prompt tokens this forward takes: a whole Model.ubatch when nobody decodes, else BUSY_CHUNK (each
+        # decoding request's next token waits for them), shared among the prompts being prefilled
+        room = (self.ubatch if not going else min(self.ubatch, BUSY_CHUNK)) - len(going)
+        chunks = []
+        for i, s in enumerate(filling):
+            size = max(1, room // (len(filling) - i))
+            chunks.append(s.todo[:size])
+            room -= len(chunks[-1])
+        run = going + filling
+        if not run:
             return
         try:
-            logits = step_together([s.gen for s in going])
-        except Exception as e:  # noqa: BLE001 - each request of the step gets the error
-            for s in going:
+            logits = feed_together([s.gen for s in run], [[s.gen.pending] for s in going] + chunks)
+        except Exception as e:  # noqa: BLE001 - each request of the forward gets the error
+            for s in run:
                 self._fail(s, e)
             return
-        for s, row in zip(going, logits):
-            s.logits = row
-
-    def _prefill(self, s: Slot) -> None:
-        """The slot's next prompt chunk; after the last, the logits its first token is sampled from."""
-        chunk, s.todo = s.todo[: self.ubatch], s.todo[self.ubatch :]
-        try:
-            logits = s.gen.feed(chunk)
-        except Exception as e:  # noqa: BLE001
-            self._fail(s, e)
-            return
-        if not s.todo:
-            s.logits = logits
+        for s, c in zip(filling, chunks):
+            del s.todo[: len(c)]
+        for s, row in zip(run, logits):
+            if not s.todo:  # a prompt's last chunk, or a decoded token: the next token is sampled from these
+                s.logits = row
 
     def _next_token(self, s: Slot) -> bool:
         """Sample the slot's next token and send it; True if the request goes on (its token is then pending,
