@@ -77,6 +77,25 @@ def vmstat() -> dict[str, int]:
     return out
 
 
+REPORTED_KIB = "/sys/module/page_reporting/parameters/reported_kib"  # free page reporting's running total
+
+
+def cpu_times(text: str | None = None) -> tuple[int, int] | None:
+    """(steal, total) clock ticks of all CPUs from /proc/stat's first line (or `text`): steal is the time the
+    hypervisor ran something else while this guest wanted the CPU."""
+    text = _read("/proc/stat") if text is None else text
+    first = (text or "").partition("\n")[0].split()
+    if len(first) < 9 or first[0] != "cpu":
+        return None
+    ticks = [int(v) for v in first[1:9]]  # user nice system idle iowait irq softirq steal (guest ticks are in user)
+    return ticks[7], sum(ticks)
+
+
+def reported_kib() -> int | None:
+    text = _read(REPORTED_KIB)
+    return int(text) if text and text.strip().isdigit() else None
+
+
 def meminfo() -> dict[str, int]:
     """MemTotal, MemFree and MemAvailable in bytes."""
     out = {}
@@ -99,13 +118,23 @@ def describe() -> dict:
         "thp_defrag": _thp("defrag"),
         "free_page_reporting": free_page_reporting(),
         "vmstat": vmstat(),
+        "cpu_times": cpu_times(),
+        "reported_kib": reported_kib(),
     }
 
 
-def during(before: dict) -> dict[str, int]:
-    """The vmstat counters' growth since describe() returned `before`."""
+def during(before: dict) -> dict:
+    """Since describe() returned `before`: the vmstat counters' growth, the share of CPU time stolen by the
+    hypervisor (steal_share) and the memory free page reporting handed back to the host meanwhile (MiB)."""
     now = vmstat()
-    return {k: now[k] - v for k, v in before["vmstat"].items() if k in now}
+    out: dict = {k: now[k] - v for k, v in before["vmstat"].items() if k in now}
+    t0, t1 = before.get("cpu_times"), cpu_times()
+    if t0 and t1 and t1[1] > t0[1]:
+        out["steal_share"] = round((t1[0] - t0[0]) / (t1[1] - t0[1]), 4)
+    r0, r1 = before.get("reported_kib"), reported_kib()
+    if r0 is not None and r1 is not None:
+        out["reported_mib"] = round((r1 - r0) / 1024, 1)
+    return out
 
 
 def line(state: dict, delta: dict | None = None) -> str:
@@ -122,5 +151,7 @@ def line(state: dict, delta: dict | None = None) -> str:
     if delta:
         parts.append(
             f"during the run, machine-wide: {delta.get('pgfault', 0)} page faults ({delta.get('pgmajfault', 0)} major)"
+            + (f", CPU steal {100 * delta['steal_share']:.1f}%" if "steal_share" in delta else "")
+            + (f", {delta['reported_mib']:.0f} MiB reported to the host" if "reported_mib" in delta else "")
         )
     return "; ".join(parts)

@@ -10,6 +10,8 @@ import time
 
 import uvicorn
 
+from streamer.generate import Generator
+from streamer.sampler import Sampler, SamplerParams
 from streamer.server.app import ServerOptions, create_app
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
@@ -76,3 +78,9 @@ def wait_idle(client, url, timeout=30) -> dict:
             return m
         assert time.monotonic() < deadline, "the server stayed busy"
         time.sleep(0.02)
+
+
+def greedy(session, ids, n):
+    """The oracle of the server tests: n greedy tokens of Generator alone on `session` (no stop tokens)."""
+    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), frozenset())
+    return list(gen.generate(ids, n))

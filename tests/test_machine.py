@@ -37,6 +37,18 @@ def test_state_fields():
     assert machine.during(s)["pgfault"] >= 64 * 2**20 // 4096 // 2  # THP may map some of it in larger pages
 
 
+def test_cpu_steal_from_proc_stat_by_hand():
+    # /proc/stat's format (proc(5)): cpu user nice system idle iowait irq softirq steal guest guest_nice
+    text = "cpu  100 5 50 800 10 0 5 30 0 0\ncpu0 50 2 25 400 5 0 2 15 0 0\n"
+    assert machine.cpu_times(text) == (30, 1000)
+    assert machine.cpu_times("intr 1 2 3\n") is None
+    s = machine.describe()
+    sum(i * i for i in range(3_000_000))  # some CPU time passes (clock ticks are 10 ms)
+    d = machine.during(s)
+    if s["cpu_times"] is not None:
+        assert 0.0 <= d["steal_share"] <= 1.0
+
+
 def test_bench_records_the_machine(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
     r = invoke("bench", path, "--pp", "4", "--tg", "3", "--json")

@@ -19,15 +19,13 @@ import openai
 import pytest
 from invariants import assert_cache_consistent
 from reference import Reference
-from serving import LOAD_TIMEOUT, Running, metrics, wait_idle
+from serving import LOAD_TIMEOUT, Running, greedy, metrics, wait_idle
 from typer.testing import CliRunner
 
 from streamer.chat import EMPTY_THINK
 from streamer.cli.main import app
 from streamer.experts.store import ExpertLayout
-from streamer.generate import Generator
 from streamer.options import StreamOptions
-from streamer.sampler import Sampler, SamplerParams
 from streamer.server.schemas import Limits
 from streamer.session import open_model
 
@@ -69,11 +67,6 @@ def oai(srv):
 def http(srv):
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         yield c
-
-
-def greedy(session, ids, n):
-    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), frozenset())
-    return list(gen.generate(ids, n))
 
 
 def chat_prompt(system, user, think=False):

@@ -8,12 +8,10 @@ import threading
 import httpx
 import openai
 import pytest
-from serving import Running, metrics, wait_idle
+from serving import Running, greedy, metrics, wait_idle
 
 from streamer.experts.store import ExpertLayout
-from streamer.generate import Generator
 from streamer.options import StreamOptions
-from streamer.sampler import Sampler, SamplerParams
 from streamer.session import open_model
 
 N_CTX, SLOTS, PARALLEL = 256, 24, 4
@@ -46,11 +44,6 @@ def srv(path, resident):
 @pytest.fixture
 def oai(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def greedy(session, ids, n):
-    gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), frozenset())
-    return list(gen.generate(ids, n))
 
 
 def together(fn, args):
