@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """llama.cpp's batched decoding: N independent sequences decoded together, one llama_decode per step.
 
-A bench/ script, never run in CI. Runs under the llama.cpp venv (default /work/llama-venv/bin/python), never the
+A bench/ script, never run in CI. Runs under a Python with llama-cpp-python installed (LLAMA_PYTHON below), never the
 project's, through llama-cpp-python's low-level C API (module `llama_cpp`, 0.3.36):
 
-    /work/llama-venv/bin/python bench/llama_parallel.py MODEL.gguf --parallel 1 2 4 --pp 32 --tg 32 --threads 2 \\
+    LLAMA_PYTHON bench/llama_parallel.py MODEL.gguf --parallel 1 2 4 --pp 32 --tg 32 --threads 2 \\
         [--ctx 1024] [--rounds R] [--json OUT]
 
 The model is loaded once (mmap, no mlock). For each N of --parallel a context with n_seq_max=N is made (and freed

@@ -2,7 +2,7 @@
 """Batched decoding: `stream-run bench --parallel N` for several N side by side, alternating rounds, in RAM or under
 a memory cgroup cap; optionally llama.cpp's batched decode (bench/llama_parallel.py) in the same rounds.
 
-    python bench/parallel.py MOE.gguf --parallel 1 2 4 --rounds 3 --llama-python /work/llama-venv/bin/python
+    python bench/parallel.py MOE.gguf --parallel 1 2 4 --rounds 3 --llama-python LLAMA_PYTHON
     python bench/parallel.py MOE.gguf --parallel 1 2 4 --rounds 3 --cap 8G --ram-budget 8G
 
 In RAM (no --cap) the page cache is left warm and every stream-run run uses the weights in place (the default

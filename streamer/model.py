@@ -215,11 +215,12 @@ class Model:
 
     def step(self, ids, states: list[SequenceState]) -> np.ndarray:
         """One decode step of several sequences: token ids[b] at the end of states[b], for every b; returns
-        their logits (B, vocab). Per layer the mixer runs each sequence on its own state (the projections
-        together), the FFN runs all B tokens at once: a MoE reads the union of their experts once and computes
-        each expert for every token routed to it. A sequence's logits are those of its own one-token forward
-        within the kernels' error (the same bits where a layer picks the same kernels). All or nothing, like
-        forward: no state moves unless every layer ran."""
+        their logits (B, vocab). Per layer each sequence's token mixes with its own state (through its one-call
+        attention block where the model has them, else Mixer.step), then the FFN runs all B tokens: a streamed
+        MoE reads the union of their experts once and computes each expert for every token routed to it; a
+        resident MoE and a dense FFN with blocks compute each token as its one-token step does. A sequence's
+        logits are those of its own one-token forward within the kernels' error (the same bits for block
+        formats up to 3 sequences). All or nothing, like forward: no state moves unless every layer ran."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) != len(states) or len({id(s) for s in states}) != len(states):
             raise StreamerError("a decode step needs one token for each of distinct sequences")

@@ -273,7 +273,7 @@ class Engine:
 
     def _start(self, slot: Slot, job: Job) -> None:
         """Set a slot up for a job: keep the cached prefix, the request's sampler and stops; or answer at once
-        (an error, or a job cancelled before it started)."""
+        with an error (a prompt longer than the context)."""
         req, gen = job.req, slot.gen
         keep, new = self.plan(req, gen)
         if keep + len(new) > self.n_ctx:
@@ -412,13 +412,12 @@ class Engine:
         if self.session.moe is not None:
             self.session.moe.source.drain()
 
-    def plan(self, req: GenRequest, gen: Generator | None = None) -> tuple[int, list[int]]:
+    def plan(self, req: GenRequest, gen: Generator) -> tuple[int, list[int]]:
         """(tokens of gen's cache to keep, tokens to prefill after them). Chat prompts are matched as text
         first: the cache holds earlier replies as the tokens we sampled, which re-encoding their text need not
         reproduce. Otherwise (or when the text differs, or the cache ends inside a character, which then
         decodes to U+FFFD) the longest common token prefix is kept. At least one token is always prefilled
         (its logits start the reply)."""
-        gen = self.gen if gen is None else gen
         hist = gen.history
         if not req.cache_prompt:
             return 0, list(req.ids)
