@@ -68,13 +68,10 @@ def run_bench(
     states = [model.new_state() for _ in range(parallel)]
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
-    if parallel == 1:
-        tokens = [[int(np.argmax(model.forward(prompts[0], states[0])))]]
-    else:  # the prompts together (Model.forward_many), at most Model.ubatch tokens a forward
-        share = max(1, model.ubatch // parallel)
-        for s in range(0, pp, share):
-            logits = model.forward_many([p[s : s + share] for p in prompts], states)
-        tokens = [[int(np.argmax(row))] for row in logits]
+    share = max(1, model.ubatch // parallel)  # the prompts together, at most Model.ubatch tokens a forward
+    for s in range(0, pp, share):
+        logits = model.forward_many([p[s : s + share] for p in prompts], states)
+    tokens = [[int(np.argmax(row))] for row in logits]
     t_pp = time.perf_counter() - t0
     pp_report = traffic.report() if traffic is not None else None
     if traffic is not None:
@@ -84,10 +81,7 @@ def run_bench(
     for i in range(tg - 1):
         ts = time.perf_counter()
         nxt = [t[-1] for t in tokens] if feed is None else [int(f[i]) for f in feed]
-        if parallel == 1:
-            logits = model.forward(np.array(nxt, dtype=np.int64), states[0])[None]
-        else:
-            logits = model.step(nxt, states)
+        logits = model.step(nxt, states)  # one sequence: its one-token forward
         for t, row in zip(tokens, logits):
             t.append(int(np.argmax(row)))
         steps[i] = time.perf_counter() - ts

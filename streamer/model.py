@@ -194,11 +194,7 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise StreamerError("no tokens to run (the prompt is empty)")
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            self.cfg.check_tokens(ids)
-        if self.watch is not None:
-            self.watch.check()
-        state.check_room(len(ids))
+        self._check(ids, [state], [len(ids)])
         outs = []
         with interrupts.deferred():  # Ctrl-C lands between layers, not inside an expert read's bookkeeping
             for s in range(0, len(ids), self.ubatch):
@@ -226,12 +222,7 @@ class Model:
             raise StreamerError("a decode step needs one token for each of distinct sequences")
         if len(ids) == 1:
             return self.forward(ids, states[0])[None]
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            self.cfg.check_tokens(ids)
-        if self.watch is not None:
-            self.watch.check()
-        for s in states:
-            s.check_room(1)
+        self._check(ids, states, [1] * len(states))
         cfg, positions = self.cfg, [s.n for s in states]
         x = self.embd.rows(ids)
         h = np.empty_like(x)
@@ -259,7 +250,8 @@ class Model:
 
     def forward_many(self, chunks: list, states: list[SequenceState]) -> np.ndarray:
         """Several sequences' tokens in one forward: chunks[b] at the end of states[b]; returns the logits of
-        each chunk's last token (B, vocab). One token each is a decode step (step). Otherwise a prompt pass: per
+        each chunk's last token (B, vocab). One sequence is its forward; one token each is a decode step (step).
+        Otherwise a prompt pass: per
         layer each sequence's tokens mix with its own state, as its own forward would, and the FFN runs every
         token at once (a MoE reads the union of their experts once: several prompts share their reads). At
         most Model.ubatch tokens in all. All or nothing, like forward."""
@@ -269,17 +261,14 @@ class Model:
         lens = np.array([len(c) for c in chunks])
         if (lens == 0).any():
             raise StreamerError("no tokens to run (a chunk is empty)")
+        if len(chunks) == 1:
+            return self.forward(chunks[0], states[0])[None]
         if (lens == 1).all():
             return self.step(np.concatenate(chunks), states)
         if lens.sum() > self.ubatch:
             raise StreamerError(f"{lens.sum()} tokens in one forward, more than the chunk size {self.ubatch}")
         ids = np.concatenate(chunks)
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            self.cfg.check_tokens(ids)
-        if self.watch is not None:
-            self.watch.check()
-        for s, m in zip(states, lens):
-            s.check_room(int(m))
+        self._check(ids, states, lens)
         cfg, bounds = self.cfg, np.concatenate(([0], np.cumsum(lens)))
         x = self.embd.rows(ids)
         h = np.empty_like(x)
@@ -296,6 +285,15 @@ class Model:
                 s.commit(int(m))
         last = x[bounds[1:] - 1]
         return linear_few(self.head, ops.rmsnorm(last, self.out_norm, cfg.rms_eps, np.empty_like(last)))
+
+    def _check(self, ids: np.ndarray, states: list[SequenceState], lens) -> None:
+        """Before any work: the tokens in the vocabulary, the file unchanged, room in each state for its lens[b]."""
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            self.cfg.check_tokens(ids)
+        if self.watch is not None:
+            self.watch.check()
+        for s, m in zip(states, lens):
+            s.check_room(int(m))
 
     def _attend_rows(self, i: int, x: np.ndarray, h: np.ndarray, states: list[SequenceState], positions) -> None:
         """Layer i's attention for a batched step, row by row as the one-call block (decode.attn_block) of each

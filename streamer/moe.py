@@ -171,8 +171,7 @@ class MoEFFN:
         self.traffic.routed(layer, ids, self.predicted.pop(layer, None), n_skipped)
         used = ids[ids >= 0]
         if step and m > 1:
-            shared = len(used) - len(np.unique(used))  # uses served by an expert another sequence also reads
-            self.traffic.shared(layer, shared, shared * self.source.layout.expert_bytes(layer))
+            self._count_shared(layer, used, np.unique(used))
         if self.usage is not None:
             self.usage.record(layer, used)
         if m == 1:  # one token's ids are distinct: sorting them gives the experts and, alongside, their weights
@@ -218,9 +217,14 @@ class MoEFFN:
         used = ids[ids >= 0]
         experts = np.unique(used) if m > 1 else used
         if m > 1:
-            shared = len(used) - len(experts)
-            self.traffic.shared(layer, shared, shared * src.layout.expert_bytes(layer))
+            self._count_shared(layer, used, experts)
         src.request_all(layer, experts)
+
+    def _count_shared(self, layer: int, used: np.ndarray, experts: np.ndarray) -> None:
+        """A batched step's sharing: its uses beyond its distinct experts were served by an expert another
+        sequence of the step reads too; each would have asked for the expert's bytes alone."""
+        n = len(used) - len(experts)
+        self.traffic.shared(layer, n, n * self.source.layout.expert_bytes(layer))
 
     def _starting(self, layer: int, m: int) -> None:
         """Per layer call: count the steps, start the prefault thread after the first layer (its kernels are

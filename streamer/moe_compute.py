@@ -58,7 +58,7 @@ LANES_MAX = lanes.MAX_TOKENS
 
 def _lanes_serve(plan) -> bool:
     """lanes.grouped serves this layer's experts here: Q4_K gate, up and down, an ISA for it, two digits."""
-    return lanes.host_isa() is not None and int8.DIGITS == 2 and Q4_K == plan.gate_up_format == plan.down_format
+    return lanes.ready() and Q4_K == plan.gate_up_format == plan.down_format
 
 
 def _by_token(toks: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:

@@ -246,6 +246,11 @@ def host_isa() -> str | None:
     return "avx2" if int8.DECODE_ISA == "avx2" else None
 
 
+def ready() -> bool:
+    """lanes.grouped runs here: an instruction set for it (host_isa) and activations in two int8 digits."""
+    return host_isa() is not None and int8.DIGITS == 2
+
+
 def best_isa(isa: str | None) -> str | None:
     """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: vpdpbusd, or the AMX
     tiles in its place where usable and asked for (STREAM_RUN_AMX=1; a forced "generic" stays generic). Not the
