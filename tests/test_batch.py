@@ -250,3 +250,20 @@ def test_bad_forwards_of_several_sequences_are_refused():
         with pytest.raises(StreamerError, match="more than the chunk size 8"):
             s.model.forward_many([list(range(1, 6)), list(range(1, 6))], [a, b])
         assert (a.n, b.n) == (0, 0)
+
+
+def test_float_attention_batches_its_projections_and_matches_float64(synth_model):
+    """Float weights have no one-call blocks: the step's attention is Attention.step (projections of all rows
+    together, each row over its own K/V)."""
+    path = synth_model("tiny", "F16")
+    steps = 4
+    with open_model(path, RESIDENT, n_ctx=64) as s:
+        assert not s.model.decodes_in_blocks
+        seqs = sequences(s.cfg.n_vocab, 4, steps, seed=4)
+        got = batched(s, seqs, steps)
+    ref = Reference(str(path))
+    for i, ids in enumerate(seqs):
+        want = ref.logits(ids)[len(ids) - steps :]
+        g = got[:, i]
+        cos = np.sum(g * want, 1) / np.linalg.norm(g, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.9999, cos
