@@ -195,7 +195,7 @@ def _run_decode(combos=None) -> None:
     (fq, fk, fv, fo) of combos (a model's own: decode_formats)."""
     a = _decode_args()
     nq, nk = a.nh * a.hd, a.nkv * a.hd
-    for fq, fk, fv, fo in combos or _uniform(4):
+    for fq, fk, fv, fo in _uniform(4) if combos is None else combos:  # [] (a model without these blocks): none
         for bias, qn in ((a.none, a.head_norm), (a.norm[:nq], a.none)):  # Qwen3, and Qwen2's biases without norms
             w = decode.AttnWeights(a.norm, a.norm, 1e-6, a.wq, bias, a.wkv, bias[:nk], a.wkv, bias[:nk], qn, qn,
                                    a.cos, a.sin, np.float32(0.1), a.w)  # fmt: skip
@@ -209,14 +209,15 @@ def _run_decode_ffn(combos=None) -> None:
     for each (fg, fu, fd) of combos."""
     a = _decode_args()
     scratch = decode.FFNScratch(np.empty((2, a.n), np.float32), a.xq, a.aux, a.x1, a.aux1)
-    for fg, fu, fd in combos or _uniform(3):
+    for fg, fu, fd in _uniform(3) if combos is None else combos:
         decode.ffn_block(a.x, a.h, fg, fu, fd, a.w, a.w, a.w, tuple(scratch))
 
 
 def _run_decode_moe(combos=None) -> None:
     """decode.moe_block with moe_compute.WholeLayer's argument types, for each (fr, fgu, fd) of combos (fr -1: a float
     router, whose logits the caller computes)."""
-    for combo in combos or [c for f, *rest in _uniform(3) for c in ((f, *rest), (-1, *rest))]:
+    every = [c for f, *rest in _uniform(3) for c in ((f, *rest), (-1, *rest))]
+    for combo in every if combos is None else combos:
         _decode_moe(*combo)
 
 

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from gguf import GGMLQuantizationType as T
 
 from streamer.kernels.dispatch import SUPPORTED
@@ -48,11 +49,15 @@ def _run(path):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model):
-    got = _run(synth_model("tiny-moe", "Q8_0"))
+@pytest.mark.parametrize("preset", ["tiny-moe", pytest.param("tiny-qwen35moe", marks=pytest.mark.slow)])
+def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model, preset):
+    got = _run(synth_model(preset, "Q8_0"))
     assert SUPPORTED[T.Q8_0].fmt in got["codes"]
     compiled = {n: a for n, a in got["args"].items() if a}
     assert "block_matvec" in compiled and "experts_matvec" in compiled and "moe_block" in compiled, compiled
+    # a hybrid's layers have no one-call attention block: attn_block is never compiled for it (it was, for every
+    # format, when its empty list of format tuples read as "not given")
+    assert ("attn_block" in compiled) == (preset == "tiny-moe"), compiled
     # every compiled version has its format arguments as literals (no every-format version), and only this
     # model's codes (-1: moe_block's float router, which a block router never calls)
     for name, sigs in compiled.items():
@@ -60,7 +65,7 @@ def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model):
             assert all(f.startswith("Literal[int](") for f in fmts), (name, fmts)
             assert {int(f[len("Literal[int](") : -1]) for f in fmts} <= {-1, *got["codes"]}, (name, fmts)
     # a second process loads every one of them from numba's on-disk cache: nothing compiles
-    again = _run(synth_model("tiny-moe", "Q8_0"))
+    again = _run(synth_model(preset, "Q8_0"))
     assert {n: sorted(set(map(tuple, a))) for n, a in again["args"].items() if a} == {
         n: sorted(set(map(tuple, a))) for n, a in compiled.items()
     }
@@ -82,3 +87,17 @@ def test_warmup_without_a_model_takes_the_common_mixes():
     assert sum(map(len, combos.values())) <= 24
     names = common_groups(qtypes)
     assert "int8" not in names and {"ops", "experts", "decode", "decode-moe"} <= set(names)
+
+
+def test_an_empty_list_of_format_tuples_compiles_nothing():
+    """A model without one-call decode blocks of a kind passes [] (decode_formats): nothing compiles, where None
+    (`stream-run warmup` without a model) means every block format."""
+    from streamer import warmup as W
+    from streamer.kernels import decode
+
+    kernels = (decode.attn_block, decode.ffn_block, decode.moe_block)
+    before = W._misses(kernels), {k: dict(k.specs) for k in kernels}
+    W._run_decode([])
+    W._run_decode_ffn([])
+    W._run_decode_moe([])
+    assert (W._misses(kernels), {k: dict(k.specs) for k in kernels}) == before
