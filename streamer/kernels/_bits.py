@@ -10,7 +10,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic as numba_intrinsic
 
-from . import _cachelock
+from . import _cachelock, _inline
 
 # Fast-math flags for the matrix kernels: reassociation and contraction let LLVM vectorise the reductions
 # and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises. The forward's
@@ -67,8 +67,9 @@ def intrinsic(fn):
 
 
 # Every kernel: cached on disk (safe for processes compiling at once: _cachelock), numpy's error model (no
-# zero-division checks), runs without the GIL.
+# zero-division checks), runs without the GIL; its inlined helpers prepared once per process (_inline).
 _cachelock.install()
+_inline.install()
 kernel = partial(njit, cache=True, error_model="numpy", nogil=True)
 
 
