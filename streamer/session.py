@@ -427,11 +427,12 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
                 only = ("experts", "decode", "decode-moe", "expert-int8", "expert-lanes") + tiles
             elif model.decodes_in_blocks:  # the one-call decode blocks (a MoE's FFN is never ffn_block)
                 only = ("decode", "decode-ffn") if model.ffn_decodes_in_blocks else ("decode",)
-            only += ("recurrent",) if cfg.full_attn_interval else ()
+            only += ("ops", "recurrent") if cfg.full_attn_interval else ("ops",)
             combos = warmup.decode_formats(model, moe)
             # a second compiling process: only when there is something to compile, and it needs memory of its
             # own, so not under a budget the user set
             helper = not all_cached and options.ram_budget is None
-            warmup.warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=helper)
+            mq = {m.qtype for m in model.matrices()}  # model.warmup's formats: their groups are shared work too
+            warmup.warmup_shared(model.warmup, only, qtypes, combos, helper_allowed=helper, matrix_qtypes=mq)
     timing.mark("warmed_up")
     return session

@@ -314,13 +314,14 @@ def _lanes_kernels(isas) -> tuple:
     return tuple(lanes.GROUPED[i] for i in isas) + packs
 
 
-def groups(qtypes=None, decode_combos=None) -> list[Group]:
+def groups(qtypes=None, decode_combos=None, matrix_qtypes=None) -> list[Group]:
     """Everything a model run can call: one group per set of formats sharing kernels, then the ops, then the
-    MoE kernels (qtypes: the matrix and MoE groups run those formats only; decode_combos: the decode blocks'
-    format tuples by group name, else every block format uniformly)."""
+    MoE kernels (qtypes: the matrix and MoE groups run those formats only; matrix_qtypes: the matrix groups run
+    these instead; decode_combos: the decode blocks' format tuples by group name, else every block format
+    uniformly)."""
     dc = decode_combos or {}
     lanes_isa = lanes.host_isa()
-    return _matrix_groups(qtypes) + [
+    return _matrix_groups(qtypes if matrix_qtypes is None else matrix_qtypes) + [
         Group(
             "ops",
             (ops.rmsnorm, ops.head_norm_rope, ops.head_rope, ops.attention, ops.swiglu, ops.swiglu_rows, ops.store_kv),
@@ -571,17 +572,46 @@ def _run_claimed(jobs: list[Group], claims: str) -> None:
             g.run()
 
 
+# Seconds one process took to compile each kernel of the demo's first run (2026-12-06, AMD EPYC Zen 4,
+# AVX-512/VNNI; the integer kernels by their name before the ISA suffix). Only their order matters: the shared
+# list puts the costliest groups first, so that the two processes finish together (in the list's old order the
+# helper ran out of work 8 s before this process did). Kernels not listed count 0.5 s.
+COMPILE_S = {
+    "attn_block": 11.9, "i8_matmul": 7.4, "i8_grouped": 6.7, "block_matvec": 4.5, "attention": 4.5,
+    "experts_matvec": 3.7, "gather_act": 3.1, "experts_down": 2.5, "f32_matmul": 1.9, "grouped_down": 1.9,
+    "grouped_gate_up": 1.1, "moe_block": 1.1,
+}  # fmt: skip
+
+
+def _cost(g: Group) -> float:
+    names = [d.py_func.__name__ for d in g.kernels]
+    return sum(next((v for k, v in COMPILE_S.items() if n.startswith(k)), 0.5) for n in names)
+
+
+def _jobs(only, qtypes, decode_combos, matrix_qtypes) -> list[Group]:
+    """The groups a first run compiles (those named in `only`, and the matrix groups of matrix_qtypes), the
+    costliest first; the same list, in the same order, in this process and in its helper."""
+    matrix = () if matrix_qtypes is None else {g.name for g in _matrix_groups(matrix_qtypes)}
+    jobs = [g for g in groups(qtypes, decode_combos, matrix_qtypes) if g.name in only or g.name in matrix]
+    return sorted(jobs, key=_cost, reverse=True)
+
+
 def warmup_shared(
-    first: Callable[[], None] | None, only, qtypes=None, decode_combos=None, helper_allowed: bool = True
+    first: Callable[[], None] | None,
+    only,
+    qtypes=None,
+    decode_combos=None,
+    helper_allowed: bool = True,
+    matrix_qtypes=None,
 ) -> None:
-    """Compile `first` (this process's own work, e.g. Model.warmup) and the groups named in `only`, with a
-    helper process taking groups from the same list while this one works (compile_jobs() > 1): numba's
-    compiler holds one lock per process, and the helper's machine code reaches this process through numba's
-    on-disk cache (kernels/_cachelock.py makes its saves whole). Each group is then run here too: the ones
-    the helper compiled load from the cache. A helper that fails or cannot start only costs the speed-up.
-    helper_allowed: False where a second process's memory (about 300 MB while it compiles) is not to be had,
-    e.g. under a RAM budget the user set."""
-    jobs = [g for g in groups(qtypes, decode_combos) if g.name in only]
+    """Compile the groups named in `only` (and the matrix groups of matrix_qtypes, the formats `first` runs) and
+    then `first` (this process's own work, e.g. Model.warmup), with a helper process taking groups from the
+    same list while this one works (compile_jobs() > 1): numba's compiler holds one lock per process, and the
+    helper's machine code reaches this process through numba's on-disk cache (kernels/_cachelock.py makes its
+    saves whole). `first` and each group then run here: what the helper compiled loads from the cache. A helper
+    that fails or cannot start only costs the speed-up. helper_allowed: False where a second process's memory
+    (about 300 MB while it compiles) is not to be had, e.g. under a RAM budget the user set."""
+    jobs = _jobs(only, qtypes, decode_combos, matrix_qtypes)
     helper = None
     with tempfile.TemporaryDirectory(prefix="stream-run-compile-") as claims:
         if jobs and helper_allowed and compile_jobs() > 1:
@@ -589,6 +619,7 @@ def warmup_shared(
                 "claims": claims,
                 "only": list(only),
                 "qtypes": None if qtypes is None else sorted(int(q) for q in qtypes),
+                "matrix_qtypes": None if matrix_qtypes is None else sorted(int(q) for q in matrix_qtypes),
                 "decode_combos": None
                 if decode_combos is None
                 else {k: [[int(f) for f in c] for c in v] for k, v in decode_combos.items()},
@@ -607,11 +638,11 @@ def warmup_shared(
             except OSError:
                 helper = None
         try:
-            if first is not None:
-                first()
             if helper is not None:
                 _run_claimed(jobs, claims)
-                helper.wait(HELPER_TIMEOUT_S)
+                helper.wait(HELPER_TIMEOUT_S)  # its last group: `first` would compile it again meanwhile
+            if first is not None:
+                first()
         except subprocess.TimeoutExpired:
             pass  # what it has not saved is compiled below
         finally:  # Ctrl-C, an error, or a helper past its time: it does not outlive this call
@@ -625,11 +656,12 @@ def warmup_shared(
 def _helper_main(argv: list[str]) -> None:
     """`python -m streamer.warmup SPEC`: the helper process of warmup_shared."""
     spec = json.loads(argv[0])
-    qtypes = None if spec["qtypes"] is None else {GGMLQuantizationType(q) for q in spec["qtypes"]}
+    qtypes, matrix = (
+        {GGMLQuantizationType(q) for q in spec[k]} if spec[k] is not None else None for k in ("qtypes", "matrix_qtypes")
+    )
     combos = spec["decode_combos"]
     combos = None if combos is None else {k: [tuple(c) for c in v] for k, v in combos.items()}
-    jobs = [g for g in groups(qtypes, combos) if g.name in spec["only"]]
-    _run_claimed(jobs, spec["claims"])
+    _run_claimed(_jobs(spec["only"], qtypes, combos, matrix), spec["claims"])
 
 
 __all__ = [
