@@ -93,13 +93,15 @@ def serve(
 
     def load() -> Engine:
         s = open_session(gf, options, ctx_size, threads)
-        print(
-            f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens, {parallel} parallel",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens, {parallel} parallel", file=sys.stderr)
         return Engine(s, queue_size=queue, parallel=parallel)
 
+    _serve(uvicorn, lambda on_fatal: create_app(load, opts, on_fatal), host, port, opts.alias)
+
+
+def _serve(uvicorn, app_for, host: str, port: int, alias: str) -> None:
+    """Bind the socket, then serve the app that app_for(on_fatal) makes until stopped (Ctrl-C, or a fatal error
+    of the engine, which on_fatal records and which is raised here once the server has stopped)."""
     fatal: list[BaseException] = []
     server = None
 
@@ -107,13 +109,9 @@ def serve(
         fatal.append(e)
         server.should_exit = True
 
-    app = create_app(load, opts, on_fatal)
+    app = app_for(on_fatal)
     sock, shown = _bound(host, port)
-    print(
-        f"listening on http://{shown}:{port}/v1 (model '{opts.alias}' loading; /health says when ready)",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"listening on http://{shown}:{port}/v1 (model '{alias}' loading; /health says when ready)", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     if fatal:

@@ -54,46 +54,36 @@ def run_bench(
     n_vocab = session.cfg.n_vocab
     prompts = [prompt_tokens(n_vocab, pp, seed=1234 + s) for s in range(parallel)]
     feed = [prompt_tokens(n_vocab, tg, seed=99 + s) for s in range(parallel)] if random_decode else None
-    ids = prompts[0]
     t0 = time.perf_counter()
     disk0 = disk_read_bytes()
     # warm-up: the weights used in place come into RAM, as llama.cpp's load reads them (large ordered reads)
     pagein = session.populate(progress)
     pagein_s = time.perf_counter() - t0
     pagein_disk = disk_read_bytes() - disk0
-    model.forward(ids[:1], model.new_state())
+    model.forward(prompts[0][:1], model.new_state())
     warmup_s = time.perf_counter() - t0
     if traffic is not None:
         traffic.reset()
     states = [model.new_state() for _ in range(parallel)]
     disk0 = disk_read_bytes()
     t0 = time.perf_counter()
-    share = max(1, model.ubatch // parallel)  # the prompts together, at most Model.ubatch tokens a forward
-    for s in range(0, pp, share):
-        logits = model.forward_many([p[s : s + share] for p in prompts], states)
-    tokens = [[int(np.argmax(row))] for row in logits]
+    tokens = _prefill(model, prompts, states)
     t_pp = time.perf_counter() - t0
     pp_report = traffic.report() if traffic is not None else None
     if traffic is not None:
         traffic.reset()
-    steps = np.empty(max(tg - 1, 0))  # each decode step's seconds, the tokens' argmax included
     t0 = time.perf_counter()
-    for i in range(tg - 1):
-        ts = time.perf_counter()
-        nxt = [t[-1] for t in tokens] if feed is None else [int(f[i]) for f in feed]
-        logits = model.step(nxt, states)  # one sequence: its one-token forward
-        for t, row in zip(tokens, logits):
-            t.append(int(np.argmax(row)))
-        steps[i] = time.perf_counter() - ts
+    steps = _decode(model, states, tokens, tg, feed)
     t_tg = time.perf_counter() - t0
     tg_report = traffic.report() if traffic is not None else None
     tg_tok_s = (tg - 1) / t_tg if tg > 1 and t_tg > 0 else 0.0
     disk = disk_read_bytes() - disk0
-    requested = (pp_report["read_bytes"] + tg_report["read_bytes"]) if traffic is not None else 0
-    if parallel == 1:
-        routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1) if tg_report else 0.0
+    if tg_report is None:
+        routed = 0.0
+    elif parallel == 1:
+        routed = tg_report["totals"]["routed"] / max(tg_report["tokens"], 1)
     else:  # the distinct experts of a step's layer calls, shared by its tokens
-        routed = (tg_report["experts_per_call"] or 0.0) * session.cfg.n_layer if tg_report else 0.0
+        routed = (tg_report["experts_per_call"] or 0.0) * session.cfg.n_layer
     wbytes = weight_bytes_per_token(session, routed, parallel)
     return {
         "pp": pp,
@@ -109,31 +99,59 @@ def run_bench(
         "pp_tok_s": parallel * pp / t_pp if t_pp > 0 else 0.0,
         "tg_tok_s": tg_tok_s,  # per sequence
         "aggregate_tg_tok_s": parallel * tg_tok_s,  # every sequence's generated tokens per second of wall time
-        "experts_per_step": tg_report["experts_per_call"] if tg_report else None,  # distinct, per layer per step
-        "shared_bytes_per_token": tg_report["totals"]["shared_bytes"] / max(tg_report["tokens"], 1)
-        if tg_report
-        else 0.0,
         # the decode steps' spread: min, median, 90th percentile and max, ms (a slow run uniformly slow, or stalled)
         "tg_step_ms": step_quantiles(steps),
         "weight_bytes_per_token": wbytes,
         "weight_gb_s": wbytes * parallel * tg_tok_s / 1e9,
         "disk_read_bytes": disk,
-        "expert_read_bytes": requested,  # expert bytes our cache asked for (demand + prefetch), pp + tg
-        "disk_per_expert_byte": disk / requested if requested else None,
-        "expert_hit_rate": tg_report["hit_rate"] if tg_report else None,  # cached before use; prefetch not counted
-        "prefetched_rate": tg_report["prefetched_rate"] if tg_report else None,
-        "demand_miss_rate": tg_report["miss_rate"] if tg_report else None,
-        "read_bytes_per_token": tg_report["read_bytes_per_token"] if tg_report else 0.0,
-        "prefetch_recall": tg_report["prefetch_recall"] if tg_report else None,
-        "skipped_weight_share": tg_report["skipped_weight_share"] if tg_report else 0.0,  # --expert-skip, decode
-        "skipped_bytes_per_token": tg_report["skipped_bytes_per_token"] if tg_report else 0.0,
-        "io_stall_share": tg_report["stall_share"] if tg_report else 0.0,
-        "prefill_read_bytes": pp_report["read_bytes"] if pp_report else 0,
+        **_expert_figures(pp_report, tg_report, disk),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "machine": state,  # at the start: CPU, ISA, memory, THP, free page reporting, the kernel's counters
         "machine_during": machine.during(state),  # the machine's page-fault and reclaim counters' growth
         "tokens": tokens[0],
         "tokens_per_sequence": tokens,
+    }
+
+
+def _prefill(model, prompts, states) -> list[list[int]]:
+    """The prompts prefilled together, at most Model.ubatch tokens a forward: each sequence's first token."""
+    share = max(1, model.ubatch // len(prompts))
+    for s in range(0, len(prompts[0]), share):
+        logits = model.forward_many([p[s : s + share] for p in prompts], states)
+    return [[int(np.argmax(row))] for row in logits]
+
+
+def _decode(model, states, tokens, tg: int, feed) -> np.ndarray:
+    """tg - 1 decode steps of every sequence together (their greedy tokens, or feed's), appended to tokens;
+    each step's seconds, the tokens' argmax included."""
+    steps = np.empty(max(tg - 1, 0))
+    for i in range(tg - 1):
+        ts = time.perf_counter()
+        nxt = [t[-1] for t in tokens] if feed is None else [int(f[i]) for f in feed]
+        logits = model.step(nxt, states)  # one sequence: its one-token forward
+        for t, row in zip(tokens, logits):
+            t.append(int(np.argmax(row)))
+        steps[i] = time.perf_counter() - ts
+    return steps
+
+
+def _expert_figures(pp: dict | None, tg: dict | None, disk: int) -> dict:
+    """The expert traffic's figures of a run (prefill's report pp, decode's tg; None for a dense model)."""
+    requested = pp["read_bytes"] + tg["read_bytes"] if tg is not None else 0
+    return {
+        "experts_per_step": tg["experts_per_call"] if tg else None,  # distinct, per layer per step
+        "shared_bytes_per_token": tg["totals"]["shared_bytes"] / max(tg["tokens"], 1) if tg else 0.0,
+        "expert_read_bytes": requested,  # expert bytes our cache asked for (demand + prefetch), pp + tg
+        "disk_per_expert_byte": disk / requested if requested else None,
+        "expert_hit_rate": tg["hit_rate"] if tg else None,  # cached before use; prefetch not counted
+        "prefetched_rate": tg["prefetched_rate"] if tg else None,
+        "demand_miss_rate": tg["miss_rate"] if tg else None,
+        "read_bytes_per_token": tg["read_bytes_per_token"] if tg else 0.0,
+        "prefetch_recall": tg["prefetch_recall"] if tg else None,
+        "skipped_weight_share": tg["skipped_weight_share"] if tg else 0.0,  # --expert-skip, decode
+        "skipped_bytes_per_token": tg["skipped_bytes_per_token"] if tg else 0.0,
+        "io_stall_share": tg["stall_share"] if tg else 0.0,
+        "prefill_read_bytes": pp["read_bytes"] if pp else 0,
     }
 
 

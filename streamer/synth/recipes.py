@@ -111,14 +111,10 @@ def _category(name: str) -> str:
     return "other"
 
 
-def _rule(q: _State, r: str, new: T, name: str, shape: tuple[int, ...]) -> T:  # noqa: C901 (llama-quant's tree)
+def _rule(q: _State, r: str, new: T, name: str, shape: tuple[int, ...]) -> T:
     cat = _category(name)
     if cat == "output" or (not q.has_output and cat == "token_embd"):
-        if r == "MXFP4_MOE" or shape[-1] % GGML_QUANT_SIZES[new][0]:
-            return T.Q8_0
-        if r in _IQ12 or r == "IQ3_XXS":
-            return T.Q5_K
-        return T.Q6_K if new != T.Q8_0 else new
+        return _output(r, new, shape)
     if r == "MXFP4_MOE":
         return T.MXFP4 if len(shape) == 3 and shape[0] > 1 else T.Q8_0
     if cat == "token_embd":
@@ -128,51 +124,9 @@ def _rule(q: _State, r: str, new: T, name: str, shape: tuple[int, ...]) -> T:  #
             return T.IQ3_S
         return new
     if r in _IQ12:
-        if cat == "attn_v":
-            q.i_attention_wv += 1
-            if q.n_gqa >= 4 or q.n_expert >= 4:
-                return T.Q4_K
-            return T.IQ3_S if r in ("IQ2_S", "IQ2_M") else T.Q2_K
-        if q.n_expert == 8 and cat == "attn_k":
-            return T.Q4_K
-        if cat == "ffn_down":
-            i = q.i_ffn_down
-            q.i_ffn_down += 1
-            if i < q.n_layer // 8:
-                return T.IQ3_S if r in ("IQ2_S", "IQ2_M") else T.Q2_K
-            return new
-        if cat == "attn_output":
-            if q.n_expert == 8:
-                return T.Q5_K
-            if r in ("IQ1_S", "IQ1_M"):
-                return T.IQ2_XXS
-            if r in ("IQ2_S", "IQ2_M"):
-                return T.IQ3_S
-        return new
+        return _iq12(q, r, new, cat)
     if cat == "attn_v":
-        i = q.i_attention_wv
-        q.i_attention_wv += 1
-        if r == "Q2_K":
-            new = T.Q4_K if q.n_gqa >= 4 else T.Q3_K
-        elif r == "Q2_K_S" and q.n_gqa >= 4:
-            new = T.Q4_K
-        elif r == "IQ3_XXS":
-            new = T.Q4_K if q.n_gqa >= 4 else T.IQ3_S  # IQ3_S without an importance matrix
-        elif r in ("IQ3_XS", "IQ3_S") and q.n_gqa >= 4:
-            new = T.Q4_K
-        elif r == "IQ3_M":
-            new = T.Q4_K
-        elif r == "Q3_K_M":
-            new = T.Q5_K if i < 2 else T.Q4_K
-        elif r == "Q3_K_L":
-            new = T.Q5_K
-        elif r in ("IQ4_NL", "IQ4_XS") and q.n_gqa >= 4:
-            new = T.Q5_K
-        elif r in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, q.n_layer):
-            new = T.Q6_K
-        elif r == "Q4_K_S" and i < 4:
-            new = T.Q5_K
-        return T.Q8_0 if q.n_expert == 8 else new
+        return _attn_v(q, r, new)
     if cat == "attn_k":
         if q.n_expert == 8:
             return T.Q8_0
@@ -180,50 +134,108 @@ def _rule(q: _State, r: str, new: T, name: str, shape: tuple[int, ...]) -> T:  #
     if cat == "attn_q":
         return {"IQ3_XS": T.IQ3_XXS, "IQ3_XXS": T.IQ2_S}.get(r, new)
     if cat == "ffn_down":
-        i, n = _layer(name), q.n_layer
         q.i_ffn_down += 1
-        if r == "Q2_K":
-            return T.Q3_K
-        if r == "Q2_K_S":
-            return T.Q4_K if i < n // 8 else new
-        if r == "IQ3_XXS":
-            return T.Q4_K if i < n // 8 else T.Q3_K  # without an importance matrix
-        if r == "Q3_K_M":
-            return T.Q5_K if i < n // 16 else T.Q4_K
-        if r == "IQ3_M" and (i < n // 8 or (q.n_expert == 8 and use_more_bits(i, n))):
-            return T.Q4_K
-        if r == "Q3_K_L":
-            return T.Q5_K
-        if r == "Q4_K_M":
-            return T.Q6_K if use_more_bits(i, n) else new
-        if i < n // 8 and r in ("IQ4_NL", "IQ4_XS"):
-            return T.Q5_K
-        if r == "Q5_K_M" and use_more_bits(i, n):
-            return T.Q6_K
-        if r == "Q4_K_S" and i < n // 8:
-            return T.Q5_K
-        return new
+        return _ffn_down(q, r, new, _layer(name))
     if cat == "attn_output":
-        eight = (
-            "Q2_K",
-            "IQ3_XS",
-            "IQ3_XXS",
-            "Q3_K_S",
-            "Q3_K_M",
-            "IQ4_NL",
-            "Q4_K_S",
-            "Q4_K_M",
-            "IQ3_S",
-            "IQ3_M",
-            "IQ4_XS",
-        )
         if q.n_expert == 8:
-            return T.Q5_K if r in eight else new
+            return T.Q5_K if r in _ATTN_OUTPUT_Q5_K_8_EXPERTS else new
         return {"Q2_K": T.Q3_K, "IQ3_XXS": T.IQ3_S, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K, "IQ3_M": T.Q4_K}.get(r, new)
     if cat in ("ffn_gate", "ffn_up"):
         i, n = _layer(name), q.n_layer
         if r == "IQ3_XS" and n // 8 <= i < 7 * n // 8:
             return T.IQ3_XXS
+    return new
+
+
+# attn_output of an 8-expert model takes Q5_K in these recipes
+_ATTN_OUTPUT_Q5_K_8_EXPERTS = frozenset(
+    {"Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S", "IQ3_M", "IQ4_XS"}
+)
+
+
+def _output(r: str, new: T, shape: tuple[int, ...]) -> T:
+    """The output matrix (or the embedding that stands in for it)."""
+    if r == "MXFP4_MOE" or shape[-1] % GGML_QUANT_SIZES[new][0]:
+        return T.Q8_0
+    if r in _IQ12 or r == "IQ3_XXS":
+        return T.Q5_K
+    return T.Q6_K if new != T.Q8_0 else new
+
+
+def _iq12(q: _State, r: str, new: T, cat: str) -> T:
+    """The 1- and 2-bit IQ recipes' exceptions (llama-quant's first branch for them)."""
+    if cat == "attn_v":
+        q.i_attention_wv += 1
+        if q.n_gqa >= 4 or q.n_expert >= 4:
+            return T.Q4_K
+        return T.IQ3_S if r in ("IQ2_S", "IQ2_M") else T.Q2_K
+    if q.n_expert == 8 and cat == "attn_k":
+        return T.Q4_K
+    if cat == "ffn_down":
+        i = q.i_ffn_down
+        q.i_ffn_down += 1
+        if i < q.n_layer // 8:
+            return T.IQ3_S if r in ("IQ2_S", "IQ2_M") else T.Q2_K
+        return new
+    if cat == "attn_output":
+        if q.n_expert == 8:
+            return T.Q5_K
+        if r in ("IQ1_S", "IQ1_M"):
+            return T.IQ2_XXS
+        if r in ("IQ2_S", "IQ2_M"):
+            return T.IQ3_S
+    return new
+
+
+def _attn_v(q: _State, r: str, new: T) -> T:
+    i = q.i_attention_wv
+    q.i_attention_wv += 1
+    if r == "Q2_K":
+        new = T.Q4_K if q.n_gqa >= 4 else T.Q3_K
+    elif r == "Q2_K_S" and q.n_gqa >= 4:
+        new = T.Q4_K
+    elif r == "IQ3_XXS":
+        new = T.Q4_K if q.n_gqa >= 4 else T.IQ3_S  # IQ3_S without an importance matrix
+    elif r in ("IQ3_XS", "IQ3_S") and q.n_gqa >= 4:
+        new = T.Q4_K
+    elif r == "IQ3_M":
+        new = T.Q4_K
+    elif r == "Q3_K_M":
+        new = T.Q5_K if i < 2 else T.Q4_K
+    elif r == "Q3_K_L":
+        new = T.Q5_K
+    elif r in ("IQ4_NL", "IQ4_XS") and q.n_gqa >= 4:
+        new = T.Q5_K
+    elif r in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, q.n_layer):
+        new = T.Q6_K
+    elif r == "Q4_K_S" and i < 4:
+        new = T.Q5_K
+    return T.Q8_0 if q.n_expert == 8 else new
+
+
+def _ffn_down(q: _State, r: str, new: T, i: int) -> T:
+    """ffn_down of layer i (the recipes outside _IQ12)."""
+    n = q.n_layer
+    if r == "Q2_K":
+        return T.Q3_K
+    if r == "Q2_K_S":
+        return T.Q4_K if i < n // 8 else new
+    if r == "IQ3_XXS":
+        return T.Q4_K if i < n // 8 else T.Q3_K  # without an importance matrix
+    if r == "Q3_K_M":
+        return T.Q5_K if i < n // 16 else T.Q4_K
+    if r == "IQ3_M" and (i < n // 8 or (q.n_expert == 8 and use_more_bits(i, n))):
+        return T.Q4_K
+    if r == "Q3_K_L":
+        return T.Q5_K
+    if r == "Q4_K_M":
+        return T.Q6_K if use_more_bits(i, n) else new
+    if i < n // 8 and r in ("IQ4_NL", "IQ4_XS"):
+        return T.Q5_K
+    if r == "Q5_K_M" and use_more_bits(i, n):
+        return T.Q6_K
+    if r == "Q4_K_S" and i < n // 8:
+        return T.Q5_K
     return new
 
 
