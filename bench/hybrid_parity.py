@@ -26,14 +26,16 @@ from streamer.options import StreamOptions  # noqa: E402
 from streamer.session import open_model  # noqa: E402
 from streamer.synth.writer import Split, spec_for, write_model  # noqa: E402
 
-FILES = [  # (label, preset, qtype, recipe, split)
-    ("Q8_0", "tiny-qwen35moe", "Q8_0", None, False),
-    ("Q4_K_M", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False),
-    ("Q8_0 split", "tiny-qwen35moe", "Q8_0", None, True),
-    ("Q4_K_M split", "tiny-qwen35moe", "Q8_0", "Q4_K_M", True),
-    ("qwen3next Q8_0", "tiny-qwen3next", "Q8_0", None, False),
-    ("qwen3next Q4_K_M", "tiny-qwen3next", "Q8_0", "Q4_K_M", False),
-    ("qwen3next Q8_0 split", "tiny-qwen3next", "Q8_0", None, True),
+FILES = [  # (label, preset, qtype, recipe, split, experts' gate and up merged)
+    ("Q8_0", "tiny-qwen35moe", "Q8_0", None, False, False),
+    ("Q4_K_M", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, False),
+    ("Q8_0 split", "tiny-qwen35moe", "Q8_0", None, True, False),
+    ("Q4_K_M split", "tiny-qwen35moe", "Q8_0", "Q4_K_M", True, False),
+    ("Q8_0 gate_up merged", "tiny-qwen35moe", "Q8_0", None, False, True),
+    ("Q4_K_M gate_up merged", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, True),
+    ("qwen3next Q8_0", "tiny-qwen3next", "Q8_0", None, False, False),
+    ("qwen3next Q4_K_M", "tiny-qwen3next", "Q8_0", "Q4_K_M", False, False),
+    ("qwen3next Q8_0 split", "tiny-qwen3next", "Q8_0", None, True, False),
 ]
 
 
@@ -51,11 +53,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print("| file | stream-run vs ref: min cos / top-1 | llama.cpp vs ref: min cos / top-1 |")
     print("|---|---|---|")
-    for label, preset, qtype, recipe, split in FILES:
+    for label, preset, qtype, recipe, split, fused in FILES:
         name = label.replace(" ", "-")
         path = write_model(
             out / f"{name}.gguf",
-            spec_for(preset, qtype, recipe=recipe, real_vocab=False),
+            spec_for(preset, qtype, recipe=recipe, real_vocab=False, fuse_gate_up_exps=fused),
             split=Split(max_tensors=20) if split else Split(),
         )
         s = open_model(path, StreamOptions(stream=False, learn=False))

@@ -79,6 +79,13 @@ def synth(
             "--no-tensor-first-split", help="Split, with only metadata in the first shard (gguf-split's flag)."
         ),
     ] = False,
+    fuse_gate_up_exps: Annotated[
+        bool,
+        typer.Option(
+            "--fuse-gate-up-exps",
+            help="Write each layer's experts' gate and up as one ffn_gate_up_exps tensor (the converter's flag).",
+        ),
+    ] = False,
 ) -> None:
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
     split = Split(
@@ -101,7 +108,11 @@ def synth(
             raise StreamerError(f"unknown quant type '{head_qtype}'") from None
     if recipe is not None and (qtype is not None or head_qtype):
         raise StreamerError("--recipe sets every tensor's type: give it without --qtype/--head-qtype")
+    if fuse_gate_up_exps:
+        extra["fuse_gate_up_exps"] = True
     spec = spec_for(preset, qtype or "Q8_0", layers, tied=tied, real_vocab=real, seed=seed, recipe=recipe, **extra)
+    if fuse_gate_up_exps and not spec.geometry.n_expert:
+        raise StreamerError(f"--fuse-gate-up-exps: preset '{preset}' has no experts")
     first = write_model(out, spec, progress=progress_printer(f"writing {out.name}"), split=split, overwrite=force)
     if first != os.path.realpath(out):
         n = len(GGUFFile(first).shards)

@@ -319,12 +319,9 @@ class ModelConfig:
         return s
 
     def check_tensors(self, gf: GGUFFile) -> None:
-        for name, shape in self.expected_shapes().items():
+        for name, shape in _merge_gate_up(self.expected_shapes(), gf).items():
             t = gf.tensors.get(name)
             if t is None:
-                merged = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
-                if merged != name and merged in gf.tensors:
-                    raise StreamerError(f"{gf.path}: merged expert tensors ('{merged}') are not supported yet")
                 raise StreamerError(f"{gf.path}: missing tensor '{name}'")
             if t.qtype not in FORMATS:
                 raise StreamerError(
@@ -341,3 +338,19 @@ class ModelConfig:
                     f"{gf.path}: tensor '{name}' has shape {list(t.shape)}, "
                     f"expected {list(shape)} from the model's metadata"
                 )
+
+
+def _merge_gate_up(shapes: dict, gf: GGUFFile) -> dict:
+    """The expected shapes with each layer's experts' gate and up as one `ffn_gate_up_exps` tensor (gate rows,
+    then up rows, per expert), where the file has that instead of the two (convert_hf_to_gguf.py's
+    --fuse-gate-up-exps)."""
+    out = {}
+    for name, shape in shapes.items():
+        merged = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+        if merged in gf.tensors and merged != name:
+            out[merged] = (shape[0], 2 * shape[1], shape[2])
+        elif not (
+            name.endswith("ffn_up_exps.weight") and name.replace("ffn_up_exps", "ffn_gate_up_exps") in gf.tensors
+        ):
+            out[name] = shape
+    return out

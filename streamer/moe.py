@@ -17,6 +17,7 @@ import numpy as np
 
 from streamer.budget import BudgetSplit
 from streamer.experts.cache import grows
+from streamer.experts.source import part_matrix
 from streamer.kernels import ops
 from streamer.kernels.routing import topk_softmax
 from streamer.moe_compute import Fused, PerExpert, Tuning, WholeLayer, expert_rows, needs_tiles
@@ -240,11 +241,7 @@ class MoEFFN:
 
     def matrices(self) -> list:
         """Routers, and one expert of each layer straight from the mmap (for kernel warm-up only)."""
-        return self.router.mats + [
-            qmatrix(self.gf, f"blk.{i}.ffn_{p}_exps.weight", 0)
-            for i in range(self.cfg.n_layer)
-            for p in ("gate", "up", "down")
-        ]
+        return self.router.mats + [part_matrix(self.gf, p, 0) for ps in self.source.layout.parts for p in ps]
 
     def close(self) -> None:
         self.source.close()

@@ -176,7 +176,11 @@ class Reference:
             g, u, d = (W[f"blk.{i}.ffn_{p}.weight"] for p in ("gate", "up", "down"))
             return (silu(h @ g.T) * (h @ u.T)) @ d.T
         out = np.zeros_like(h)
-        G, U, D = (W[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+        D = W[f"blk.{i}.ffn_down_exps.weight"]
+        if f"blk.{i}.ffn_gate_up_exps.weight" in W:  # merged: each expert's gate rows, then its up rows
+            G, U = np.split(W[f"blk.{i}.ffn_gate_up_exps.weight"], 2, axis=1)
+        else:
+            G, U = W[f"blk.{i}.ffn_gate_exps.weight"], W[f"blk.{i}.ffn_up_exps.weight"]
         routes = self.route(h, W[f"blk.{i}.ffn_gate_inp.weight"], top_p)
         if skip is not None:
             routes = self.skip_experts(i, routes, skip)

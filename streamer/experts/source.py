@@ -20,12 +20,19 @@ import numpy as np
 from streamer import timing
 from streamer.errors import StreamerError
 from streamer.experts.cache import ExpertCache
-from streamer.experts.store import PARTS, ExpertLayout, ExpertReader, ReaderPool
+from streamer.experts.store import ExpertLayout, ExpertReader, Part, ReaderPool
 from streamer.kernels import QMatrix
 from streamer.traffic import ExpertTraffic
-from streamer.weights import qmatrix
 
 DEMAND, PREFETCH = 0, 1
+
+
+def part_matrix(gf, p: Part, e: int) -> QMatrix:
+    """Expert e's gate, up or down in place in the file's mapping (zero-copy)."""
+    rows = gf.view(p.name)[e][p.row0 : p.row0 + p.n_rows]
+    return QMatrix(rows, p.qtype, p.n_in, f"{p.name}[{e}]")
+
+
 PINNED, LRU, PREFETCHED, MISS = 0, 1, 2, 3  # how a request was served (the trace's tier codes)
 
 
@@ -41,8 +48,8 @@ class ResidentSource:
         self.traffic = traffic
         self.gf = gf
         self.layout = ExpertLayout(gf, cfg)
-        self._spans = [  # per layer: where expert 0's gate, up, down start, and each part's bytes per expert
-            (np.array([[p.offset] for p in ps], np.int64), np.array([[p.nbytes] for p in ps], np.int64))
+        self._spans = [  # per layer: where expert 0's gate, up, down start, and each part's bytes between experts
+            (np.array([[p.offset] for p in ps], np.int64), np.array([[p.stride] for p in ps], np.int64))
             for ps in self.layout.parts
         ]
         self.mats: dict = {}
@@ -62,7 +69,7 @@ class ResidentSource:
         new = [(layer, int(e)) for e in experts if (layer, int(e)) not in self.touched]
         if new:
             self.gf.advise(
-                [(p.offset + e * p.nbytes, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
+                [(p.offset + e * p.stride, p.nbytes) for _, e in new for p in self.layout.parts[layer]],
                 mmap.MADV_WILLNEED,
             )
             self.touched.update(new)
@@ -108,14 +115,14 @@ class ResidentSource:
         return self.gf.mm, (start + size * np.asarray(group, np.int64)).reshape(-1)
 
     def spans(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Byte offsets in the mapping of expert 0's gate, up and down, and each part's bytes per expert."""
+        """Byte offsets in the mapping of expert 0's gate, up and down, and each part's bytes between experts."""
         start, size = self._spans[layer]
         return start.reshape(-1), size.reshape(-1)
 
     def wait(self, layer: int, e: int):
         m = self.mats.get((layer, e))
         if m is None:
-            m = self.mats[(layer, e)] = tuple(qmatrix(self.gf, f"blk.{layer}.ffn_{p}_exps.weight", e) for p in PARTS)
+            m = self.mats[(layer, e)] = tuple(part_matrix(self.gf, p, e) for p in self.layout.parts[layer])
         return m
 
     def release(self, layer: int, e: int) -> None:

@@ -1,7 +1,8 @@
 """Where each expert's bytes are in the file, and reading them with explicit preads that bypass the page cache.
 
 Expert e of `blk.L.ffn_{gate,up,down}_exps.weight` is one contiguous slab of each tensor, so an expert is
-three reads. With O_DIRECT the reads are widened to 4 KiB boundaries into 4 KiB-aligned buffers (< 1%
+three reads (files converted with gate and up merged, `ffn_gate_up_exps`, hold expert e's gate rows and then its
+up rows as one slab: two parts of one tensor, each read apart). With O_DIRECT the reads are widened to 4 KiB boundaries into 4 KiB-aligned buffers (< 1%
 extra bytes for real expert sizes) and nothing lands in the OS page cache. Where O_DIRECT is refused
 (tmpfs, some network filesystems) reads are buffered: POSIX_FADV_RANDOM on the descriptor stops the
 kernel reading neighbouring experts ahead, and POSIX_FADV_DONTNEED after each read drops the pages read,
@@ -22,20 +23,47 @@ import numpy as np
 from streamer.buffers import ALIGN, open_direct
 from streamer.errors import StreamerError
 
-PARTS = ("gate", "up", "down")
-
 
 @dataclass(frozen=True)
 class Part:
-    """One of gate/up/down of every expert of a layer: expert e starts at offset + e * nbytes."""
+    """One of gate/up/down of every expert of a layer: expert e's nbytes start at offset + e * stride (stride is
+    nbytes, or twice it for the halves of a merged gate_up tensor), rows row0 .. row0 + n_rows of the tensor's
+    slab of that expert."""
 
     name: str
     offset: int
     nbytes: int
+    stride: int
     qtype: object
     n_rows: int
     n_in: int
     shard: int = 0  # the file of a split model holding it; offset - that file's base is its offset in the file
+    row0: int = 0
+
+
+def merged_gate_up(gf, layer: int) -> str | None:
+    """The name of the layer's merged gate_up expert tensor, if the file has one instead of gate and up."""
+    name = f"blk.{layer}.ffn_gate_up_exps.weight"
+    return name if name in gf.tensors else None
+
+
+def expert_parts(gf, layer: int, n_expert: int) -> tuple[Part, Part, Part]:
+    """Where gate, up and down of the layer's experts are (each tensor's slab of expert e: its bytes / n_expert)."""
+
+    def part(name: str, half: int = -1) -> Part:
+        t = gf.tensors[name]
+        stride = t.nbytes // n_expert
+        if half < 0:
+            return Part(t.name, t.offset, stride, stride, t.qtype, t.shape[1], t.shape[2], t.shard)
+        rows = t.shape[1] // 2  # gate rows, then up rows
+        return Part(t.name, t.offset + half * stride // 2, stride // 2, stride, t.qtype, rows, t.shape[2], t.shard,
+                    half * rows)  # fmt: skip
+
+    merged = merged_gate_up(gf, layer)
+    down = part(f"blk.{layer}.ffn_down_exps.weight")
+    if merged is not None:
+        return part(merged, 0), part(merged, 1), down
+    return part(f"blk.{layer}.ffn_gate_exps.weight"), part(f"blk.{layer}.ffn_up_exps.weight"), down
 
 
 def aligned_span(start: int, nbytes: int) -> tuple[int, int, int]:
@@ -48,13 +76,7 @@ def aligned_span(start: int, nbytes: int) -> tuple[int, int, int]:
 class ExpertLayout:
     def __init__(self, gf, cfg):
         self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
-        self.parts: list[tuple[Part, ...]] = []
-        for i in range(cfg.n_layer):
-            ps = []
-            for p in PARTS:
-                t = gf.tensors[f"blk.{i}.ffn_{p}_exps.weight"]
-                ps.append(Part(t.name, t.offset, t.nbytes // cfg.n_expert, t.qtype, t.shape[1], t.shape[2], t.shard))
-            self.parts.append(tuple(ps))
+        self.parts: list[tuple[Part, ...]] = [expert_parts(gf, i, cfg.n_expert) for i in range(cfg.n_layer)]
         # one slot holds any expert: a part of n bytes spans at most ceil((n + 4095) / 4096) pages
         self.slot_bytes = max(sum(-(-(p.nbytes + ALIGN - 1) // ALIGN) * ALIGN for p in ps) for ps in self.parts)
 
@@ -111,7 +133,7 @@ class ExpertReader:
         mv = memoryview(buf)
         pos, offs = 0, []
         for p in self.layout.parts[layer]:
-            start = p.offset - self.bases[p.shard] + e * p.nbytes  # in the file holding it
+            start = p.offset - self.bases[p.shard] + e * p.stride  # in the file holding it
             try:
                 if self.direct:
                     a0, alen, inner = aligned_span(start, p.nbytes)

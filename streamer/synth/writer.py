@@ -278,6 +278,9 @@ class SynthSpec:
     # uses on 8 of 64 experts at layer 15). At 0.25 routing stays as uniform as sampling noise allows (~19%).
     attn_out_gain: float = 0.25
     recipe: str | None = None  # a llama-quantize mix (synth/recipes.py): per-tensor types instead of qtype
+    # experts' gate and up as one ffn_gate_up_exps tensor (gate rows, then up rows, per expert), as llama.cpp's
+    # convert_hf_to_gguf.py --fuse-gate-up-exps writes them; the same weights as the two tensors otherwise
+    fuse_gate_up_exps: bool = False
 
 
 def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
@@ -364,13 +367,26 @@ def _hybrid_layer(spec: SynthSpec, i: int) -> Iterator[tuple[str, tuple[int, ...
 def typed_tensors(spec: SynthSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...], T, float]]:
     """The tensors in file order, with the recipe's per-tensor types when the spec names one."""
     tensors = list(_tensors(spec, n_vocab))
-    if spec.recipe is None:
-        return tensors
-    g = spec.geometry
-    types = recipe_types(
-        spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv, g.n_expert
-    )
-    return [(n, s, qt, sig) for (n, s, _, sig), qt in zip(tensors, types)]
+    if spec.recipe is not None:
+        g = spec.geometry
+        types = recipe_types(
+            spec.recipe, [(n, s, qt) for n, s, qt, _ in tensors], g.n_layer, g.n_head, g.n_head_kv, g.n_expert
+        )
+        tensors = [(n, s, qt, sig) for (n, s, _, sig), qt in zip(tensors, types)]
+    return _fuse_gate_up(tensors) if spec.fuse_gate_up_exps else tensors
+
+
+def _fuse_gate_up(tensors: list) -> list:
+    """Each layer's ffn_gate_exps and the ffn_up_exps after it as one ffn_gate_up_exps of twice the rows."""
+    out = []
+    for name, shape, qt, sigma in tensors:
+        if name.endswith("ffn_up_exps.weight"):
+            gate = out.pop()
+            if gate[2] != qt:
+                raise StreamerError(f"cannot fuse {gate[0]} ({gate[2].name}) with {name} ({qt.name}): types differ")
+            name, shape = name.replace("ffn_up_exps", "ffn_gate_up_exps"), (shape[0], 2 * shape[1], shape[2])
+        out.append((name, shape, qt, sigma))
+    return out
 
 
 def _storage(shape: tuple[int, ...], qtype: T) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -503,6 +519,10 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
                 data = -np.exp(rng.uniform(0.0, np.log(16.0), shape)).astype(np.float32)
             elif sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
                 data = (-sigma * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
+            elif _name.endswith("ffn_gate_up_exps.weight"):  # drawn as gate and then up, as the two tensors are
+                half = (shape[0], shape[1] // 2, shape[2])
+                gate = random_weight(half, qt, float(sigma), rng)
+                data = np.concatenate([gate, random_weight(half, qt, float(sigma), rng)], axis=1)
             else:
                 data = random_weight(shape, qt, float(sigma), rng)
             w.write_tensor_data(data)
