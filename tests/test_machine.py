@@ -58,3 +58,21 @@ def test_bench_records_the_machine(synth_model):
     assert out["machine_during"]["pgfault"] >= 0
     text = invoke("bench", path, "--pp", "4", "--tg", "3")
     assert "machine  " in text.stdout and "free page reporting" in text.stdout
+
+
+def test_kernels_follow_the_features_numba_is_told_to_compile_for():
+    """NUMBA_CPU_FEATURES (an AVX2-only list here) makes numba compile for that CPU: the kernels' instruction-set
+    choices follow it (a VNNI kernel would not compile for it)."""
+    import os
+    import subprocess
+    import sys
+
+    avx2 = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"
+    code = (
+        "import json; from streamer.kernels import cpu, int8, lanes; "
+        "print(json.dumps([cpu.has('avx512f'), cpu.has('avx2'), int8.ISA, int8.DECODE_ISA, lanes.host_isa()]))"
+    )
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": avx2}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, None, "avx2", "avx2"]
