@@ -641,14 +641,14 @@ def warmup_shared(
             if helper is not None:
                 _run_claimed(jobs, claims)
                 helper.wait(HELPER_TIMEOUT_S)  # its last group: `first` would compile it again meanwhile
-            if first is not None:
-                first()
         except subprocess.TimeoutExpired:
             pass  # what it has not saved is compiled below
         finally:  # Ctrl-C, an error, or a helper past its time: it does not outlive this call
             if helper is not None and helper.poll() is None:
                 helper.kill()
                 helper.wait()
+    if first is not None:
+        first()
     for g in jobs:  # compiled here, loaded from the helper's cache entries, or compiled now if the helper failed
         g.run()
 

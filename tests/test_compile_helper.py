@@ -66,3 +66,30 @@ def test_the_shared_list_holds_the_model_s_matrix_groups_costliest_first():
     assert {g.name for g in jobs} == {"experts", "decode", "ops"} | matrix and len(matrix) == 2
     costs = [W._cost(g) for g in jobs]
     assert costs == sorted(costs, reverse=True) and jobs[0].name == "decode"  # attn_block: the longest compile
+
+
+def test_this_process_s_own_work_runs_when_the_helper_times_out(monkeypatch):
+    import subprocess as sp
+
+    from streamer import warmup as W
+
+    class Stuck:  # a helper that never finishes: its wait times out until it is killed
+        def __init__(self, *args, **kwargs):
+            self.killed = False
+
+        def wait(self, timeout=None):
+            if not self.killed:
+                raise sp.TimeoutExpired("helper", timeout)
+
+        def poll(self):
+            return -9 if self.killed else None
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(W.subprocess, "Popen", Stuck)
+    monkeypatch.setenv(W.COMPILE_JOBS_ENV, "2")
+    monkeypatch.setattr(W, "_claim", lambda claims, i: False)  # the stuck helper took every group
+    ran = []
+    W.warmup_shared(lambda: ran.append("first"), ("ops",))
+    assert ran == ["first"]
