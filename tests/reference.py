@@ -11,6 +11,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two (positions, vocab) logit arrays."""
+    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
 class Reference:
     def __init__(self, path: str):
         r = GGUFReader(path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reference import Reference
+from reference import Reference, cosines
 
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
@@ -25,6 +25,12 @@ def sequences(n_vocab: int, b: int, steps: int, seed: int = 5) -> list[np.ndarra
     """b token sequences of different prompt lengths (so the batch's positions differ), each with `steps` more."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, n_vocab, size=3 + 4 * i + steps) for i in range(b)]
+
+
+def reference_steps(path, seqs: list[np.ndarray], steps: int) -> list[np.ndarray]:
+    """Each sequence's float64 reference logits at its last `steps` positions (what batched computes)."""
+    ref = Reference(str(path))
+    return [ref.logits(ids)[len(ids) - steps :] for ids in seqs]
 
 
 def batched(s, seqs: list[np.ndarray], steps: int) -> np.ndarray:
@@ -52,11 +58,9 @@ def test_each_sequence_matches_its_own_float64_forward(path, b):
             st = s.model.new_state()
             s.model.forward(ids[: len(ids) - steps], st)
             alone.append([s.model.forward(ids[i : i + 1], st) for i in range(len(ids) - steps, len(ids))])
-    ref = Reference(str(path))
-    for i, ids in enumerate(seqs):
-        want = ref.logits(ids)[len(ids) - steps :]
+    for i, want in enumerate(reference_steps(path, seqs, steps)):
         g = got[:, i]
-        cos = np.sum(g * want, 1) / np.linalg.norm(g, axis=1) / np.linalg.norm(want, axis=1)
+        cos = cosines(g, want)
         assert cos.min() >= 0.9999, cos  # test_trained's bound for this model alone
         assert np.mean(g.argmax(1) == want.argmax(1)) >= 5 / 6
         # in the batch or alone: the same logits within the kernels' error (test_trained: 0.2% of the scale)
@@ -120,11 +124,8 @@ def test_hybrid_batch_matches_float64_reference(synth_model):
     with open_model(path, RESIDENT, n_ctx=64) as s:
         seqs = sequences(s.cfg.n_vocab, 3, steps, seed=2)
         got = batched(s, seqs, steps)
-    ref = Reference(str(path))
-    for i, ids in enumerate(seqs):
-        want = ref.logits(ids)[len(ids) - steps :]
-        g = got[:, i]
-        cos = np.sum(g * want, 1) / np.linalg.norm(g, axis=1) / np.linalg.norm(want, axis=1)
+    for i, want in enumerate(reference_steps(path, seqs, steps)):
+        cos = cosines(got[:, i], want)
         assert cos.min() >= 0.999, cos  # test_hybrid's bound past position 0
 
 
@@ -261,9 +262,6 @@ def test_float_attention_batches_its_projections_and_matches_float64(synth_model
         assert not s.model.decodes_in_blocks
         seqs = sequences(s.cfg.n_vocab, 4, steps, seed=4)
         got = batched(s, seqs, steps)
-    ref = Reference(str(path))
-    for i, ids in enumerate(seqs):
-        want = ref.logits(ids)[len(ids) - steps :]
-        g = got[:, i]
-        cos = np.sum(g * want, 1) / np.linalg.norm(g, axis=1) / np.linalg.norm(want, axis=1)
+    for i, want in enumerate(reference_steps(path, seqs, steps)):
+        cos = cosines(got[:, i], want)
         assert cos.min() >= 0.9999, cos

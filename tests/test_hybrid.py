@@ -6,7 +6,7 @@ reuse), and one-line errors for what is not supported."""
 
 import numpy as np
 import pytest
-from reference import Reference
+from reference import Reference, cosines
 
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
@@ -17,10 +17,6 @@ from streamer.session import open_model
 from streamer.state import SAVED_MAX, Recurrent
 
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64, 300, 7, 7, 380], dtype=np.int64)
-
-
-def cosines(a, b):
-    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
 def run(s, tokens=PROMPT, n_prefill=6):
