@@ -20,27 +20,25 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reference import Reference  # noqa: E402
+from reference import Reference, cosines  # noqa: E402
 
 from streamer.options import StreamOptions  # noqa: E402
 from streamer.session import open_model  # noqa: E402
 from streamer.synth.writer import Split, spec_for, write_model  # noqa: E402
 
-FILES = [  # (label, preset, qtype, recipe, split, experts' gate and up merged)
-    ("Q8_0", "tiny-qwen35moe", "Q8_0", None, False, False),
-    ("Q4_K_M", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, False),
-    ("Q8_0 split", "tiny-qwen35moe", "Q8_0", None, True, False),
-    ("Q4_K_M split", "tiny-qwen35moe", "Q8_0", "Q4_K_M", True, False),
-    ("Q8_0 gate_up merged", "tiny-qwen35moe", "Q8_0", None, False, True),
-    ("Q4_K_M gate_up merged", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, True),
-    ("qwen3next Q8_0", "tiny-qwen3next", "Q8_0", None, False, False),
-    ("qwen3next Q4_K_M", "tiny-qwen3next", "Q8_0", "Q4_K_M", False, False),
-    ("qwen3next Q8_0 split", "tiny-qwen3next", "Q8_0", None, True, False),
+FILES = [  # (label, preset, qtype, recipe, split, experts' gate and up merged, qwen3next's ssm_in split)
+    ("Q8_0", "tiny-qwen35moe", "Q8_0", None, False, False, False),
+    ("Q4_K_M", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, False, False),
+    ("Q8_0 split", "tiny-qwen35moe", "Q8_0", None, True, False, False),
+    ("Q4_K_M split", "tiny-qwen35moe", "Q8_0", "Q4_K_M", True, False, False),
+    ("Q8_0 gate_up merged", "tiny-qwen35moe", "Q8_0", None, False, True, False),
+    ("Q4_K_M gate_up merged", "tiny-qwen35moe", "Q8_0", "Q4_K_M", False, True, False),
+    ("qwen3next Q8_0", "tiny-qwen3next", "Q8_0", None, False, False, False),
+    ("qwen3next Q4_K_M", "tiny-qwen3next", "Q8_0", "Q4_K_M", False, False, False),
+    ("qwen3next Q8_0 split", "tiny-qwen3next", "Q8_0", None, True, False, False),
+    ("qwen3next Q8_0 attn_qkv", "tiny-qwen3next", "Q8_0", None, False, False, True),
+    ("qwen3next Q4_K_M attn_qkv", "tiny-qwen3next", "Q8_0", "Q4_K_M", False, False, True),
 ]
-
-
-def cosines(a, b):
-    return np.sum(a * b, axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
 def main() -> None:
@@ -53,11 +51,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print("| file | stream-run vs ref: min cos / top-1 | llama.cpp vs ref: min cos / top-1 |")
     print("|---|---|---|")
-    for label, preset, qtype, recipe, split, fused in FILES:
+    for label, preset, qtype, recipe, split, fused, split_in in FILES:
         name = label.replace(" ", "-")
         path = write_model(
             out / f"{name}.gguf",
-            spec_for(preset, qtype, recipe=recipe, real_vocab=False, fuse_gate_up_exps=fused),
+            spec_for(preset, qtype, recipe=recipe, real_vocab=False, fuse_gate_up_exps=fused, split_ssm_in=split_in),
             split=Split(max_tensors=20) if split else Split(),
         )
         s = open_model(path, StreamOptions(stream=False, learn=False))

@@ -86,6 +86,13 @@ def synth(
             help="Write each layer's experts' gate and up as one ffn_gate_up_exps tensor (the converter's flag).",
         ),
     ] = False,
+    split_ssm_in: Annotated[
+        bool,
+        typer.Option(
+            "--split-ssm-in",
+            help="qwen3next: write ssm_in as attn_qkv and attn_gate, as newer converters do.",
+        ),
+    ] = False,
 ) -> None:
     """Write a synthetic model with the real geometry of a Qwen3 preset and random, well-scaled weights."""
     split = Split(
@@ -110,9 +117,13 @@ def synth(
         raise StreamerError("--recipe sets every tensor's type: give it without --qtype/--head-qtype")
     if fuse_gate_up_exps:
         extra["fuse_gate_up_exps"] = True
+    if split_ssm_in:
+        extra["split_ssm_in"] = True
     spec = spec_for(preset, qtype or "Q8_0", layers, tied=tied, real_vocab=real, seed=seed, recipe=recipe, **extra)
     if fuse_gate_up_exps and not spec.geometry.n_expert:
         raise StreamerError(f"--fuse-gate-up-exps: preset '{preset}' has no experts")
+    if split_ssm_in and spec.geometry.arch != "qwen3next":
+        raise StreamerError(f"--split-ssm-in: preset '{preset}' is not a qwen3next model")
     first = write_model(out, spec, progress=progress_printer(f"writing {out.name}"), split=split, overwrite=force)
     if first != os.path.realpath(out):
         n = len(GGUFFile(first).shards)

@@ -265,7 +265,8 @@ class ModelConfig:
     def _hybrid_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         """One hybrid layer: gated attention or Gated DeltaNet, then routed experts and a shared expert. qwen3next
         files project the linear attention's q, k, v and z in one matrix (ssm_in, grouped by key head) and its
-        beta and alpha in another (ssm_ba); qwen35moe's in four."""
+        beta and alpha in another (ssm_ba); qwen35moe's in four. (Newer qwen3next files split ssm_in in two:
+        _file_layout.)"""
         E, hd, b = self.n_embd, self.head_dim, f"blk.{i}."
         X, F, Fs = self.n_expert, self.n_ff_exp, self.n_ff_shexp
         s = {b + "attn_norm.weight": (E,), b + "post_attention_norm.weight": (E,)}
@@ -319,7 +320,7 @@ class ModelConfig:
         return s
 
     def check_tensors(self, gf: GGUFFile) -> None:
-        for name, shape in _merge_gate_up(self.expected_shapes(), gf).items():
+        for name, shape in _file_layout(self.expected_shapes(), gf).items():
             t = gf.tensors.get(name)
             if t is None:
                 raise StreamerError(f"{gf.path}: missing tensor '{name}'")
@@ -340,17 +341,24 @@ class ModelConfig:
                 )
 
 
-def _merge_gate_up(shapes: dict, gf: GGUFFile) -> dict:
-    """The expected shapes with each layer's experts' gate and up as one `ffn_gate_up_exps` tensor (gate rows,
-    then up rows, per expert), where the file has that instead of the two (convert_hf_to_gguf.py's
-    --fuse-gate-up-exps)."""
+def _file_layout(shapes: dict, gf: GGUFFile) -> dict:
+    """The expected shapes in the layout the file chose where llama.cpp's converters write one of two:
+    - each layer's experts' gate and up as one `ffn_gate_up_exps` tensor (gate rows, then up rows, per expert;
+      convert_hf_to_gguf.py --fuse-gate-up-exps);
+    - a qwen3next linear-attention layer's ssm_in as attn_qkv (q, k, v of every head) and attn_gate (z), as
+      newer converters write them (ssm_ba stays)."""
     out = {}
     for name, shape in shapes.items():
         merged = name.replace("ffn_gate_exps", "ffn_gate_up_exps")
+        qkv = name.replace("ssm_in.weight", "attn_qkv.weight")
         if merged in gf.tensors and merged != name:
             out[merged] = (shape[0], 2 * shape[1], shape[2])
-        elif not (
-            name.endswith("ffn_up_exps.weight") and name.replace("ffn_up_exps", "ffn_gate_up_exps") in gf.tensors
-        ):
+        elif name.endswith("ffn_up_exps.weight") and name.replace("ffn_up_exps", "ffn_gate_up_exps") in gf.tensors:
+            continue
+        elif qkv != name and name not in gf.tensors and qkv in gf.tensors:
+            value = shapes[name.replace("ssm_in", "ssm_out")][1]
+            out[qkv] = (shape[0] - value, shape[1])
+            out[name.replace("ssm_in", "attn_gate")] = (value, shape[1])
+        else:
             out[name] = shape
     return out

@@ -138,15 +138,21 @@ class GatedAttention(Attention):
 class GatedDeltaNet:
     """Linear attention (qwen35moe, qwen3next): q, k, v projected -> causal conv1d + SiLU -> q, k (ssm.group_count
     heads), v (ssm.time_step_rank heads) -> the gated delta rule per value head -> RMSNorm(ssm_norm) * SiLU(z)
-    -> ssm_out. qwen35moe projects with attn_qkv, attn_gate (z), ssm_beta and ssm_alpha; qwen3next with ssm_in
-    (per key head: its q, k, then the v and z of its value heads) and ssm_ba (per key head: the betas, then the
-    alphas of its value heads). Its state: the conv's last K-1 inputs and one (d, d) matrix per value head."""
+    -> ssm_out. Value head h reads key head h // (n_v / n_k) in qwen3next, h % n_k in qwen35moe.
+    The projections come in three layouts, told apart by the file's tensors: attn_qkv (q, k, v) and attn_gate (z)
+    with ssm_beta and ssm_alpha (qwen35moe); the same two with ssm_ba (per key head: the betas, then the alphas of
+    its value heads; qwen3next from newer converters); ssm_in (per key head: its q, k, then the v and z of its
+    value heads) with ssm_ba (older qwen3next files). Its state: the conv's last K-1 inputs and one (d, d) matrix
+    per value head."""
 
     def __init__(self, gf: GGUFFile, i: int, cfg: ModelConfig):
         b = f"blk.{i}."
         self.cfg = cfg
-        self.grouped = cfg.arch == "qwen3next"
-        names = ("ssm_in", "ssm_ba") if self.grouped else ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
+        self.grouped = cfg.arch == "qwen3next"  # the key head of value head h: h // (n_v / n_k)
+        self.fused_in = b + "ssm_in.weight" in gf.tensors
+        self.fused_ba = b + "ssm_ba.weight" in gf.tensors
+        names = ("ssm_in",) if self.fused_in else ("attn_qkv", "attn_gate")
+        names += ("ssm_ba",) if self.fused_ba else ("ssm_beta", "ssm_alpha")
         self.w_in = [qmatrix(gf, f"{b}{n}.weight") for n in names]
         self.wout = qmatrix(gf, b + "ssm_out.weight")
         self.conv = gf.view(b + "ssm_conv1d.weight")
@@ -160,21 +166,20 @@ class GatedDeltaNet:
 
     def _project(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(qkv (m, conv channels), z (m, n_v d), beta (m, n_v), alpha (m, n_v)), contiguous."""
-        if not self.grouped:
-            return tuple(linear(w, h) for w in self.w_in)
         c, m = self.cfg, h.shape[0]
         nk, d, r = c.ssm_k_heads, c.ssm_head_dim, c.ssm_v_heads // c.ssm_k_heads
-        qkvz = linear(self.w_in[0], h).reshape(m, nk, 2 * d + 2 * r * d)
-        parts = (qkvz[:, :, :d], qkvz[:, :, d : 2 * d], qkvz[:, :, 2 * d : 2 * d + r * d])
-        qkv = np.concatenate([p.reshape(m, -1) for p in parts], axis=1)
-        ba = linear(self.w_in[1], h).reshape(m, nk, 2, r)
-        z = np.ascontiguousarray(qkvz[:, :, 2 * d + r * d :]).reshape(m, -1)
-        return (
-            qkv,
-            z,
-            np.ascontiguousarray(ba[:, :, 0]).reshape(m, -1),
-            np.ascontiguousarray(ba[:, :, 1]).reshape(m, -1),
-        )
+        if self.fused_in:
+            qkvz = linear(self.w_in[0], h).reshape(m, nk, 2 * d + 2 * r * d)
+            parts = (qkvz[:, :, :d], qkvz[:, :, d : 2 * d], qkvz[:, :, 2 * d : 2 * d + r * d])
+            qkv = np.concatenate([p.reshape(m, -1) for p in parts], axis=1)
+            z = np.ascontiguousarray(qkvz[:, :, 2 * d + r * d :]).reshape(m, -1)
+        else:
+            qkv, z = linear(self.w_in[0], h), linear(self.w_in[1], h)
+        if not self.fused_ba:
+            return qkv, z, linear(self.w_in[-2], h), linear(self.w_in[-1], h)
+        ba = linear(self.w_in[-1], h).reshape(m, nk, 2, r)
+        beta, alpha = (np.ascontiguousarray(ba[:, :, j]).reshape(m, -1) for j in range(2))
+        return qkv, z, beta, alpha
 
     def __call__(self, h: np.ndarray, st: Recurrent, pos0: int) -> np.ndarray:
         c, m = self.cfg, h.shape[0]

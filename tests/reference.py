@@ -64,19 +64,23 @@ class Reference:
         d = len(W[b + "ssm_norm.weight"])
         nk = self.ssm_k
         r = nv // nk
-        if b + "ssm_in.weight" in W:  # qwen3next: per key head, its q, k, then its value heads' v and z
+        if b + "ssm_in.weight" in W:  # older qwen3next files: per key head, its q, k, then its value heads' v and z
             qkvz = (h @ W[b + "ssm_in.weight"].T).reshape(n, nk, 2 * d + 2 * r * d)
             x = np.concatenate([qkvz[:, :, j * d : (j + 1) * d].reshape(n, -1) for j in range(2)]
                                + [qkvz[:, :, 2 * d : 2 * d + r * d].reshape(n, -1)], axis=1)  # fmt: skip
             z = qkvz[:, :, 2 * d + r * d :].reshape(n, nv, d)
-            ba = (h @ W[b + "ssm_ba.weight"].T).reshape(n, nk, 2, r)  # per key head: its betas, then its alphas
-            b_in, a_in = ba[:, :, 0].reshape(n, nv), ba[:, :, 1].reshape(n, nv)
-            key_head = [hh // r for hh in range(nv)]  # repeat-interleave: key head kh serves value heads kh*r..
-        else:
+        else:  # every head's q, then k, then v; z apart
             x = h @ W[b + "attn_qkv.weight"].T
             z = (h @ W[b + "attn_gate.weight"].T).reshape(n, nv, d)
+        if b + "ssm_ba.weight" in W:  # qwen3next: per key head, its value heads' betas, then their alphas
+            ba = (h @ W[b + "ssm_ba.weight"].T).reshape(n, nk, 2, r)
+            b_in, a_in = ba[:, :, 0].reshape(n, nv), ba[:, :, 1].reshape(n, nv)
+        else:
             b_in, a_in = h @ W[b + "ssm_beta.weight"].T, h @ W[b + "ssm_alpha.weight"].T
-            key_head = [hh % nk for hh in range(nv)]  # ggml_repeat tiles the key heads
+        if self.arch == "qwen3next":  # repeat-interleave: key head kh serves value heads kh*r .. kh*r + r-1
+            key_head = [hh // r for hh in range(nv)]
+        else:  # ggml_repeat tiles the key heads
+            key_head = [hh % nk for hh in range(nv)]
         xp = np.concatenate([np.zeros((K - 1, x.shape[1])), x])
         x = self.silu(np.stack([(xp[t : t + K] * conv_w.T).sum(axis=0) for t in range(n)]))
         q, k, v = x[:, : nk * d].reshape(n, nk, d), x[:, nk * d : 2 * nk * d].reshape(n, nk, d), x[:, 2 * nk * d :]

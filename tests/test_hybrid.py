@@ -147,14 +147,13 @@ def test_two_turns_equal_one_long_prefill(synth_model):
     np.testing.assert_allclose(turn2, want, rtol=0, atol=2e-3 * np.abs(want).max())
 
 
-def test_a_merged_gate_up_tensor_of_the_wrong_shape_is_one_clear_error(synth_model, tmp_path):
-    """gate renamed ffn_gate_up_exps keeps gate's rows, half of what a merged tensor has (test_merged_experts.py
-    runs well-formed ones)."""
+def renamed(src, dst, old: str, new: str):
+    """A copy of the GGUF src at dst with `old` replaced by `new` in every tensor name."""
     import gguf
 
-    src = synth_model("tiny-qwen35moe", "Q8_0")
     r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen35moe")
+    arch = str(bytes(r.fields["general.architecture"].parts[-1]), "utf-8")
+    w = gguf.GGUFWriter(str(dst), arch)
     for f in r.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
             continue
@@ -162,14 +161,62 @@ def test_a_merged_gate_up_tensor_of_the_wrong_shape_is_one_clear_error(synth_mod
             f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         )
     for t in r.tensors:
-        name = t.name.replace("ffn_gate_exps", "ffn_gate_up_exps")
-        w.add_tensor(name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        w.add_tensor(t.name.replace(old, new), np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return dst
+
+
+def test_a_merged_gate_up_tensor_of_the_wrong_shape_is_one_clear_error(synth_model, tmp_path):
+    """gate renamed ffn_gate_up_exps keeps gate's rows, half of what a merged tensor has (test_merged_experts.py
+    runs well-formed ones)."""
+    path = renamed(synth_model("tiny-qwen35moe", "Q8_0"), tmp_path / "m.gguf", "ffn_gate_exps", "ffn_gate_up_exps")
     with pytest.raises(StreamerError, match="tensor 'blk.0.ffn_gate_up_exps.weight' has shape .*, expected"):
-        open_model(tmp_path / "m.gguf", StreamOptions(stream=False))
+        open_model(path, StreamOptions(stream=False))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen3next_attn_qkv_and_gate_equal_ssm_in(synth_model, stream):
+    """Newer converters write a qwen3next linear-attention layer's ssm_in as attn_qkv (every head's q, k, v) and
+    attn_gate (z), ssm_ba unchanged; synth --split-ssm-in draws the same weights: the same logits bit for bit, and
+    the float64 reference on the split file (gguf-py's reader, its own head mapping) agrees."""
+    old = synth_model("tiny-qwen3next", "Q8_0")
+    new = synth_model("tiny-qwen3next", "Q8_0", split_ssm_in=True)
+    a = open_model(old, StreamOptions(stream=False, learn=False))
+    opts = StreamOptions(learn=False, expert_cache_bytes=5 * ExpertLayout(a.gf, a.cfg).slot_bytes)
+    b = open_model(new, opts if stream else StreamOptions(stream=False, learn=False))
+    assert "blk.0.attn_qkv.weight" in b.gf.tensors and "blk.0.ssm_in.weight" not in b.gf.tensors
+    assert b.moe.source.streams == stream
+    got = run(b)
+    np.testing.assert_array_equal(got, run(a))
+    cos = cosines(got, Reference(str(new)).logits(PROMPT))
+    assert cos[0] >= 0.995 and cos[1:].min() >= 0.999, cos  # position 0: see test_tiny_hybrids_match_float64_reference
+
+
+def test_a_split_ssm_in_of_the_wrong_shape_is_one_clear_error(synth_model, tmp_path):
+    """ssm_in renamed attn_qkv keeps z's rows too: one line naming the tensor and both shapes."""
+    path = renamed(synth_model("tiny-qwen3next", "Q8_0"), tmp_path / "n.gguf", "ssm_in", "attn_qkv")
+    with pytest.raises(
+        StreamerError, match=r"tensor 'blk.0.attn_qkv.weight' has shape \[384, 256\], expected \[256, 256\]"
+    ):
+        open_model(path, StreamOptions(stream=False))
+
+
+def test_synth_splits_ssm_in_of_qwen3next_only(tmp_path):
+    from typer.testing import CliRunner
+
+    from streamer.cli.main import app
+
+    r = CliRunner().invoke(app, ["synth", str(tmp_path / "x.gguf"), "--preset", "tiny-qwen35moe", "--split-ssm-in"])
+    assert r.exit_code == 2 and "is not a qwen3next model" in r.output and not (tmp_path / "x.gguf").exists()
+    r = CliRunner().invoke(app, ["synth", str(tmp_path / "y.gguf"), "--preset", "tiny-qwen3next", "--split-ssm-in"])
+    assert r.exit_code == 0, r.output
+    from streamer.gguf_file import GGUFFile
+
+    names = GGUFFile(str(tmp_path / "y.gguf")).tensors
+    assert "blk.0.attn_gate.weight" in names and "blk.0.ssm_ba.weight" in names and "blk.0.ssm_in.weight" not in names
 
 
 def test_a_padded_vocabulary_keeps_the_tokenizer(tmp_path):

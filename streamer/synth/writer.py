@@ -281,6 +281,8 @@ class SynthSpec:
     # experts' gate and up as one ffn_gate_up_exps tensor (gate rows, then up rows, per expert), as llama.cpp's
     # convert_hf_to_gguf.py --fuse-gate-up-exps writes them; the same weights as the two tensors otherwise
     fuse_gate_up_exps: bool = False
+    # qwen3next: each linear-attention layer's ssm_in as attn_qkv and attn_gate, as newer converters write it
+    split_ssm_in: bool = False
 
 
 def _tensors(spec: SynthSpec, n_vocab: int) -> Iterator[tuple[str, tuple[int, ...], T, float]]:
@@ -330,7 +332,11 @@ def _hybrid_layer(spec: SynthSpec, i: int) -> Iterator[tuple[str, tuple[int, ...
     yield b + "attn_norm.weight", (E,), T.F32, -1.0
     if (i + 1) % g.full_attn_interval:
         conv, nv = (2 * g.ssm_k_heads + g.ssm_v_heads) * d, g.ssm_v_heads
-        if g.arch == "qwen3next":  # q, k, v, z in one matrix and beta, alpha in another, grouped by key head
+        if g.arch == "qwen3next" and spec.split_ssm_in:  # ssm_in's rows as (q, k, v) and z: _split_qkvz
+            yield b + "attn_qkv.weight", (conv, E), q, w
+            yield b + "attn_gate.weight", (nv * d, E), q, w
+            yield b + "ssm_ba.weight", (2 * nv, E), q, w
+        elif g.arch == "qwen3next":  # q, k, v, z in one matrix and beta, alpha in another, grouped by key head
             yield b + "ssm_in.weight", (conv + nv * d, E), q, w
             yield b + "ssm_ba.weight", (2 * nv, E), q, w
         else:
@@ -387,6 +393,14 @@ def _fuse_gate_up(tensors: list) -> list:
             name, shape = name.replace("ffn_up_exps", "ffn_gate_up_exps"), (shape[0], 2 * shape[1], shape[2])
         out.append((name, shape, qt, sigma))
     return out
+
+
+def _split_qkvz(rows: np.ndarray, nk: int, d: int, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """ssm_in's rows (per key head: its q, k, then the v and z of its r value heads) as attn_qkv's (every head's
+    q, then k, then v) and attn_gate's (z)."""
+    g = rows.reshape(nk, 2 * d + 2 * r * d, -1)
+    qkv = [g[:, :d], g[:, d : 2 * d], g[:, 2 * d : 2 * d + r * d]]
+    return np.concatenate([p.reshape(-1, g.shape[2]) for p in qkv]), g[:, 2 * d + r * d :].reshape(-1, g.shape[2])
 
 
 def _storage(shape: tuple[int, ...], qtype: T) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -513,9 +527,15 @@ def _write(path: str, tmp: str, spec: SynthSpec, progress, split: Split, overwri
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         rng = np.random.default_rng(spec.seed)
-        done = 0
-        for _name, shape, qt, sigma in tensors:
-            if _name.endswith("ssm_a"):  # -exp(A_log), A_log uniform in [0, log 16) as Qwen3-Next initialises it
+        done, held = 0, None
+        for k, (_name, shape, qt, sigma) in enumerate(tensors):
+            if held is not None:  # attn_gate, drawn with the attn_qkv before it
+                data, held = held, None
+            elif _name.endswith("attn_qkv.weight") and spec.split_ssm_in and tensors[k + 1][2] == qt:
+                value = tensors[k + 1][1][0]  # drawn as the ssm_in they split: the same weights as that file's
+                full = random_weight((shape[0] + value, shape[1]), qt, float(sigma), rng)
+                data, held = _split_qkvz(full, g.ssm_k_heads, g.ssm_head_dim, g.ssm_v_heads // g.ssm_k_heads)
+            elif _name.endswith("ssm_a"):  # -exp(A_log), A_log uniform in [0, log 16) as Qwen3-Next initialises it
                 data = -np.exp(rng.uniform(0.0, np.log(16.0), shape)).astype(np.float32)
             elif sigma < 0:  # norm weights: around -sigma, with noise so a missed norm shows up in tests
                 data = (-sigma * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
