@@ -1,8 +1,11 @@
 """`synth --recipe`: the per-tensor, per-layer types of the stock llama-quantize mixes, checked against tables
 written out by hand from llama.cpp's src/llama-quant.cpp (llama_tensor_get_type_impl, no importance matrix),
-and a tiny MoE in a mixed file run against the float64 reference, streamed == resident, with expert slots
+against llama-quantize itself on tiny hybrid and MoE files (tests/golden/quantize_types.json.gz, written by
+bench/quantize_types.py), and a tiny MoE in a mixed file run against the float64 reference, streamed == resident, with expert slots
 sized for the largest layer and the budget counting every layer's real size."""
 
+import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,24 @@ from streamer.synth.writer import spec_for, typed_tensors
 PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
 # use_more_bits(i, 48): i < 6, i >= 42, or (i - 6) % 3 == 2
 MORE_BITS_48 = {0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47}
+
+
+QUANTIZED = json.load(gzip.open(Path(__file__).parent / "golden/quantize_types.json.gz", "rt"))["files"]
+
+
+@pytest.mark.parametrize("label", sorted(QUANTIZED))
+def test_recipes_give_what_llama_quantize_gives(label):
+    """Every tensor's type, per recipe, as llama.cpp's llama_model_quantize chose it for the same F16 file (16
+    layers: the hybrids' attn_qkv share attn_v's rules and count, which a count of layers would get wrong)."""
+    f = QUANTIZED[label]
+    recipes = [k for k in f if k not in ("preset", "layers", "split_ssm_in")]
+    assert len(recipes) >= 8
+    for recipe in recipes:
+        spec = spec_for(
+            f["preset"], recipe=recipe, layers=f["layers"], real_vocab=False, split_ssm_in=f["split_ssm_in"]
+        )
+        got = {name: qt.name for name, _, qt, _ in typed_tensors(spec, 381)}
+        assert got == f[recipe], (recipe, {n: (got.get(n), t) for n, t in f[recipe].items() if got.get(n) != t})
 
 
 def types_of(preset: str, recipe: str) -> dict[str, T]:

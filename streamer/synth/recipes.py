@@ -6,7 +6,8 @@ The rules that matter for these models:
 - output.weight (or a tied token_embd): Q6_K (Q5_K for the IQ1/IQ2 mixes), Q8_0 if rows do not fit its blocks;
 - token_embd: the base type (Q2_K for IQ2_XXS/IQ2_XS/IQ1_S/IQ1_M, IQ3_S for IQ2_S/IQ2_M/IQ3_XXS);
 - attn_v, ffn_down(_exps), attn_output (and attn_k, attn_q for some IQ3 mixes) get more bits on some layers:
-  use_more_bits(i, n) is i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2;
+  use_more_bits(i, n) is i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2; attn_v's i and n count the attn_v and
+  attn_qkv tensors (the hybrids' linear-attention q/k/v takes attn_v's rules);
 - norms (1-D) and the router ffn_gate_inp stay as they are (F32).
 Layer counters run in file order, as llama-quantize walks the tensors.
 """
@@ -83,8 +84,9 @@ def _fallback(qtype: T, n_cols: int) -> T:
 
 
 class _State:
-    def __init__(self, n_layer: int, n_head: int, n_head_kv: int, n_expert: int, has_output: bool):
+    def __init__(self, n_layer: int, n_head: int, n_head_kv: int, n_expert: int, has_output: bool, n_wv: int):
         self.n_layer, self.n_gqa, self.n_expert, self.has_output = n_layer, n_head // n_head_kv, n_expert, has_output
+        self.n_attention_wv = n_wv  # attn_v-like tensors in the file: attn_v and attn_qkv (one per layer in qwen3moe)
         self.i_attention_wv = self.i_ffn_down = 0
 
 
@@ -97,6 +99,8 @@ def _category(name: str) -> str:
         return "output"
     if name == "token_embd.weight":
         return "token_embd"
+    if "attn_qkv.weight" in name:  # llama-quant's category_is_attn_v: a fused q/k/v takes attn_v's rules and count
+        return "attn_v"
     for key in (
         "attn_v.weight",
         "attn_k.weight",
@@ -206,7 +210,7 @@ def _attn_v(q: _State, r: str, new: T) -> T:
         new = T.Q5_K
     elif r in ("IQ4_NL", "IQ4_XS") and q.n_gqa >= 4:
         new = T.Q5_K
-    elif r in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, q.n_layer):
+    elif r in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, q.n_attention_wv):
         new = T.Q6_K
     elif r == "Q4_K_S" and i < 4:
         new = T.Q5_K
@@ -243,7 +247,9 @@ def recipe_types(recipe: str, tensors, n_layer: int, n_head: int, n_head_kv: int
     """The type of each tensor, given in file order as (name, numpy shape, type it would have unquantized):
     1-D tensors and the router keep theirs, every other weight gets the recipe's choice."""
     base = BASE[recipe]
-    q = _State(n_layer, n_head, n_head_kv, n_expert, any(name == "output.weight" for name, _, _ in tensors))
+    has_output = any(name == "output.weight" for name, _, _ in tensors)
+    n_wv = sum(_category(name) == "attn_v" for name, shape, _ in tensors if len(shape) >= 2)
+    q = _State(n_layer, n_head, n_head_kv, n_expert, has_output, n_wv)
     out = []
     for name, shape, source in tensors:
         if len(shape) < 2 or "ffn_gate_inp" in name or "_norm" in name or "ssm_conv1d" in name:  # as llama-quantize
