@@ -42,7 +42,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import cgroup  # noqa: E402  (bench/cgroup.py)
+
+from streamer import machine as machine_state  # noqa: E402  (standard library only)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_RUN = Path(__file__).resolve().parent / "llama_run.py"
@@ -559,6 +562,7 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "ram": f"{int(mem) / 2**20:.1f} GiB" if mem.isdigit() else "?",
         "kernel": platform.release(),
+        "state": machine_state.line(machine_state.describe()),  # ISA, memory, THP, free page reporting
         "disk": sh(f"df -h --output=source,fstype,size {shlex.quote(str(ROOT))} | tail -1"),
         "stream_run_commit": sh(f"git -C {shlex.quote(str(ROOT))} rev-parse --short HEAD")
         + (" (dirty tree)" if sh(f"git -C {shlex.quote(str(ROOT))} status --porcelain --untracked-files=no") else ""),
@@ -567,7 +571,12 @@ def machine() -> dict:
 
 def llama_versions(args) -> dict:
     p = subprocess.run(
-        [args.llama_python, "-c", "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_version().decode())"],
+        [
+            args.llama_python,
+            "-c",
+            "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_version().decode(), "
+            "llama_cpp.llama_print_system_info().decode().strip())",
+        ],
         capture_output=True,
         text=True,
     )
@@ -588,6 +597,7 @@ def write_report(args, results: list[dict], out: Path) -> str:
     parts += [
         f"- date: {now}",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['ram']} RAM, Linux {m['kernel']}",
+        f"- machine state when the report was written: {m['state']}",
         f"- disk: {m['disk']}",
         f"- stream-run: {m['stream_run_commit']}",
         f"- llama.cpp: {llama_versions(args)['llama_cpp_python / llama.cpp']} (llama-cpp-python / libllama), "

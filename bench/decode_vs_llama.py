@@ -36,9 +36,18 @@ per-run step spread (stream-run's) and steal are the other clues printed.
 Every run also prints its CPU steal (/proc/stat: the share of the vCPUs' time the hypervisor gave to others) and,
 its decode steps' min / median / p90 / max ms (`stream-run bench`'s tg_step_ms; llama_run.py times each step the
 same way).
+--state NAME (repeatable) puts the machine in a state before every timed run, and the summary gives each state's
+medians and ratios apart, then each variant's spread between states (the slowest state's median against the
+fastest's): `warm` nothing; `after-dense` runs the first build's bench on --dense (a small dense file) first;
+`after-llama` runs llama.cpp on the model first (untimed: its freed memory is what the next run meets);
+`settled` does that, then waits until the kernel's free page reporting has been idle for 3 s.
+Every run's line ends with the machine's record over it (streamer/machine.py, standard library only): memory
+free before it, page faults (major), CPU steal and MiB reported to the host during it; the machine line (CPU,
+its ISA and the kernels' if NUMBA_CPU_FEATURES is set, THP, free page reporting) heads the output. To time
+the AVX2 paths on an AVX-512 CPU, give a build as "env NUMBA_CPU_NAME=... NUMBA_CPU_FEATURES=... stream-run".
 Prints every run's prefill / decode tok/s, the medians, and each stream-run build's median decode ratio against
-llama.cpp and against the first build. Only the standard library (and bench/cgroup.py, which is too): runs under
-any Python.
+llama.cpp and against the first build. Only the standard library (and bench/cgroup.py, streamer/machine.py,
+which are too): runs under any Python.
 """
 
 from __future__ import annotations
@@ -55,9 +64,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import cgroup  # noqa: E402  (bench/cgroup.py: settle)
 
+from streamer import machine  # noqa: E402  (standard library only)
+
 HERE = Path(__file__).resolve().parent
+STATES = ("warm", "after-dense", "after-llama", "settled")
 
 
 def _last_json(text: str) -> dict:
@@ -76,11 +89,23 @@ def _run_json(cmd: list[str], what: str) -> dict:
     return _last_json(p.stdout)
 
 
-def run_stream(exe: str, a) -> tuple[float, float, dict | None]:
+def stream_cmd(exe: str) -> tuple[list[str], list[str]]:
+    """exe's words split at the stream-run executable: (prefix up to and including it, bench flags after it).
+    exe: "PATH --no-mmap", or "env VAR=VALUE ... PATH --flags"."""
+    words = shlex.split(exe)
+    i = 0
+    if words[0] == "env":
+        i = 1
+        while i < len(words) and "=" in words[i]:
+            i += 1
+    return words[: i + 1], words[i + 1 :]
+
+
+def run_stream(exe: str, a, model: str | None = None, pp: int | None = None, tg: int | None = None):
     """exe: a stream-run executable, then any flags of its bench (shell words: "PATH --no-mmap")."""
-    path, *flags = shlex.split(exe)
-    cmd = [path, "bench", a.model, "--pp", str(a.pp), "--tg", str(a.tg), "-t", str(a.threads), "--no-stream", "--json"]
-    cmd += flags
+    head, flags = stream_cmd(exe)
+    cmd = head + ["bench", model or a.model, "--pp", str(pp or a.pp), "--tg", str(tg or a.tg), "-t", str(a.threads)]
+    cmd += ["--no-stream", "--json"] + flags
     r = _run_json(cmd, " ".join(cmd))
     # stream-run bench's decode steps (min, median, p90, max ms), where it reports them
     return r["pp_tok_s"], r["tg_tok_s"], r.get("tg_step_ms")
@@ -115,14 +140,27 @@ def read_after(a) -> tuple[float, int]:
     return r["read_gb_s"], r["bytes_per_token"]
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(steal, total) jiffies of all CPUs from /proc/stat: steal is time the hypervisor ran something else while
-    a vCPU had work; (0, 0) where there is no such file."""
-    try:
-        f = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-    return f[7], sum(f)
+def prepare(state: str, a, first_build: str) -> str:
+    """Put the machine in `state` (STATES) before a timed run; what was done, for the run's line."""
+    if state == "after-dense":
+        run_stream(first_build, a, model=a.dense, pp=32, tg=8)
+        return "after a dense run"
+    if state in ("after-llama", "settled"):
+        run_llama(a)
+        if state == "after-llama":
+            return "right after llama.cpp"
+        waited, mib = cgroup.settle(3.0)
+        return f"after llama.cpp + {waited:.0f} s until reporting idle ({mib:.0f} MiB)"
+    return "warm"
+
+
+def record(before: dict) -> str:
+    """The machine over a run: memory free at its start, page faults, CPU steal, memory reported to the host."""
+    d = machine.during(before)
+    free = before["memory"].get("MemFree", 0) / 2**30
+    out = f"  [free {free:4.1f} GiB, faults {d.get('pgfault', 0)} ({d.get('pgmajfault', 0)} major)"
+    out += f", steal {100 * d.get('steal_share', 0):.1f}%"
+    return out + (f", reported {d['reported_mib']:.0f} MiB]" if "reported_mib" in d else "]")
 
 
 def run_llama(a) -> tuple[float, float, dict | None]:
@@ -165,15 +203,25 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--read", metavar="PYTHON", help="after every run, time a read of the step's bytes under PYTHON")
     ap.add_argument("--slow-gb-s", type=float, default=36.0, help="--read: reads below this are the slow phase")
+    ap.add_argument("--state", action="append", choices=STATES, help="the machine's state before every run")
+    ap.add_argument("--dense", help="--state after-dense: the small dense file run before")
     a = ap.parse_args(argv)
+    a.state = a.state or ["warm"]
+    if "after-dense" in a.state and not (a.dense and Path(a.dense).is_file()):
+        print("error: --state after-dense needs --dense FILE (a small dense model)", file=sys.stderr)
+        return 2
+    if a.no_llama and {"after-llama", "settled"} & set(a.state):
+        print("error: --state after-llama/settled runs llama.cpp: drop --no-llama", file=sys.stderr)
+        return 2
     builds = []
     for s in a.stream_run:
         name, sep, path = s.partition("=")
         if not sep or not name or not path.strip():
             print(f"error: --stream-run wants NAME=PATH, got {s!r}", file=sys.stderr)
             return 2
-        if not shutil.which(shlex.split(path)[0]):
-            print(f"error: --stream-run {name}: no such executable: {shlex.split(path)[0]}", file=sys.stderr)
+        exe = stream_cmd(path)[0][-1]
+        if not shutil.which(exe):
+            print(f"error: --stream-run {name}: no such executable: {exe}", file=sys.stderr)
             return 2
         builds.append((name, path))
     if not builds:
@@ -192,8 +240,44 @@ def main(argv=None) -> int:
     llama = "llama.cpp" + (" (no repack)" if a.no_repack else " (repack)")
     if not a.no_llama:
         variants.append((llama, lambda: run_llama(a)))
+    print("machine: " + machine.line(machine.describe()), flush=True)
+    if not a.no_llama:
+        info = "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"
+        p = subprocess.run([a.llama_python, "-c", info], capture_output=True, text=True)
+        print("llama.cpp: llama-cpp-python " + (p.stdout.strip().splitlines() or ["?"])[-1], flush=True)
+    base = builds[0][0]
+    by_state = {}
+    for state in a.state:
+        res, reads = run_rounds(a, variants, state, builds[0][1])
+        med = {n: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for n, v in res.items()}
+        by_state[state] = med
+        print(
+            f"\nmedians of {a.rounds} rounds, {state} ({Path(a.model).name}, pp {a.pp}, tg {a.tg}, {a.threads} threads):"
+        )
+        for n, (pp, tg) in med.items():
+            line = f"  {n:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
+            if n != llama:
+                if n != base:
+                    line += f"  decode {tg / med[base][1]:.3f}x {base}"
+                if llama in med:
+                    line += f"  decode {tg / med[llama][1]:.3f}x / prefill {pp / med[llama][0]:.3f}x {llama}"
+            print(line)
+        if a.read:
+            print_phases(res, reads, a.slow_gb_s, llama if llama in res else None)
+    if len(by_state) > 1:
+        print("\nspread between states (fastest state's median / slowest's):")
+        for n, _ in variants:
+            pps = [m[n][0] for m in by_state.values()]
+            tgs = [m[n][1] for m in by_state.values()]
+            print(f"  {n:24s} prefill {max(pps) / min(pps):.2f}x  decode {max(tgs) / min(tgs):.2f}x")
+    return 0
+
+
+def run_rounds(a, variants, state: str, first_build: str):
+    """a.rounds (plus a discarded first) of every variant in `state`, alternating the order: ({variant: [(pp,
+    tg)]}, {variant: [(read GB/s, decode's share of it)]})."""
     res: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}
-    reads: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}  # (read GB/s, share of it)
+    reads: dict[str, list[tuple[float, float]]] = {n: [] for n, _ in variants}
     total = a.rounds + (0 if a.no_discard else 1)
     for r in range(total):
         order = variants if r % 2 == 0 else variants[::-1]
@@ -205,12 +289,11 @@ def main(argv=None) -> int:
             if a.settle:
                 waited, mib = cgroup.settle(a.settle)
                 print(f"  free page reporting idle after {waited:.1f} s ({mib:.0f} MiB reported meanwhile)", flush=True)
-            j0 = cpu_jiffies()
+            how = prepare(state, a, first_build)
+            before = machine.describe()
             pp, tg, steps = fn()
-            j1 = cpu_jiffies()
             keep = a.no_discard or r > 0
             line = f"round {r}{'' if keep else ' (discarded)'}: {name:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
-            line += f"  steal {100 * (j1[0] - j0[0]) / max(1, j1[1] - j0[1]):4.1f}%"
             if steps:
                 line += "  steps {min:.1f} / {median:.1f} / {p90:.1f} / {max:.1f} ms".format(**steps)
             if a.read:
@@ -219,23 +302,10 @@ def main(argv=None) -> int:
                 line += f"  read after {gbs:5.1f} GB/s, decode at {100 * share:3.0f}% of it"
                 if keep:
                     reads[name].append((gbs, share))
-            print(line, flush=True)
+            print(line + record(before) + f" ({how})", flush=True)
             if keep:
                 res[name].append((pp, tg))
-    med = {n: (statistics.median(p for p, _ in v), statistics.median(t for _, t in v)) for n, v in res.items()}
-    print(f"\nmedians of {a.rounds} rounds ({Path(a.model).name}, pp {a.pp}, tg {a.tg}, {a.threads} threads):")
-    base = builds[0][0]
-    for n, (pp, tg) in med.items():
-        line = f"  {n:24s} prefill {pp:8.2f}  decode {tg:7.2f} tok/s"
-        if n != llama:
-            if n != base:
-                line += f"  decode {tg / med[base][1]:.3f}x {base}"
-            if llama in med:
-                line += f"  decode {tg / med[llama][1]:.3f}x / prefill {pp / med[llama][0]:.3f}x {llama}"
-        print(line)
-    if a.read:
-        print_phases(res, reads, a.slow_gb_s, llama if llama in res else None)
-    return 0
+    return res, reads
 
 
 def print_phases(res, reads, slow: float, llama) -> None:

@@ -47,6 +47,16 @@ def isa_name(flags: set[str]) -> str | None:
     return None
 
 
+def kernel_isa(cpu_isa: str | None) -> str | None:
+    """The ISA the kernels are compiled for: the CPU's, unless NUMBA_CPU_FEATURES names another feature set
+    (LLVM's names, "+avx2,-avx512f,..."; kernels/cpu.py follows it), e.g. to run an AVX2 machine's paths here."""
+    told = os.environ.get("NUMBA_CPU_FEATURES")
+    if not told:
+        return cpu_isa
+    on = {f[1:].replace("avx512vnni", "avx512_vnni") for f in told.split(",") if f.startswith("+")}
+    return f"{isa_name(on) or 'no AVX2'} (NUMBA_CPU_FEATURES)"
+
+
 def _thp(name: str) -> str | None:
     """The bracketed (active) choice of a transparent_hugepage setting."""
     text = _read(f"/sys/kernel/mm/transparent_hugepage/{name}")
@@ -112,6 +122,7 @@ def describe() -> dict:
     return {
         "cpu": model,
         "isa": isa_name(flags),
+        "kernel_isa": kernel_isa(isa_name(flags)),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory": meminfo(),
         "thp_enabled": _thp("enabled"),
@@ -142,7 +153,8 @@ def line(state: dict, delta: dict | None = None) -> str:
     mem = state["memory"]
     gib = 2**30
     parts = [
-        f"{state['cpu'] or 'unknown CPU'} ({state['isa'] or 'no AVX2'}), {state['cpus']} CPUs",
+        f"{state['cpu'] or 'unknown CPU'} ({state['isa'] or 'no AVX2'}), {state['cpus']} CPUs"
+        + (f", kernels for {state['kernel_isa']}" if state.get("kernel_isa", state["isa"]) != state["isa"] else ""),
         f"{mem.get('MemAvailable', 0) / gib:.1f} of {mem.get('MemTotal', 0) / gib:.1f} GiB available "
         f"({mem.get('MemFree', 0) / gib:.1f} free) at the start",
         f"THP {state['thp_enabled']}/{state['thp_defrag']}",

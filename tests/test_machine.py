@@ -76,3 +76,16 @@ def test_kernels_follow_the_features_numba_is_told_to_compile_for():
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, None, "avx2", "avx2"]
+
+
+def test_kernel_isa_follows_numba_cpu_features(monkeypatch):
+    """kernels/cpu.py compiles for NUMBA_CPU_FEATURES when it is set (LLVM's names): the record says so."""
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    s = machine.describe()
+    assert s["kernel_isa"] == s["isa"] and "kernels for" not in machine.line(s)
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx,+avx2,+fma,-avx512f,-avx512vnni")
+    s = machine.describe()
+    assert s["kernel_isa"] == "AVX2 only (NUMBA_CPU_FEATURES)"
+    assert "kernels for AVX2 only (NUMBA_CPU_FEATURES)" in machine.line(s)
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", "+avx2,+avx512f,+avx512vnni")
+    assert machine.describe()["kernel_isa"] == "AVX-512/VNNI (NUMBA_CPU_FEATURES)"
