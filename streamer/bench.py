@@ -60,7 +60,13 @@ def run_bench(
     pagein = session.populate(progress)
     pagein_s = time.perf_counter() - t0
     pagein_disk = disk_read_bytes() - disk0
-    model.forward(prompts[0][:1], model.new_state())
+    # then one token; in RAM, as llama.cpp's benchmarks warm up (bench/llama_run.py, llama-bench), a prefill of
+    # min(pp, 16) prompt tokens and one decode step: the timed runs start with the kernels' first calls and their
+    # buffers behind them. Streamed experts keep the one token: a longer warm-up would fill the expert cache.
+    warm = model.new_state()
+    model.forward(prompts[0][: 1 if session.streaming else max(1, min(pp, 16))], warm)
+    model.forward(prompts[0][:1], warm)
+    del warm
     warmup_s = time.perf_counter() - t0
     if traffic is not None:
         traffic.reset()
