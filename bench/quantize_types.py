@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from gguf import GGUFReader
+from gguf import GGUFReader, LlamaFileType
 
 from streamer.synth.writer import spec_for, write_model
 
@@ -43,8 +43,6 @@ sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p))
 
 
 def main() -> None:
-    from gguf import LlamaFileType
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-python", required=True)
     ap.add_argument("--out", default=str(ROOT / "tests/golden/quantize_types.json.gz"))
