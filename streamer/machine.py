@@ -47,14 +47,20 @@ def isa_name(flags: set[str]) -> str | None:
     return None
 
 
-def kernel_isa(cpu_isa: str | None) -> str | None:
-    """The ISA the kernels are compiled for: the CPU's, unless NUMBA_CPU_FEATURES names another feature set
-    (LLVM's names, "+avx2,-avx512f,..."; kernels/cpu.py follows it), e.g. to run an AVX2 machine's paths here."""
+def numba_cpu_features() -> frozenset[str] | None:
+    """The features NUMBA_CPU_FEATURES turns on (LLVM's names: "+avx2,+fma,-avx512f,..."), or None where it is not
+    set: numba then compiles for these instead of the host's, and kernels/cpu.py follows it."""
     told = os.environ.get("NUMBA_CPU_FEATURES")
-    if not told:
+    return frozenset(f[1:] for f in told.split(",") if f.startswith("+")) if told else None
+
+
+def kernel_isa(cpu_isa: str | None) -> str | None:
+    """The ISA the kernels are compiled for: the CPU's, unless NUMBA_CPU_FEATURES names another feature set, e.g.
+    to run an AVX2 machine's paths here."""
+    told = numba_cpu_features()
+    if told is None:
         return cpu_isa
-    on = {f[1:].replace("avx512vnni", "avx512_vnni") for f in told.split(",") if f.startswith("+")}
-    return f"{isa_name(on) or 'no AVX2'} (NUMBA_CPU_FEATURES)"
+    return f"{isa_name({f.replace('avx512vnni', 'avx512_vnni') for f in told}) or 'no AVX2'} (NUMBA_CPU_FEATURES)"
 
 
 def _thp(name: str) -> str | None:

@@ -2,10 +2,11 @@
 on), read once. The one exception is AMX (simd_amx.py), which also needs the Linux kernel's support and so
 reads /proc/cpuinfo."""
 
-import os
 from functools import cache
 
 from llvmlite import binding as llvm
+
+from streamer.machine import numba_cpu_features
 
 X86 = llvm.get_process_triple().startswith("x86_64")
 
@@ -15,9 +16,9 @@ def features() -> frozenset[str]:
     """LLVM's names of the features the kernels are compiled for ('avx2', 'avx512f', 'avx512vnni', ...): the
     host's, or NUMBA_CPU_FEATURES ("+avx2,+fma,-avx512f,..."), which numba then compiles for instead (with it
     set, say to an AVX2-only CPU's list, a kernel for a feature not listed would not compile)."""
-    told = os.environ.get("NUMBA_CPU_FEATURES")
-    if told:
-        return frozenset(f[1:] for f in told.split(",") if f.startswith("+"))
+    told = numba_cpu_features()
+    if told is not None:
+        return told
     return frozenset(name for name, on in llvm.get_host_cpu_features().items() if on)
 
 
