@@ -376,7 +376,7 @@ def decode_formats(model, moe=None) -> dict[str, list[tuple[int, ...]]]:
         attn, _, ffn = model._decode
         out["decode"].update(formats for formats, _ in attn)
         out["decode-ffn"].update(f[:3] for f in ffn or ())
-    if moe is not None:
+    if moe is not None and moe.source.in_place:  # moe_block serves resident experts only (MoEFFN.decode)
         for layer, p in enumerate(moe.fused):
             if p is not None:
                 blk = moe.router.mats[layer].block
@@ -458,7 +458,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out = [SUPPORTED[q].matvec.specialise(code[q]) for q in qtypes]
     out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
     out.append(SUPPORTED[model.embd.qtype].rows.specialise(code[model.embd.qtype]))  # the embedding gather only
-    out += [int8.KERNELS[int8.ISA]] if int8_serves else []  # one version for every format (not specialised)
+    out += [int8.KERNELS[int8.ISA].specialise(code[q]) for q in int8_serves]
     combos = decode_formats(model, model.moe if moe else None)
     for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
         out += [k.specialise(*c) for c in combos[name]]
@@ -478,6 +478,8 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
                     out.append(d)
                 elif g.name in ("experts", "expert-tiles"):
                     out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q) if q in experts.FORMATS]
+                elif g.name == "expert-int8":
+                    out += [d.specialise(SUPPORTED[q].fmt) for q in sorted(experts_q & INT8)]
     if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
         lanes_k = set(_lanes_kernels(lanes.isas()))
         out = [d for d in out if d not in lanes_k]
@@ -573,13 +575,14 @@ def _run_claimed(jobs: list[Group], claims: str) -> None:
 
 
 # Seconds one process took to compile each kernel of the demo's first run (2026-12-06, AMD EPYC Zen 4,
-# AVX-512/VNNI; the integer kernels by their name before the ISA suffix). Only their order matters: the shared
+# AVX-512/VNNI; the integer kernels by their name before the ISA suffix, specialised to Q8_0; attn_block with
+# the attention it calls). Only their order matters: the shared
 # list puts the costliest groups first, so that the two processes finish together (in the list's old order the
 # helper ran out of work 8 s before this process did). Kernels not listed count 0.5 s.
 COMPILE_S = {
-    "attn_block": 11.9, "i8_matmul": 7.4, "i8_grouped": 6.7, "block_matvec": 4.5, "attention": 4.5,
-    "experts_matvec": 3.7, "gather_act": 3.1, "experts_down": 2.5, "f32_matmul": 1.9, "grouped_down": 1.9,
-    "grouped_gate_up": 1.1, "moe_block": 1.1,
+    "attn_block": 12.8, "i8_matmul": 6.1, "i8_grouped": 5.1, "block_matvec": 5.1, "attention": 4.5,
+    "experts_matvec": 3.7, "gather_act": 1.5, "experts_down": 2.9, "f32_matmul": 2.5, "grouped_down": 2.7,
+    "grouped_gate_up": 1.2, "moe_block": 1.1,
 }  # fmt: skip
 
 

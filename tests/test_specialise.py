@@ -8,6 +8,7 @@ import sys
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from streamer.kernels import int8
 from streamer.kernels.dispatch import SUPPORTED
 
 # A fresh interpreter: open a model (its warm-up), prefill and decode; then every FormatKernel's signatures (its
@@ -28,7 +29,17 @@ for m in pkgutil.iter_modules(K.__path__):
     for n, v in vars(mod).items():  # the per-instruction-set kernels (_bits.isa_kernels) live in dicts
         if isinstance(v, dict):
             disp.update({f"{n}[{k}]": d for k, d in v.items() if isinstance(d, CPUDispatcher) and d.__module__ == mod.__name__})
-with open_model(sys.argv[1], StreamOptions(learn=False, stream=False)) as s:
+options = StreamOptions(learn=False, stream=False)
+if sys.argv[2] == "streamed":  # a cache of twice the experts a token uses, as the demo streams its experts
+    from streamer.config import ModelConfig
+    from streamer.experts.store import ExpertLayout
+    from streamer.gguf_file import GGUFFile
+
+    gf = GGUFFile(sys.argv[1])
+    cfg = ModelConfig.from_gguf(gf)
+    options = StreamOptions(learn=False, expert_cache_bytes=2 * cfg.n_expert_used * ExpertLayout(gf, cfg).slot_bytes)
+with open_model(sys.argv[1], options) as s:
+    in_place = s.moe.source.in_place
     cache = s.model.new_state()
     s.model.forward(np.arange(1, 9), cache)
     s.model.forward(np.array([7]), cache)
@@ -39,12 +50,13 @@ for n, d in fk.items():
     args[n] = [[str(sig[i]) for i in d.format_args] for sig in d.signatures]
 every = [x for d in disp.values() for x in (d.dispatchers() if isinstance(d, FormatKernel) else [d])]
 misses = sum(sum(d.stats.cache_misses.values()) for d in every)
-print(json.dumps({"codes": codes, "args": args, "misses": misses}))
+quantize = [[str(t) for t in sig] for sig in K.int8.quantize_act.signatures]
+print(json.dumps({"codes": codes, "args": args, "misses": misses, "quantize_act": quantize, "in_place": in_place}))
 """
 
 
-def _run(path):
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], capture_output=True, text=True, timeout=900)
+def _run(path, mode="resident"):
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(path), mode], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -58,6 +70,10 @@ def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model, preset):
     # a hybrid's layers have no one-call attention block: attn_block is never compiled for it (it was, for every
     # format, when its empty list of format tuples read as "not given")
     assert ("attn_block" in compiled) == (preset == "tiny-moe"), compiled
+    if int8.ISA is not None:  # the integer prefill matmul too (the Q8_0 attention matrices)
+        assert f"KERNELS[{int8.ISA}]" in compiled, compiled
+        # one quantize_act for both: the specialised matmul passes its group and offset as plain ints
+        assert len(got["quantize_act"]) == 1 and "Literal" not in str(got["quantize_act"]), got["quantize_act"]
     # every compiled version has its format arguments as literals (no every-format version), and only this
     # model's codes (-1: moe_block's float router, which a block router never calls)
     for name, sigs in compiled.items():
@@ -70,6 +86,15 @@ def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model, preset):
         n: sorted(set(map(tuple, a))) for n, a in compiled.items()
     }
     assert again["misses"] == 0
+
+
+def test_a_streamed_moe_does_not_compile_the_resident_layer_block(synth_model):
+    """moe_block serves a layer whose experts are all in place (MoEFFN.decode): a run streaming its experts
+    through a cache, as the demo does, never calls it, so its first run does not compile it."""
+    got = _run(synth_model("tiny-moe", "Q8_0"), "streamed")
+    assert not got["in_place"]
+    compiled = {n for n, a in got["args"].items() if a}
+    assert "moe_block" not in compiled and "experts_matvec" in compiled, compiled
 
 
 def test_warmup_without_a_model_takes_the_common_mixes():

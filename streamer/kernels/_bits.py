@@ -11,6 +11,7 @@ from numba import njit, types
 from numba.extending import intrinsic as numba_intrinsic
 
 from . import _cachelock, _inline
+from .specialise import format_kernel
 
 # Fast-math flags for the matrix kernels: reassociation and contraction let LLVM vectorise the reductions
 # and use FMA; no "nnan"/"ninf", so huge or tiny scales are not optimised on false premises. The forward's
@@ -73,16 +74,17 @@ _inline.install()
 kernel = partial(njit, cache=True, error_model="numpy", nogil=True)
 
 
-def isa_kernels(source, isas, name, **options):
+def isa_kernels(source, isas, name, format_args=(), **options):
     """One kernel per instruction set from one source: `source(isa)` returns the Python function for isa (a closure
     whose branches test `isa`, a constant numba folds before typing, so the other sets' intrinsics are never
     typed: vpdpbusd does not compile for a CPU without it); each is compiled as `kernel(**options)` under the name
-    f"{name}_{isa}" (numba's cache files and the start-up timing's kernel names). A dict isa -> dispatcher."""
+    f"{name}_{isa}" (numba's cache files and the start-up timing's kernel names), or as a FormatKernel compiled per
+    code of `format_args` (specialise.py) if given. A dict isa -> dispatcher."""
     out = {}
     for isa in isas:
         fn = source(isa)
         fn.__name__ = fn.__qualname__ = f"{name}_{isa}"
-        out[isa] = kernel(**options)(fn)
+        out[isa] = format_kernel(*format_args, **options)(fn) if format_args else kernel(**options)(fn)
     return out
 
 

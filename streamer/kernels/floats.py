@@ -53,8 +53,9 @@ def f32_matmul(fmt, w, X, out, scratch):
 
 @format_kernel(every=True)
 def f32_rows(fmt, w, ids, out):
-    for i in range(ids.size):
-        out[i, :] = w[ids[i], :]
+    for i in range(ids.size):  # element by element: a row assignment compiles numba's string code (int8._copy_row)
+        for c in range(out.shape[1]):
+            out[i, c] = w[ids[i], c]
 
 
 # ---- F16 and BF16: one set of kernels, `bf` (formats.F16 or BF16) picks the widening ----------
