@@ -10,11 +10,14 @@ import time
 
 import uvicorn
 
+from streamer.experts.store import ExpertLayout
 from streamer.generate import Generator
+from streamer.options import StreamOptions
 from streamer.sampler import Sampler, SamplerParams
 from streamer.server.app import ServerOptions, create_app
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
+from streamer.session import open_model
 
 # Loading a model compiles the kernels when numba's cache lacks them: 82 s for tiny-moe on an idle 2-core machine,
 # longer while another test worker compiles too. The deadline guards against a hang, not a slow first load.
@@ -84,3 +87,15 @@ def greedy(session, ids, n):
     """The oracle of the server tests: n greedy tokens of Generator alone on `session` (no stop tokens)."""
     gen = Generator(session.model, session.model.new_state(), Sampler(SamplerParams()), frozenset())
     return list(gen.generate(ids, n))
+
+
+def open_resident(path, n_ctx):
+    """The oracle's session: every expert in place, no usage file."""
+    return open_model(path, StreamOptions(stream=False, learn=False), n_ctx=n_ctx)
+
+
+def open_streamed(path, resident, slots, n_ctx):
+    """The served session: experts streamed through a cache of `slots` slots (resident: a session of the same file,
+    for its slot size)."""
+    slot = ExpertLayout(resident.gf, resident.cfg).slot_bytes
+    return open_model(path, StreamOptions(learn=False, expert_cache_bytes=slots * slot), n_ctx=n_ctx)

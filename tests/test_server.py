@@ -19,12 +19,11 @@ import openai
 import pytest
 from invariants import assert_cache_consistent
 from reference import Reference
-from serving import LOAD_TIMEOUT, Running, greedy, metrics, wait_idle
+from serving import LOAD_TIMEOUT, Running, greedy, metrics, open_resident, open_streamed, wait_idle
 from typer.testing import CliRunner
 
 from streamer.chat import EMPTY_THINK
 from streamer.cli.main import app
-from streamer.experts.store import ExpertLayout
 from streamer.options import StreamOptions
 from streamer.server.schemas import Limits
 from streamer.session import open_model
@@ -41,13 +40,12 @@ def path(synth_model):
 
 @pytest.fixture(scope="module")
 def resident(path):
-    with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=N_CTX) as s:
+    with open_resident(path, N_CTX) as s:
         yield s
 
 
 def streamed(path, resident):
-    slot = ExpertLayout(resident.gf, resident.cfg).slot_bytes
-    return open_model(path, StreamOptions(learn=False, expert_cache_bytes=SLOTS * slot), n_ctx=N_CTX)
+    return open_streamed(path, resident, SLOTS, N_CTX)
 
 
 @pytest.fixture(scope="module")
@@ -646,7 +644,7 @@ def test_a_hybrid_model_reuses_only_saved_prefixes_and_answers_as_fresh(synth_mo
     last prompt reuses it; one that shares part of it prefills again. Each answer equals a fresh run's."""
     path = synth_model("tiny-qwen35moe", "Q8_0")
     first, extended, partial = [5, 40, 41, 7, 300, 12, 9], [5, 40, 41, 7, 300, 12, 9, 77, 78], [5, 40, 41, 99]
-    with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=N_CTX) as ref:
+    with open_resident(path, N_CTX) as ref:
         want = {tuple(p): ref.tokenizer.decode(greedy(ref, p, 6)) for p in (first, extended, partial)}
     srv = Running(open_model(path, StreamOptions(learn=False), n_ctx=N_CTX))
     try:

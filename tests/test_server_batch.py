@@ -8,11 +8,7 @@ import threading
 import httpx
 import openai
 import pytest
-from serving import Running, greedy, metrics, wait_idle
-
-from streamer.experts.store import ExpertLayout
-from streamer.options import StreamOptions
-from streamer.session import open_model
+from serving import Running, greedy, metrics, open_resident, open_streamed, wait_idle
 
 N_CTX, SLOTS, PARALLEL = 256, 24, 4
 NO_CACHE = {"cache_prompt": False, "ignore_eos": True}
@@ -26,14 +22,13 @@ def path(synth_model):
 
 @pytest.fixture(scope="module")
 def resident(path):
-    with open_model(path, StreamOptions(stream=False, learn=False), n_ctx=N_CTX) as s:
+    with open_resident(path, N_CTX) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def srv(path, resident):
-    slot = ExpertLayout(resident.gf, resident.cfg).slot_bytes
-    s = open_model(path, StreamOptions(learn=False, expert_cache_bytes=SLOTS * slot), n_ctx=N_CTX)
+    s = open_streamed(path, resident, SLOTS, N_CTX)
     s.model.ubatch = 8  # a prompt of more than 8 tokens is prefilled in chunks, between decode steps
     r = Running(s, parallel=PARALLEL)
     r.wait_loaded()
