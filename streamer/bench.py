@@ -35,6 +35,24 @@ def weight_bytes_per_token(session, routed_per_token: float, n_seq: int = 1) -> 
     return (dense + routed_per_token * experts / (cfg.n_layer * cfg.n_expert)) / n_seq
 
 
+def _warm_up(session, prompt, progress) -> tuple:
+    """The weights used in place come into RAM, as llama.cpp's load reads them (large ordered reads); then, in
+    RAM, as llama.cpp's benchmarks warm up (bench/llama_run.py, llama-bench), a prefill of min(pp, 16) prompt
+    tokens and one decode step: the timed runs start with the kernels' first calls and their buffers behind
+    them. Streamed experts keep one token: a longer warm-up would fill the expert cache. Returns (the page-in,
+    its seconds, the disk bytes read meanwhile, the whole warm-up's seconds)."""
+    model = session.model
+    t0 = time.perf_counter()
+    disk0 = disk_read_bytes()
+    pagein = session.populate(progress)
+    pagein_s = time.perf_counter() - t0
+    pagein_disk = disk_read_bytes() - disk0
+    warm = model.new_state()
+    model.forward(prompt[: 1 if session.streaming else max(1, min(len(prompt), 16))], warm)
+    model.forward(prompt[:1], warm)
+    return pagein, pagein_s, pagein_disk, time.perf_counter() - t0
+
+
 def run_bench(
     session,
     pp: int = 128,
@@ -54,20 +72,7 @@ def run_bench(
     n_vocab = session.cfg.n_vocab
     prompts = [prompt_tokens(n_vocab, pp, seed=1234 + s) for s in range(parallel)]
     feed = [prompt_tokens(n_vocab, tg, seed=99 + s) for s in range(parallel)] if random_decode else None
-    t0 = time.perf_counter()
-    disk0 = disk_read_bytes()
-    # warm-up: the weights used in place come into RAM, as llama.cpp's load reads them (large ordered reads)
-    pagein = session.populate(progress)
-    pagein_s = time.perf_counter() - t0
-    pagein_disk = disk_read_bytes() - disk0
-    # then one token; in RAM, as llama.cpp's benchmarks warm up (bench/llama_run.py, llama-bench), a prefill of
-    # min(pp, 16) prompt tokens and one decode step: the timed runs start with the kernels' first calls and their
-    # buffers behind them. Streamed experts keep the one token: a longer warm-up would fill the expert cache.
-    warm = model.new_state()
-    model.forward(prompts[0][: 1 if session.streaming else max(1, min(pp, 16))], warm)
-    model.forward(prompts[0][:1], warm)
-    del warm
-    warmup_s = time.perf_counter() - t0
+    pagein, pagein_s, pagein_disk, warmup_s = _warm_up(session, prompts[0], progress)
     if traffic is not None:
         traffic.reset()
     states = [model.new_state() for _ in range(parallel)]
