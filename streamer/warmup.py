@@ -458,7 +458,8 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     out = [SUPPORTED[q].matvec.specialise(code[q]) for q in qtypes]
     out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
     out.append(SUPPORTED[model.embd.qtype].rows.specialise(code[model.embd.qtype]))  # the embedding gather only
-    out += [int8.KERNELS[int8.ISA].specialise(code[q]) for q in int8_serves]
+    i8 = int8.KERNELS.get(int8.ISA)
+    out += [i8.specialise(code[q]) if isinstance(i8, FormatKernel) else i8 for q in int8_serves]
     combos = decode_formats(model, model.moe if moe else None)
     for name, k in (("decode", decode.attn_block), ("decode-ffn", decode.ffn_block), ("decode-moe", decode.moe_block)):
         out += [k.specialise(*c) for c in combos[name]]

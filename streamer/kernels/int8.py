@@ -9,9 +9,8 @@ Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the othe
 f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni" (vpdpbusd) when the CPU has
 AVX512-VNNI and AVX512-BW, else the f32 tiles; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32
 tiles. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from numba's
-cache), compiled per weight format (specialise.py): a Q8_0 file's first run compiles only Q8_0's tile unpacking
-and integer dots, which halved these two kernels' compile time (7.2 s -> 3.9 s for i8_matmul; 2026-12-06, AMD
-EPYC Zen 4, AVX-512/VNNI).
+cache). The vnni ones are compiled per weight format (specialise.py): a Q8_0 file's first run compiles only Q8_0's
+tile unpacking and integer dots (i8_matmul's compile 7.2 s -> 3.9 s; 2026-12-06, AMD EPYC Zen 4, AVX-512/VNNI).
 """
 
 from __future__ import annotations
@@ -321,12 +320,18 @@ def host_isa() -> str | None:
 
 ISA = host_isa()
 DECODE_ISA = decode_isa()
-KERNELS = isa_kernels(
-    _matmul_source, ("vnni", "generic"), "i8_matmul", format_args=("fmt",), parallel=True, fastmath=FASTMATH
-)
-GROUPED = isa_kernels(
-    _grouped_source, ("vnni", "generic"), "i8_grouped", format_args=("fmt",), parallel=True, fastmath=FASTMATH
-)
+# vnni's kernels compiled per format (a model's first run compiles its own formats'); the portable ones, which only
+# STREAM_RUN_ISA=generic and the tests run, once for every format: per format, the tests, which run each format
+# on both, would compile them four times (Q8_0, Q4_K, Q6_K, the rest) instead of once
+_OPT = {"parallel": True, "fastmath": FASTMATH}
+KERNELS = {
+    **isa_kernels(_matmul_source, ("vnni",), "i8_matmul", format_args=("fmt",), **_OPT),
+    **isa_kernels(_matmul_source, ("generic",), "i8_matmul", **_OPT),
+}
+GROUPED = {
+    **isa_kernels(_grouped_source, ("vnni",), "i8_grouped", format_args=("fmt",), **_OPT),
+    **isa_kernels(_grouped_source, ("generic",), "i8_grouped", **_OPT),
+}
 
 
 def usable_isas() -> list[str]:
