@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ._bits import FASTMATH, bf16_to_f32, f16_to_f32, kernel
+from ._bits import FASTMATH, bf16_to_f32, copy_row, f16_to_f32, kernel
 from .gemm import TILE, gemm_tile
 from .specialise import format_kernel
 
@@ -53,9 +53,8 @@ def f32_matmul(fmt, w, X, out, scratch):
 
 @format_kernel(every=True)
 def f32_rows(fmt, w, ids, out):
-    for i in range(ids.size):  # element by element: a row assignment compiles numba's string code (int8._copy_row)
-        for c in range(out.shape[1]):
-            out[i, c] = w[ids[i], c]
+    for i in range(ids.size):
+        copy_row(w, ids[i], out, i)
 
 
 # ---- F16 and BF16: one set of kernels, `bf` (formats.F16 or BF16) picks the widening ----------

@@ -24,7 +24,7 @@ from numba import prange
 
 from ..formats import Q4_0, Q4_K, Q5_K, Q6_K, Q8_0
 from . import cpu
-from ._bits import FASTMATH, isa_kernels, kernel
+from ._bits import FASTMATH, copy_row, isa_kernels, kernel
 from .simd_i8 import (
     N_TOK,
     ROWS,
@@ -257,28 +257,15 @@ def _grouped_source(isa):
     return i8_grouped
 
 
-@kernel(inline="always")
-def _copy_row(src, t, dst, r):
-    """dst[r] = src[t], or zeros where t < 0. Element by element: numba's row assignment (dst[r] = src[t]) checks
-    the shapes with an error message built from strings, which cost the demo's first run 3.5 s of compiling its
-    string code (2026-12-06, AMD EPYC Zen 4)."""
-    if t >= 0:
-        for c in range(dst.shape[1]):
-            dst[r, c] = src[t, c]
-    else:
-        for c in range(dst.shape[1]):
-            dst[r, c] = 0
-
-
 @kernel(parallel=True)
 def gather_act(xq, dx, xs, xc, rows, gq, gdx, gxs, gxc):
     """Row r of gq, gdx, gxs, gxc = row rows[r] of xq, dx, xs, xc; zeros where rows[r] < 0."""
     for r in prange(rows.size):
         t = rows[r]
-        _copy_row(xq, t, gq, r)
-        _copy_row(dx, t, gdx, r)
-        _copy_row(xs, t, gxs, r)
-        _copy_row(xc, t, gxc, r)
+        copy_row(xq, t, gq, r)
+        copy_row(dx, t, gdx, r)
+        copy_row(xs, t, gxs, r)
+        copy_row(xc, t, gxc, r)
 
 
 def host_has_vnni() -> bool:
