@@ -42,15 +42,17 @@ def build_moe_ffn(
     if not stream:
         source = ResidentSource(gf, cfg, traffic)
     else:
-        n_slots, pin_cap = cache_slots(
-            expert_cache_bytes, layout.slot_bytes, cfg.n_layer, cfg.n_expert, cfg.n_expert_used, options.pin_share
+        n_slots, pin_cap, classes = cache_slots(
+            expert_cache_bytes, layout.layer_slot_bytes, cfg.n_expert, cfg.n_expert_used, options.pin_share
         )
         if n_slots < cfg.n_expert_used:
             raise StreamerError(
                 f"an expert cache of {expert_cache_bytes} bytes cannot hold one layer's "
                 f"{cfg.n_expert_used} experts ({cfg.n_expert_used * layout.slot_bytes} bytes)"
             )
-        cache = ExpertCache(n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used)
+        cache = ExpertCache(
+            n_slots, layout.slot_bytes, usage.pins(pin_cap), pin_cap, reserve=cfg.n_expert_used, classes=classes
+        )
         source = StreamingSource(gf.files, layout, cache, traffic, n_readers=options.readers, direct=options.io.direct)
     ffn = MoEFFN(
         gf,

@@ -230,7 +230,7 @@ def predict(
     replay_rows = {} if replayed is None else {(r["budget"], r["policy"]): r for r in replayed["results"]}
     policies = ("uniform",) if replayed is None else tuple(dict.fromkeys(r["policy"] for r in replayed["results"]))
     for b in budgets:
-        n_slots, _, state = slots_at(parts, geometry, b)
+        n_slots, _, state, _ = slots_at(parts, geometry, b)
         for pol in policies:
             if state == "too small":
                 rows.append({"budget": b, "policy": pol, "state": state})
@@ -298,6 +298,7 @@ def make_plan_report(model, opts: PlanOptions, progress=None, say=None) -> dict:
         "n_expert_used": cfg.n_expert_used,
         "expert_bytes": layout_sizes(layout),
         "slot_bytes": layout.slot_bytes,
+        "layer_slot_bytes": layout.layer_slot_bytes,
     }
     if trace is not None:
         parts = dict(trace.header["plan"])

@@ -26,7 +26,7 @@ import numpy as np
 
 from streamer.budget import split_at
 from streamer.errors import StreamerError
-from streamer.experts.cache import ExpertCache, cache_slots, grows
+from streamer.experts.cache import ExpertCache, SlotClasses, cache_slots, grows
 from streamer.experts.source import DEMAND, LRU, MISS, PINNED, PREFETCHED, StreamingSource, serve
 from streamer.experts.usage import choose_pins
 from streamer.io import human
@@ -231,6 +231,18 @@ def miss_curves(trace: Trace, routes) -> np.ndarray:
     return hist[:, -1][:, None] + np.where(c + 1 <= n_expert, beyond[:, np.minimum(c + 1, n_expert)], 0)
 
 
+def class_quotas(curves: np.ndarray, n_slots: int, expert_bytes, floor: int, classes) -> list[int]:
+    """allocate's quotas, within each slot class over its own layers (a class's slots take its layers only)."""
+    if classes is None:
+        return allocate(curves, n_slots, expert_bytes, floor)
+    q = [0] * len(expert_bytes)
+    for c, n in enumerate(classes.n_slots):
+        layers = [i for i, k in enumerate(classes.of_layer) if k == c]
+        for i, v in zip(layers, allocate(curves[layers], n, [expert_bytes[i] for i in layers], floor)):
+            q[i] = v
+    return q
+
+
 def allocate(curves: np.ndarray, n_slots: int, expert_bytes, floor: int) -> list[int]:
     """Slots per layer: each layer at least `floor` (a layer's experts are held together), then one slot at a
     time to the layer whose next slot saves the most bytes (misses saved x its expert size)."""
@@ -249,9 +261,18 @@ def allocate(curves: np.ndarray, n_slots: int, expert_bytes, floor: int) -> list
 
 
 def simulate(
-    trace: Trace, n_slots: int, pins, pin_cap: int, policy: str, top_p: float, prefetch: bool, routes=None
+    trace: Trace,
+    n_slots: int,
+    pins,
+    pin_cap: int,
+    policy: str,
+    top_p: float,
+    prefetch: bool,
+    routes=None,
+    classes: SlotClasses | None = None,
 ) -> dict:
-    """Replay every recorded layer call through the runtime's cache code; the simulated run's trace arrays."""
+    """Replay every recorded layer call through the runtime's cache code; the simulated run's trace arrays.
+    classes: the cache's slot classes (cache_slots), None for slots of one size."""
     g, o = trace.geometry, trace.header["options"]
     n_layer, k = g["n_layer"], g["n_expert_used"]
     routes = routed(trace, top_p) if routes is None else routes
@@ -268,16 +289,16 @@ def simulate(
     default_delay = int(np.median(list(delays.values()))) if delays else 0
     quotas = None
     if policy == "per-layer":
-        quotas = allocate(miss_curves(trace, routes), n_slots, g["expert_bytes"], k)
-    cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k, quotas=quotas)
+        quotas = class_quotas(miss_curves(trace, routes), n_slots, g["expert_bytes"], k, classes)
+    cache = _SimCache(n_slots, g["slot_bytes"], pins, pin_cap, reserve=k, quotas=quotas, classes=classes)
     traffic = ExpertTraffic(n_layer)
     rec = traffic.trace = _SimRecorder(trace.header)
     if policy == "lfu":
         tick = iter(range(1 << 62))
-        cache.idle = _HeapIdle(cache._evicted, lambda key: (rec.counts[key], next(tick)))
+        cache.idle = cache.per_class(lambda c: _HeapIdle(cache._evicted, lambda key: (rec.counts[key], next(tick))))
     elif policy == "belady":
         keys, nxt = _request_sequence(trace, routes)
-        cache.idle = _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]]))
+        cache.idle = cache.per_class(lambda c: _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]])))
     src = _SimSource(_Layout(g["expert_bytes"]), cache, traffic, delays, default_delay)
     # as MoEFFN.roomy; Belady, the bound on hits, never evicts what a free slot could keep
     roomy = n_slots >= n_layer * g["n_expert"] or policy == "belady"
@@ -371,18 +392,29 @@ def recorded_policy(trace: Trace) -> str:
     return "pinned-lru" if cache and cache["pins"] else "lru"
 
 
-def slots_at(p: dict, g: dict, budget: int, pin_share: float = 0.5) -> tuple[int, int, str | None]:
-    """(slots, pin capacity, None) of the runtime's cache at this RAM budget, or (0, 0, 'resident'/'too small'):
-    p is what the budget pays for besides the expert cache (a trace header's "plan"), g the geometry."""
+def slots_at(p: dict, g: dict, budget: int, pin_share: float = 0.5) -> tuple[int, int, str | None, SlotClasses | None]:
+    """(slots, pin capacity, None, slot classes) of the runtime's cache at this RAM budget, or (0, 0,
+    'resident'/'too small', None): p is what the budget pays for besides the expert cache (a trace header's
+    "plan"), g the geometry."""
     plan = split_at(budget, p["baseline"], p["nonexpert"], p["kv"], p["scratch"], p["expert_total"], p["slot_bytes"])
     if plan.fits_resident:
-        return 0, 0, "resident"
+        return 0, 0, "resident", None
     if plan.expert_cache < g["n_expert_used"] * g["slot_bytes"]:
-        return 0, 0, "too small"
-    n_slots, pin_cap = cache_slots(
-        plan.expert_cache, g["slot_bytes"], g["n_layer"], g["n_expert"], g["n_expert_used"], pin_share
+        return 0, 0, "too small", None
+    n_slots, pin_cap, classes = cache_slots(
+        plan.expert_cache, layer_slot_bytes(g), g["n_expert"], g["n_expert_used"], pin_share
     )
-    return n_slots, pin_cap, None
+    return n_slots, pin_cap, None, classes
+
+
+def layer_slot_bytes(g: dict) -> list[int]:
+    """Each layer's slot size (traces before slot classes recorded only the largest)."""
+    return g.get("layer_slot_bytes") or [g["slot_bytes"]] * g["n_layer"]
+
+
+def recorded_classes(cache: dict) -> SlotClasses | None:
+    c = cache.get("classes")
+    return None if c is None else SlotClasses(*(tuple(c[k]) for k in SlotClasses._fields))
 
 
 def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
@@ -424,6 +456,7 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
             top_p,
             prefetch,
             routes,
+            recorded_classes(cache),
         )
         out["recorded"] = {
             "n_slots": cache["n_slots"],
@@ -440,16 +473,16 @@ def replay(trace: Trace, opts: ReplayOptions, progress=None) -> dict:
                     {"budget": None, "policy": pol, "n_slots": 0, "state": "resident", **_resident(trace.a, n_layer)}
                 )
                 continue
-            n_slots, pin_cap, state = cache["n_slots"], cache["pin_capacity"], None
+            n_slots, pin_cap, state, classes = cache["n_slots"], cache["pin_capacity"], None, recorded_classes(cache)
         else:
-            n_slots, pin_cap, state = slots_at(trace.header["plan"], g, b, o["pin_share"])
+            n_slots, pin_cap, state, classes = slots_at(trace.header["plan"], g, b, o["pin_share"])
         row = {"budget": b, "policy": pol, "n_slots": n_slots, "state": state}
         if state == "resident":
             row.update(_resident(trace.a, n_layer))
         elif state is None:
             pins = choose_pins(counts, pin_cap) if pol == "pinned-lru" else []
             pf = prefetch and pol != "belady"
-            row.update(summarize(simulate(trace, n_slots, pins, pin_cap, pol, top_p, pf, routes), n_layer))
+            row.update(summarize(simulate(trace, n_slots, pins, pin_cap, pol, top_p, pf, routes, classes), n_layer))
         out["results"].append(row)
     if progress is not None:
         progress(len(jobs), len(jobs))

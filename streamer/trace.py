@@ -84,6 +84,7 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
             "n_expert_used": cfg.n_expert_used,
             "expert_bytes": [layout.expert_bytes(i) for i in range(cfg.n_layer)],
             "slot_bytes": layout.slot_bytes,
+            "layer_slot_bytes": layout.layer_slot_bytes,
             "fused": [f is not None for f in ffn.fused],
         },
         "plan": {
@@ -99,6 +100,7 @@ def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usag
         if cache is None
         else {
             "n_slots": cache.n_slots,
+            "classes": None if not cache.of_layer else {k: list(v) for k, v in cache.classes._asdict().items()},
             "pin_capacity": cache.pin_capacity,
             "reserve": cache.reserve,
             "pins": sorted([int(a), int(b)] for a, b in cache.pin_set),
@@ -305,6 +307,9 @@ def _check(t: Trace) -> None:
         raise ValueError("bad geometry")
     if int(g["slot_bytes"]) < max(int(b) for b in g["expert_bytes"]):
         raise ValueError("slot smaller than an expert")
+    slots = g.get("layer_slot_bytes")
+    if slots is not None and (len(slots) != n_layer or any(int(s) < int(b) for s, b in zip(slots, g["expert_bytes"]))):
+        raise ValueError("bad layer_slot_bytes")
     for grp, what in GROUPS.items():
         lengths = {len(a[n]) for n in ARRAYS if n.startswith(grp + "_")}
         if len(lengths) != 1:
@@ -346,6 +351,13 @@ def _check(t: Trace) -> None:
     if cache is not None:
         if not (k <= int(cache["n_slots"]) <= n_layer * n_expert):
             raise ValueError("n_slots")
+        cls = cache.get("classes")
+        if cls is not None and (
+            len(cls["of_layer"]) != n_layer
+            or sum(cls["n_slots"]) != cache["n_slots"]
+            or not all(0 <= c < len(cls["n_slots"]) == len(cls["slot_bytes"]) for c in cls["of_layer"])
+        ):
+            raise ValueError("bad slot classes")
         for layer, e in cache["pins"]:
             if not (0 <= layer < n_layer and 0 <= e < n_expert):
                 raise ValueError("pin out of range")

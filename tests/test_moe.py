@@ -107,8 +107,8 @@ def test_the_arena_is_page_aligned_in_small_pages():
     from streamer.experts.cache import ExpertCache
 
     cache = ExpertCache(n_slots=24, slot_bytes=3 * 2**20)
-    assert cache.arena.shape == (24, 3 * 2**20) and cache.arena.ctypes.data % 4096 == 0
-    cache.arena[:, ::4096] = 7  # writable, every page
+    assert cache.arena.shape == (24 * 3 * 2**20,) and cache.arena.ctypes.data % 4096 == 0
+    cache.arena[::4096] = 7  # writable, every page
     assert int(cache.flat[::4096].sum()) == 7 * 24 * 3 * 2**20 // 4096 and not cache.flat.flags.writeable
     for addr in (cache.arena.ctypes.data, cache.arena.ctypes.data + cache.arena.nbytes - 1):
         flags = _vm_flags(addr)

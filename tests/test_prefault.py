@@ -30,12 +30,12 @@ def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
     assert rss(arena) - base < 4 * MIB
     gate, asked = threading.Event(), threading.Event()
 
-    def first():  # the lowest never-used slot: held until the test has looked at the thread
+    def todo():  # the never-used slots: held until the test has looked at the thread
         asked.set()
         gate.wait()
-        return 0
+        return [(0, arena.size)]
 
-    p = Prefaulter(arena, first).start()
+    p = Prefaulter(arena, todo).start()
     assert asked.wait(5)
     assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_IDLE
     gate.set()
@@ -47,12 +47,12 @@ def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
 def test_prefault_starts_at_the_lowest_never_used_slot_and_stops_when_asked():
     arena = arena_empty(32 * MIB)
     base = rss(arena)
-    p = Prefaulter(arena, lambda: 16 * MIB).start()  # the first half is the cache's own: not touched
+    p = Prefaulter(arena, lambda: [(16 * MIB, arena.size)]).start()  # the first half is the cache's own: not touched
     assert p.done.wait(30) and p.error == 0
     assert arena.size // 2 - 4096 <= rss(arena) - base <= arena.size // 2 + 8192
     small, gate = arena_empty(16 * MIB), threading.Event()
     base = rss(small)
-    stopped = Prefaulter(small, lambda: gate.wait() and 0).start()
+    stopped = Prefaulter(small, lambda: gate.wait() and [(0, small.size)]).start()
     stopped.stop()  # while it waits for its first chunk: that chunk at most, then it stops
     gate.set()
     assert stopped.done.wait(30) and rss(small) - base <= 2 * MIB + 8192
@@ -61,7 +61,7 @@ def test_prefault_starts_at_the_lowest_never_used_slot_and_stops_when_asked():
 def test_a_prefaulter_never_started_touches_nothing_and_stops_at_once():
     arena = arena_empty(8 * MIB)
     base = rss(arena)
-    p = Prefaulter(arena, lambda: 0)
+    p = Prefaulter(arena, lambda: [(0, arena.size)])
     assert not p.thread.is_alive() and not p.done.is_set()
     p.stop()
     assert p.done.is_set() and rss(arena) - base <= 8192

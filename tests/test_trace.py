@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from streamer.cli.main import app
 from streamer.experts.store import ExpertLayout
 from streamer.options import StreamOptions
-from streamer.replay import POLICIES, ReplayOptions, replay, simulate, slots_at, summarize
+from streamer.replay import POLICIES, ReplayOptions, recorded_classes, replay, simulate, slots_at, summarize
 from streamer.session import open_model
 from streamer.trace import ARRAYS, FORMAT, VERSION, load_trace, save_trace
 
@@ -52,6 +52,7 @@ def replay_recorded(trace):
         pol,
         trace.header["options"]["expert_top_p"],
         trace.header["options"]["prefetch"],
+        classes=recorded_classes(c),
     )
 
 
@@ -124,7 +125,12 @@ def test_pinned_run_replays_exactly_and_replans_budgets_like_the_runtime(synth_m
     live, trace = record(path, tmp_path / "b.npz", learn=True, ram_budget=budget, n_ctx=64)
     c = trace.header["cache"]
     assert trace.header["plan"]["budget"] == budget and [2, 5] in c["pins"] and [1, 3] in c["pins"]
-    assert slots_at(trace.header["plan"], trace.geometry, budget) == (c["n_slots"], c["pin_capacity"], None)
+    assert slots_at(trace.header["plan"], trace.geometry, budget) == (
+        c["n_slots"],
+        c["pin_capacity"],
+        None,
+        recorded_classes(c),
+    )
     sim = replay_recorded(trace)
     assert np.array_equal(sim["q_tier"], trace.a["q_tier"])
     assert (trace.a["q_tier"] == 0).sum() == live.hit_pinned > 0

@@ -4,7 +4,8 @@ A slot's first read faults in and zeroes its pages inside the O_DIRECT read (exp
 token that waits for it: about 1.7 s of CPU per GB (measured 2026-12-04) on a VM whose host backs a guest page only when it is
 first touched. A prompt reuses slots rather than take fresh ones, so the tokens after it grow the cache into fresh slots
 and would pay all of that. This thread pays it beforehand where it can: MADV_POPULATE_WRITE 2 MiB at a time, from
-the lowest never-used slot up (the next ones the cache will take), at SCHED_IDLE, so the scheduler runs it only on
+the lowest never-used slot up (the next ones the cache will take; with slots of several sizes, each size's
+range in turn), at SCHED_IDLE, so the scheduler runs it only on
 a CPU nothing else wants (a prompt that waits for the disk leaves one). Populating a page that is
 already there changes nothing, so racing a read into the same slot is harmless; and the cache's choices never
 depend on it (its own `fresh` count says which slots it has used), so replay still equals the live run.
@@ -31,10 +32,11 @@ CHUNK = 2 * 2**20
 
 
 class Prefaulter:
-    def __init__(self, arena: np.ndarray, first: Callable[[], int | None]):
-        """arena: the cache's bytes (uint8, 1-D); first(): the byte offset of its lowest never-used slot, None once
-        the cache is gone. The thread holds neither: a cache dropped without closing is freed, not faulted in."""
-        self.arena, self.first = weakref.ref(arena), first
+    def __init__(self, arena: np.ndarray, todo: Callable[[], list[tuple[int, int]] | None]):
+        """arena: the cache's bytes (uint8, 1-D); todo(): the byte ranges of its never-used slots (one per slot
+        size), None once the cache is gone. The thread holds neither: a cache dropped without closing is freed,
+        not faulted in."""
+        self.arena, self.todo = weakref.ref(arena), todo
         self._stop = threading.Event()
         self.done = threading.Event()
         self.error = 0  # the errno that stopped it early (0: none)
@@ -56,19 +58,23 @@ class Prefaulter:
         try:
             if hasattr(os, "SCHED_IDLE"):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-            pos = 0
+            done: dict[int, int] = {}  # per range (by its end): how far this thread got
+            turn = 0
             while not self._stop.is_set():
-                arena, first = self.arena(), self.first()
-                if arena is None or first is None:
+                arena, todo = self.arena(), self.todo()
+                if arena is None or todo is None:
                     return
-                pos = max(pos, first)
-                if pos >= arena.size:
+                left = [(max(start, done.get(end, 0)), end) for start, end in todo]
+                left = [(start, end) for start, end in left if start < end]
+                if not left:
                     return
-                self.error = madvise(arena, pos, CHUNK, MADV_POPULATE_WRITE)
+                start, end = left[turn % len(left)]
+                turn += 1
+                self.error = madvise(arena, start, min(CHUNK, end - start), MADV_POPULATE_WRITE)
                 del arena
                 if self.error:  # no POPULATE_WRITE here, or no memory: the reads fault the pages in as before
                     return
-                pos += CHUNK
+                done[end] = start + CHUNK
         finally:
             self.done.set()
 

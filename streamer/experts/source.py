@@ -155,7 +155,7 @@ class StreamingSource:
 
     def _load(self, entry) -> tuple:
         layer, e = entry.key
-        buf = self.cache.arena[entry.slot]
+        buf = self.cache.slot_buffer(entry.slot, layer)
         try:
             offs = self.reader.read(layer, e, buf)
         except BaseException:
@@ -165,7 +165,8 @@ class StreamingSource:
             QMatrix(buf[o : o + p.nbytes].reshape(p.n_rows, -1), p.qtype, p.n_in, f"{p.name}[{e}]")
             for o, p in zip(offs, self.layout.parts[layer])
         )
-        entry.offsets = tuple(entry.slot * self.cache.slot_bytes + o for o in offs)
+        start = self.cache.slot_offset(entry.slot, layer)
+        entry.offsets = tuple(start + o for o in offs)
         clock = self.cache.loaded(entry)
         if self.traffic.trace is not None:
             self.traffic.trace.landed(layer, e, clock)

@@ -77,8 +77,9 @@ class ExpertLayout:
     def __init__(self, gf, cfg):
         self.n_layer, self.n_expert = cfg.n_layer, cfg.n_expert
         self.parts: list[tuple[Part, ...]] = [expert_parts(gf, i, cfg.n_expert) for i in range(cfg.n_layer)]
-        # one slot holds any expert: a part of n bytes spans at most ceil((n + 4095) / 4096) pages
-        self.slot_bytes = max(sum(-(-(p.nbytes + ALIGN - 1) // ALIGN) * ALIGN for p in ps) for ps in self.parts)
+        # a slot holds any expert of its layer: a part of n bytes spans at most ceil((n + 4095) / 4096) pages
+        self.layer_slot_bytes = [sum(-(-(p.nbytes + ALIGN - 1) // ALIGN) * ALIGN for p in ps) for ps in self.parts]
+        self.slot_bytes = max(self.layer_slot_bytes)  # one that holds any expert
 
     def expert_bytes(self, layer: int) -> int:
         return sum(p.nbytes for p in self.parts[layer])
