@@ -1,4 +1,17 @@
-"""Structural checks of the expert cache, usable after any sequence of operations."""
+"""Structural checks of the expert cache, usable after any sequence of operations, and a helper that puts an
+expert in it."""
+
+from concurrent.futures import Future
+
+
+def loaded(cache, key, grow: bool = True):
+    """Acquire key (demand), mark its read done and release it: an idle entry."""
+    e, created = cache.acquire(key, grow=grow)
+    assert created
+    e.future = Future()
+    e.future.set_result(None)
+    cache.release(e)
+    return e
 
 
 def assert_cache_consistent(cache) -> None:

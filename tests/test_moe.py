@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from invariants import assert_cache_consistent
+from invariants import assert_cache_consistent, loaded
 from procfs import rss_bytes, vma_fields
 from reference import Reference
 
@@ -302,16 +302,6 @@ def test_failed_prefetch_reads_give_their_slot_back(synth_model, monkeypatch):
     assert all(e.future.exception() is None for e in s.model.ffn.source.cache.entries.values())
 
 
-def _loaded(cache, key, grow):
-    """Acquire key (demand), mark its read done and release it: an idle entry."""
-    e, created = cache.acquire(key, grow=grow)
-    assert created
-    e.future = Future()
-    e.future.set_result(None)
-    cache.release(e)
-    return e
-
-
 def test_a_prompt_reuses_idle_slots_before_fresh_ones():
     """grow=False (a prompt's calls) evicts the least recently released idle expert rather than take a slot never
     used; with none it still takes a fresh one, and a landed prefetch is not one (its layer is still to come);
@@ -319,18 +309,18 @@ def test_a_prompt_reuses_idle_slots_before_fresh_ones():
     from streamer.experts.cache import ExpertCache
 
     cache = ExpertCache(n_slots=6, slot_bytes=1, allocate=False)
-    a = _loaded(cache, (0, 1), grow=False)
-    b = _loaded(cache, (0, 2), grow=False)  # a is idle: b takes its slot, a is gone
+    a = loaded(cache, (0, 1), grow=False)
+    b = loaded(cache, (0, 2), grow=False)  # a is idle: b takes its slot, a is gone
     assert b.slot == a.slot and (0, 1) not in cache.entries and cache.touched_slots == 1
     held, created = cache.acquire((1, 3), grow=False)  # b is idle: evicted; held stays referenced
     assert created and held.slot == a.slot and cache.touched_slots == 1
     c, _ = cache.acquire((1, 4), grow=False)  # nothing idle: a fresh slot
     assert c.slot != a.slot and cache.touched_slots == 2
-    d = _loaded(cache, (2, 0), grow=True)  # decode grows into fresh slots and evicts nothing
+    d = loaded(cache, (2, 0), grow=True)  # decode grows into fresh slots and evicts nothing
     assert d.slot not in (a.slot, c.slot) and cache.touched_slots == 3 and cache.evictions == 2
-    e = _loaded(cache, (2, 1), grow=True)
+    e = loaded(cache, (2, 1), grow=True)
     assert (2, 0) in cache.entries and e.slot != d.slot and cache.touched_slots == 4
-    f = _loaded(cache, (3, 0), grow=False)  # an idle slot again: (2, 0), the least recently used
+    f = loaded(cache, (3, 0), grow=False)  # an idle slot again: (2, 0), the least recently used
     assert f.slot == d.slot and (2, 0) not in cache.entries and (2, 1) in cache.entries
 
     cache = ExpertCache(n_slots=4, slot_bytes=1, allocate=False)

@@ -3,11 +3,9 @@ experts (Q4_K_M's Q6_K ffn_down) gets one slot size per kind of layer, so the sa
 each class evicts only its own; streamed stays bit-identical to resident and the trace replay reproduces the
 live run's tiers."""
 
-from concurrent.futures import Future
-
 import numpy as np
 import pytest
-from invariants import assert_cache_consistent
+from invariants import assert_cache_consistent, loaded
 
 from streamer.experts.cache import ExpertCache, SlotClasses, cache_slots
 from streamer.experts.store import ExpertLayout
@@ -35,21 +33,12 @@ def test_cache_slots_give_each_class_the_same_share_of_its_experts():
     assert cache_slots(10**9, sizes, 16, 4, 0.5)[2].n_slots == (96, 32)
 
 
-def _loaded(cache, key):
-    e, created = cache.acquire(key)
-    assert created
-    e.future = Future()
-    e.future.set_result(None)
-    cache.release(e)
-    return e
-
-
 def test_a_class_evicts_only_its_own_and_its_slots_are_its_own_bytes():
     classes = SlotClasses(of_layer=(0, 0, 1), slot_bytes=(SMALL, BIG), n_slots=(3, 2))
     cache = ExpertCache(5, BIG, reserve=1, classes=classes)
     assert cache.capacity_bytes == cache.arena.nbytes == 3 * SMALL + 2 * BIG
-    small = [_loaded(cache, (0, e)) for e in range(3)]
-    big = [_loaded(cache, (2, e)) for e in range(2)]
+    small = [loaded(cache, (0, e)) for e in range(3)]
+    big = [loaded(cache, (2, e)) for e in range(2)]
     spans = sorted(
         (cache.slot_offset(x.slot, x.key[0]), cache.slot_offset(x.slot, x.key[0]) + (BIG if x.key[0] == 2 else SMALL))
         for x in small + big
@@ -64,7 +53,7 @@ def test_a_class_evicts_only_its_own_and_its_slots_are_its_own_bytes():
         start = cache.slot_offset(x.slot, x.key[0])
         assert (cache.flat[start : start + (BIG if x.key[0] == 2 else SMALL)] == x.key[1] + 10 * x.key[0]).all()
     # a big layer's new expert evicts the least recent big one, never a small one (older as they are)
-    _loaded(cache, (2, 7))
+    loaded(cache, (2, 7))
     assert (2, 0) not in cache.entries and all((0, e) in cache.entries for e in range(3))
     # the reserve holds per class: the small class's idle slots do not let the big class prefetch
     held = [cache.acquire((2, e))[0] for e in (1, 7)]  # both big slots in use
@@ -79,7 +68,7 @@ def test_a_class_evicts_only_its_own_and_its_slots_are_its_own_bytes():
 def test_prefault_covers_every_class():
     classes = SlotClasses(of_layer=(0, 1), slot_bytes=(SMALL, BIG), n_slots=(64, 64))
     cache = ExpertCache(128, BIG, classes=classes)
-    _loaded(cache, (0, 0))
+    loaded(cache, (0, 0))
     assert cache.untouched() == [(SMALL, 64 * SMALL), (64 * SMALL, 64 * SMALL + 64 * BIG)]
     assert cache.prefaulter.start().done.wait(30) and cache.prefaulter.error == 0
     cache.prefaulter.stop()
