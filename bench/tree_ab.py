@@ -8,9 +8,10 @@
 Each run is a fresh process importing `streamer` from one tree (PYTHONPATH, with that tree's numba cache),
 opening the model with the given options and calling streamer.bench.run_bench (--pp prefill, --tg greedy
 decode steps). A first unmeasured run per tree compiles or loads its kernels. Rounds alternate which tree goes
-first. Prints each run, then per tree the median and range of prefill and decode tok/s, and the ratio of the
-medians (new / old). --cap runs each process in a memory cgroup (bench/cgroup.py; --evict drops the model from
-the page cache before each run, so the cap counts its pages).
+first. Prints each run (a streamed one with its expert hit rate and MiB read per decoded token), then per tree
+the median and range of prefill and decode tok/s, and the ratio of the medians (new / old). --cap runs each
+process in a memory cgroup (bench/cgroup.py; --evict drops the model from the page cache before each run, so
+the cap counts its pages).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ a = json.loads(sys.argv[1])
 opts = StreamOptions(ram_budget=a["ram_budget"], stream=not a["no_stream"], learn=False)
 with open_model(a["model"], opts, n_ctx=a["pp"] + a["tg"] + 8) as s:
     r = run_bench(s, a["pp"], a["tg"])
-print(json.dumps({"pp": r["pp_tok_s"], "tg": r["tg_tok_s"], "tokens": r["tokens"][:8]}))
+print(json.dumps({"pp": r["pp_tok_s"], "tg": r["tg_tok_s"], "tokens": r["tokens"][:8],
+                  "hit": r.get("expert_hit_rate"), "read_mib": r.get("read_bytes_per_token", 0) / 2**20}))
 """
 
 
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
         for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
             r = run(trees[name], a)
             got[name].append(r)
-            print(f"round {i + 1} {name}: pp {r['pp']:.2f} tok/s, tg {r['tg']:.2f} tok/s", flush=True)
+            streamed = f", hit rate {r['hit']:.3f}, {r['read_mib']:.0f} MiB read per token" if r.get("hit") else ""
+            print(f"round {i + 1} {name}: pp {r['pp']:.2f} tok/s, tg {r['tg']:.2f} tok/s{streamed}", flush=True)
     if got["old"][0]["tokens"] != got["new"][0]["tokens"]:
         print("note: the two trees decoded different tokens", flush=True)
     med = {}
