@@ -1,7 +1,8 @@
-"""The expert cache: a fixed arena of equal slots (allocated once, so its size is the budget we were given),
-split into a pinned tier (experts learned to be hot; never evicted) and an LRU tier (cachetools) of idle
-experts. Experts in use by the current layer, or still being read, sit in neither tier and cannot be
-evicted. Thread-safe: reader threads complete entries while the compute thread acquires and releases.
+"""The expert cache: a fixed arena of slots (allocated once, so its size is the budget we were given; one slot
+size per kind of layer, SlotClasses), split into a pinned tier (experts learned to be hot; never evicted) and
+an LRU tier (cachetools) of idle experts, each per slot size. Experts in use by the current layer, or still
+being read, sit in neither tier and cannot be evicted. Thread-safe: reader threads complete entries while the
+compute thread acquires and releases.
 
 A slot never used yet is memory the process has not touched: its first read faults in and zeroes every page of
 it (the kernel's first touch, which on a VM whose host took back free memory ran at 0.6 GB/s of CPU time inside
