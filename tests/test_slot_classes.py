@@ -126,3 +126,27 @@ def test_mixed_recipe_replay_reproduces_the_live_tiers(mixed, tmp_path):
     assert np.array_equal(sim["q_tier"], trace.a["q_tier"])
     one = simulate(trace, c["n_slots"], [], 0, "lru", o["expert_top_p"], o["prefetch"])  # without the classes
     assert not np.array_equal(one["q_tier"], trace.a["q_tier"])  # (the classes change what is evicted)
+
+
+def test_every_replay_policy_keeps_each_class_within_its_slots(mixed, tmp_path):
+    """Each policy's simulated cache evicts within a class; the per-layer policy's quotas split each class's
+    slots among its own layers; Belady, the bound, hits at least as often as LRU."""
+    from streamer.replay import POLICIES, recorded_classes, simulate, summarize
+    from streamer.trace import load_trace
+
+    path, layout = mixed
+    out = tmp_path / "t.npz"
+    with open_model(path, StreamOptions(learn=False, expert_cache_bytes=int(0.3 * layout.total_bytes)), trace=out) as s:
+        _run(s)
+    trace = load_trace(out)
+    c = trace.header["cache"]
+    classes = recorded_classes(c)
+    hits = {}
+    for pol in POLICIES:
+        sim = simulate(trace, c["n_slots"], [], 0, pol, 1.0, False, classes=classes)
+        hits[pol] = summarize(sim, 4)["all"]["hit_rate"]
+        if pol == "per-layer":
+            q = sim["quotas"]
+            for k, n in enumerate(classes.n_slots):
+                assert sum(v for v, cl in zip(q, classes.of_layer) if cl == k) == n
+    assert hits["belady"] >= hits["lru"]
