@@ -1,6 +1,6 @@
-"""The expert arena's prefault thread (streamer/experts/prefault.py): it faults in the never-used slots (the
-kernel's count: the mapping's Rss), leaves bytes already read untouched, starts at the lowest never-used slot,
-stops when asked, and runs at SCHED_IDLE (the kernel's record of the thread's policy)."""
+"""The expert arena's prefault threads (streamer/experts/prefault.py): they fault in the never-used slots (the
+kernel's count: the mapping's Rss), leave bytes already read untouched, start at the lowest never-used slot,
+stop when asked, and run at SCHED_IDLE (the kernel's record of each thread's policy)."""
 
 import os
 import threading
@@ -29,17 +29,20 @@ def test_prefault_fills_the_arena_at_idle_priority_and_keeps_what_was_read():
     arena[: data.size] = data  # a slot read before the thread passes over it
     assert rss(arena) - base < 4 * MIB
     gate, asked = threading.Event(), threading.Event()
+    policies = {}  # each asking thread's scheduling policy, as the kernel has it
 
     def todo():  # the never-used slots: held until the test has looked at the thread
+        policies[threading.get_native_id()] = os.sched_getscheduler(0)
         asked.set()
         gate.wait()
         return [(0, arena.size)]
 
     p = Prefaulter(arena, todo).start()
     assert asked.wait(5)
-    assert os.sched_getscheduler(p.thread.native_id) == os.SCHED_IDLE
     gate.set()
     assert p.done.wait(30) and p.error == 0
+    assert len(p.threads) == 2 and set(policies) == {t.native_id for t in p.threads}  # both asked for work
+    assert set(policies.values()) == {os.SCHED_IDLE}
     assert rss(arena) - base >= arena.size - 4096
     assert np.array_equal(arena[: data.size], data)
 

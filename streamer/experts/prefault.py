@@ -3,7 +3,7 @@
 A slot's first read faults in and zeroes its pages inside the O_DIRECT read (experts/cache.py), on the path of the
 token that waits for it: about 1.7 s of CPU per GB (measured 2026-12-04) on a VM whose host backs a guest page only when it is
 first touched. A prompt reuses slots rather than take fresh ones, so the tokens after it grow the cache into fresh slots
-and would pay all of that. This thread pays it beforehand where it can: MADV_POPULATE_WRITE 2 MiB at a time, from
+and would pay all of that. Two threads pay it beforehand where they can: MADV_POPULATE_WRITE 2 MiB at a time, from
 the lowest never-used slot up (the next ones the cache will take; with slots of several sizes, each size's
 range in turn), at SCHED_IDLE, so the scheduler runs it only on
 a CPU nothing else wants (a prompt that waits for the disk leaves one). Populating a page that is
@@ -31,52 +31,76 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 CHUNK = 2 * 2**20
 
 
+# Threads faulting pages in: on a VM whose host took the memory back, one thread populated cold memory at
+# 0.38-0.39 GiB/s and two at 0.56-0.75 (bench/first_touch.py, alternating, 2026-12-06): the host backs both
+# vCPUs' faults at once. At SCHED_IDLE they only take CPU time nothing else wants.
+THREADS = 2
+
+
 class Prefaulter:
-    def __init__(self, arena: np.ndarray, todo: Callable[[], list[tuple[int, int]] | None]):
+    def __init__(self, arena: np.ndarray, todo: Callable[[], list[tuple[int, int]] | None], threads: int = THREADS):
         """arena: the cache's bytes (uint8, 1-D); todo(): the byte ranges of its never-used slots (one per slot
-        size), None once the cache is gone. The thread holds neither: a cache dropped without closing is freed,
-        not faulted in."""
+        size), None once the cache is gone. The threads hold neither: a cache dropped without closing is freed,
+        not faulted in. They take 2 MiB chunks in turn from one cursor."""
         self.arena, self.todo = weakref.ref(arena), todo
         self._stop = threading.Event()
-        self.done = threading.Event()
+        self.done = threading.Event()  # set once every thread has ended
         self.error = 0  # the errno that stopped it early (0: none)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="arena-prefault")
+        self.threads = [
+            threading.Thread(target=self._run, daemon=True, name=f"arena-prefault-{i}") for i in range(threads)
+        ]
+        self.thread = self.threads[0]
         self._lock = threading.Lock()  # start() and stop() in either order, from any thread
+        self._cursor = threading.Lock()  # the chunks handed out: per range (by its end) how far, and whose turn
+        self._reached: dict[int, int] = {}
+        self._turn = 0
+        self._running = threads
 
     @property
     def started(self) -> bool:
         return self.thread.ident is not None
 
     def start(self) -> Prefaulter:
-        """Start the thread (once; not after stop())."""
+        """Start the threads (once; not after stop())."""
         with self._lock:
             if not self.started and not self._stop.is_set():
-                self.thread.start()
+                for t in self.threads:
+                    t.start()
         return self
+
+    def _claim(self):
+        """The next chunk to fault in, (arena, start, length), taking the ranges in turn; None when there is none
+        or the prefaulter is stopping."""
+        with self._cursor:
+            if self._stop.is_set():
+                return None
+            arena, todo = self.arena(), self.todo()
+            if arena is None or todo is None:
+                return None
+            left = [(max(start, self._reached.get(end, 0)), end) for start, end in todo]
+            left = [(start, end) for start, end in left if start < end]
+            if not left:
+                return None
+            start, end = left[self._turn % len(left)]
+            self._turn += 1
+            self._reached[end] = start + CHUNK
+            return arena, start, min(CHUNK, end - start)
 
     def _run(self) -> None:
         try:
             if hasattr(os, "SCHED_IDLE"):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-            done: dict[int, int] = {}  # per range (by its end): how far this thread got
-            turn = 0
-            while not self._stop.is_set():
-                arena, todo = self.arena(), self.todo()
-                if arena is None or todo is None:
-                    return
-                left = [(max(start, done.get(end, 0)), end) for start, end in todo]
-                left = [(start, end) for start, end in left if start < end]
-                if not left:
-                    return
-                start, end = left[turn % len(left)]
-                turn += 1
-                self.error = madvise(arena, start, min(CHUNK, end - start), MADV_POPULATE_WRITE)
-                del arena
-                if self.error:  # no POPULATE_WRITE here, or no memory: the reads fault the pages in as before
-                    return
-                done[end] = start + CHUNK
+            while (job := self._claim()) is not None:
+                err = madvise(*job, MADV_POPULATE_WRITE)
+                del job
+                if err:  # no POPULATE_WRITE here, or no memory: the reads fault the pages in as before
+                    self.error = err
+                    self._stop.set()
         finally:
-            self.done.set()
+            with self._cursor:
+                self._running -= 1
+                if self._running == 0:
+                    self.done.set()
 
     def stop(self) -> None:
         with self._lock:
