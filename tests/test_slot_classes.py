@@ -109,15 +109,22 @@ def test_mixed_recipe_streams_bit_identical_in_classes_and_holds_more(mixed):
             assert_cache_consistent(cache)
 
 
-def test_mixed_recipe_replay_reproduces_the_live_tiers(mixed, tmp_path):
-    from streamer.replay import recorded_classes, simulate
+@pytest.fixture
+def mixed_trace(mixed, tmp_path):
+    """(the routing trace of a streamed run of the mixed file with 30% of its expert bytes cached, its layout)."""
     from streamer.trace import load_trace
 
     path, layout = mixed
     out = tmp_path / "t.npz"
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=int(0.3 * layout.total_bytes)), trace=out) as s:
         _run(s)
-    trace = load_trace(out)
+    return load_trace(out), layout
+
+
+def test_mixed_recipe_replay_reproduces_the_live_tiers(mixed_trace):
+    from streamer.replay import recorded_classes, simulate
+
+    trace, layout = mixed_trace
     c = trace.header["cache"]
     classes = recorded_classes(c)
     assert classes is not None and trace.geometry["layer_slot_bytes"] == layout.layer_slot_bytes
@@ -128,17 +135,12 @@ def test_mixed_recipe_replay_reproduces_the_live_tiers(mixed, tmp_path):
     assert not np.array_equal(one["q_tier"], trace.a["q_tier"])  # (the classes change what is evicted)
 
 
-def test_every_replay_policy_keeps_each_class_within_its_slots(mixed, tmp_path):
+def test_every_replay_policy_keeps_each_class_within_its_slots(mixed_trace):
     """Each policy's simulated cache evicts within a class; the per-layer policy's quotas split each class's
     slots among its own layers; Belady, the bound, hits at least as often as LRU."""
     from streamer.replay import POLICIES, recorded_classes, simulate, summarize
-    from streamer.trace import load_trace
 
-    path, layout = mixed
-    out = tmp_path / "t.npz"
-    with open_model(path, StreamOptions(learn=False, expert_cache_bytes=int(0.3 * layout.total_bytes)), trace=out) as s:
-        _run(s)
-    trace = load_trace(out)
+    trace, _ = mixed_trace
     c = trace.header["cache"]
     classes = recorded_classes(c)
     hits = {}

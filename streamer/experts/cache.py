@@ -178,7 +178,7 @@ class ExpertCache:
         self.fresh = list(classes.n_slots)
         n_cls = len(classes.n_slots)
         # idle entries released since their read, least recent first
-        self.used = _PerClass([OrderedDict() for _ in range(n_cls)], self.of_layer)
+        self.used = self.per_class(lambda c: OrderedDict())
         self.entries: dict = {}
         self.held = [0] * (len(quotas) if quotas is not None else 0)  # entries per layer (with quotas)
         self.idle = self.per_class(
@@ -201,7 +201,8 @@ class ExpertCache:
             self.prefaulter = Prefaulter(self.flat, lambda: None if (c := me()) is None else c.untouched())
 
     def per_class(self, make) -> _PerClass:
-        """An idle tier made of make(c) for each class c (the trace replay sets its policies' tiers this way)."""
+        """A mapping made of make(c) for each class c: the idle tier, the reuse order (the trace replay sets its
+        policies' idle tiers this way)."""
         return _PerClass([make(c) for c in range(len(self.frees))], self.of_layer)
 
     def cls(self, layer: int) -> int:
