@@ -166,6 +166,8 @@ class MoEFFN:
         m = h.shape[0]
         self._starting(layer, 1 if step else m)
         ids, w = self.router(layer, h)
+        if not self.roomy:  # a cache with a slot for every expert never evicts: nothing to hold back
+            self.source.limit_growth()
         n_skipped = 0
         if self.expert_skip > 0:
             ids, w, n_skipped = self._skip(layer, ids, w)

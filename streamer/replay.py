@@ -300,6 +300,7 @@ def simulate(
         keys, nxt = _request_sequence(trace, routes)
         cache.idle = cache.per_class(lambda c: _HeapIdle(cache._evicted, lambda key: -int(nxt[rec.last_req[key]])))
     src = _SimSource(_Layout(g["expert_bytes"]), cache, traffic, delays, default_delay)
+    allows = recorded_allowances(a, len(cache.frees))
     # as MoEFFN.roomy; Belady, the bound on hits, never evicts what a free slot could keep
     roomy = n_slots >= n_layer * g["n_expert"] or policy == "belady"
     for i, (step, layer, m) in enumerate(zip(a["c_step"], a["c_layer"], a["c_m"])):
@@ -307,6 +308,9 @@ def simulate(
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
         src.grow = grows(roomy, m, int(step))  # as MoEFFN._starting
+        cache.allow = allows.get(i)  # as StreamingSource.limit_growth
+        if cache.allow is not None:
+            rec.allowed(cache.allow)
         used = ids >= 0
         experts = np.unique(ids[used])
         nxt_set = look.get((int(step), layer + 1)) if m == 1 and layer + 1 < n_layer else None
@@ -321,6 +325,18 @@ def simulate(
     out = rec.arrays()
     out["quotas"] = quotas
     out["c_m"], out["c_seg"], out["c_layer"], out["c_step"] = a["c_m"], a["c_seg"], a["c_layer"], a["c_step"]
+    return out
+
+
+def recorded_allowances(a: dict, n_classes: int) -> dict[int, list[int]]:
+    """Per call, the run's growth allowance per slot class (trace version 2); none where the trace has none or
+    its classes are not the simulated cache's (a replay at another budget keeps the run's allowances when
+    the classes match: the same machine faulting slots in at the same pace)."""
+    if not len(a["a_class"]) or int(a["a_class"].max()) + 1 != n_classes:
+        return {}
+    out: dict = {}
+    for call, c, n in zip(a["a_call"].tolist(), a["a_class"].tolist(), a["a_slots"].tolist()):
+        out.setdefault(call, [0] * n_classes)[c] = n
     return out
 
 

@@ -11,7 +11,9 @@ expert bytes, slot size; the run's budget plan, cache slots, pins and options) a
 - requests: per expert request, its call, expert, how it was served (pinned, LRU, prefetched, demand read),
   bytes read and time stalled waiting for it;
 - prefetches: per prefetch issued, its call, layer, expert, bytes, and the cache's op clock (acquire and
-  release calls so far) when it was issued and when its read landed, which replays prefetch timing exactly.
+  release calls so far) when it was issued and when its read landed, which replays prefetch timing exactly;
+- allowances: per decode call and slot class, the never-used slots the cache could grow into (ExpertCache.allow:
+  as many as its prefault threads had faulted in), which replays its growth exactly (version 2; none in 1).
 
 Recording appends a few small arrays or ints per layer call and request: the same places ExpertTraffic
 counts, nothing per element."""
@@ -35,7 +37,7 @@ from streamer.gguf_file import model_key
 from streamer.io import atomic_write
 
 FORMAT = "stream-run-trace"
-VERSION = 1
+VERSION = 2  # 2: the allowances
 TIERS = ("pinned", "lru", "prefetched", "miss")  # the codes of streamer.experts.source: PINNED, LRU, ...
 
 # array name -> (dtype, trailing shape: "k" for n_expert_used columns)
@@ -62,9 +64,12 @@ ARRAYS = {
     "p_bytes": ("i8", ()),
     "p_issue": ("i8", ()),
     "p_land": ("i8", ()),
+    "a_call": ("i4", ()),
+    "a_class": ("i2", ()),
+    "a_slots": ("i4", ()),
 }
 ARRAY_CODES = {"i1": "b", "i2": "h", "i4": "i", "i8": "q", "f4": "f"}  # the array module's type codes
-GROUPS = {"c": "calls", "r": "routes", "l": "lookahead", "q": "requests", "p": "prefetches"}
+GROUPS = {"c": "calls", "r": "routes", "l": "lookahead", "q": "requests", "p": "prefetches", "a": "allowances"}
 
 
 def run_header(gf, cfg, layout, ffn, plan, kv_bytes: int, pin_share: float, usage) -> dict:
@@ -191,6 +196,14 @@ class TraceRecorder:
             if i is not None:
                 self.buf["p_land"][i] = clock
 
+    def allowed(self, slots) -> None:
+        """This call's growth allowance, per slot class (StreamingSource.limit_growth)."""
+        b = self.buf
+        for c, n in enumerate(slots):
+            b["a_call"].append(self.call)
+            b["a_class"].append(c)
+            b["a_slots"].append(n)
+
     def reset(self) -> None:
         """The traffic counters were reset (a benchmark's phases): later calls belong to the next segment."""
         self.segment += 1
@@ -280,13 +293,15 @@ def load_trace(path) -> Trace:
                     f"{path} is a version {version} trace, written by a newer stream-run; this one "
                     f"reads version {VERSION} (upgrade stream-run)"
                 )
-            missing = [n for n in ARRAYS if n not in z.files]
+            wanted = [n for n in ARRAYS if version > 1 or not n.startswith("a_")]  # version 1: no allowances
+            missing = [n for n in wanted if n not in z.files]
             if missing:
                 raise _bad(path, f"missing arrays {', '.join(missing)}")
-            arrays = {n: z[n] for n in ARRAYS}
+            arrays = {n: z[n] for n in wanted}
             usage = z["usage_saved"] if "usage_saved" in z.files else None
             if header.get("digest") != digest({**arrays, **({} if usage is None else {"usage_saved": usage})}):
                 raise _bad(path, "corrupt or truncated (its arrays do not match the header's checksum)")
+            arrays.update({n: np.zeros(0, ARRAYS[n][0]) for n in ARRAYS if n not in arrays})
     except StreamerError:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, UnicodeDecodeError) as e:
@@ -329,9 +344,11 @@ def _check(t: Trace) -> None:
     for n in ("q_expert", "p_expert"):
         if ((a[n] < 0) | (a[n] >= n_expert)).any():
             raise ValueError(f"expert id out of range in {n}")
-    for n in ("q_call", "p_call"):
+    for n in ("q_call", "p_call", "a_call"):
         if ((a[n] < 0) | (a[n] >= n_calls)).any():
             raise ValueError(f"call index out of range in {n}")
+    if (a["a_class"] < 0).any() or (a["a_slots"] < 0).any():
+        raise ValueError("bad allowance")
     if ((a["q_tier"] < 0) | (a["q_tier"] >= len(TIERS))).any():
         raise ValueError("bad tier code")
     if not (np.all(np.isfinite(a["r_w"])) and np.all(np.isfinite(a["r_wp"])) and np.all(np.isfinite(a["l_w"]))):

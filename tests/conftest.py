@@ -92,6 +92,17 @@ def private_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAM_RUN_CACHE", str(tmp_path / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def no_prefault_threads(request, monkeypatch):
+    """The expert cache's prefault threads set how far a decode step may grow the cache (experts/cache.py), by
+    how fast they run; the tests count reads and hits, which needs the same choices every run. So the tests run
+    without the threads, but for test_prefault.py, which tests them and drives the growth allowance itself."""
+    if request.module.__name__ != "test_prefault":
+        from streamer.experts import cache
+
+        monkeypatch.setattr(cache, "PREFAULT", False)
+
+
 @pytest.fixture(scope="session")
 def synth_model(tmp_path_factory):
     """synth_model(preset, qtype, **spec) -> path of a model written once per session per arguments."""

@@ -333,15 +333,39 @@ def test_a_prompt_reuses_idle_slots_before_fresh_ones():
     assert g.slot != p.slot and (0, 5) in cache.entries and cache.touched_slots == 2
 
 
+def test_a_decode_step_grows_only_into_the_slots_it_is_allowed():
+    """allow (per class: fresh slots the prefault threads have faulted in) lets a decode acquire take that many
+    never-used slots; then it reuses the least recently released idle slot, as a prompt does, and takes a fresh
+    one only when there is none; None allows any."""
+    from streamer.experts.cache import ExpertCache, SlotClasses
+
+    cache = ExpertCache(n_slots=8, slot_bytes=1, allocate=False)
+    a, b = loaded(cache, (0, 1)), loaded(cache, (0, 2))
+    cache.allow = [1]
+    c = loaded(cache, (0, 3))
+    assert c.slot not in (a.slot, b.slot) and cache.touched_slots == 3 and cache.allow == [0]
+    d = loaded(cache, (0, 4))  # allowance spent: a's slot
+    assert d.slot == a.slot and (0, 1) not in cache.entries and cache.touched_slots == 3
+    held = [cache.acquire((1, e))[0] for e in range(4)]  # referenced: b's, c's, d's slots, then nothing idle
+    assert [h.slot for h in held[:3]] == [b.slot, c.slot, d.slot] and cache.evictions == 4
+    assert held[3].slot not in (a.slot, b.slot, c.slot) and cache.touched_slots == 4
+    cache.allow = None
+    assert loaded(cache, (2, 0)).slot not in [h.slot for h in held] and cache.touched_slots == 5
+
+    classes = SlotClasses((0, 1), (1, 2), (3, 3))  # layer 0 in class 0, layer 1 in class 1
+    cache = ExpertCache(n_slots=6, slot_bytes=2, allocate=False, classes=classes)
+    loaded(cache, (0, 0)), loaded(cache, (1, 0))
+    cache.allow = [0, 2]
+    loaded(cache, (0, 1)), loaded(cache, (1, 1)), loaded(cache, (1, 2))
+    assert cache.fresh == [2, 0] and (0, 0) not in cache.entries and (1, 0) in cache.entries
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
 def test_a_prompt_faults_in_only_the_slots_it_reads_into(synth_model, monkeypatch):
     """A streamed prompt's reads fault in no more of the arena than its reads in flight need (the kernel's own
     count: the arena mapping's Rss), however large the cache, short of one with a slot for every expert (the
     tiny model has 64; test_streamed_is_bit_identical_to_resident checks that such a cache reads none twice); the
     tokens after it keep their experts and fault in more; the logits equal the resident run's, bit for bit."""
-    from streamer.experts import cache as cache_module
-
-    monkeypatch.setattr(cache_module, "PREFAULT", False)  # (its idle-CPU faults of fresh slots: test_prefault)
     path = synth_model("tiny-moe", "Q8_0")
     resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     sb = slot_bytes(path)

@@ -98,3 +98,71 @@ def test_the_streamed_cache_prefaults_after_the_first_layer_and_its_session_stop
         assert layers[0] == (0, False) and all(started for _, started in layers[2:])
         assert cache.prefaulter.thread.ident is not None and not stopped
     assert stopped == [cache.prefaulter] and cache.prefaulter.done.wait(30)
+
+
+def test_the_cache_grows_only_as_far_as_the_threads_have_faulted_in():
+    """The threads fault in every slot class's never-used slots. ExpertCache.ready(), per class: the never-used
+    slots they have faulted in; none before they start, every one once they have ended (the arena's Rss says they are in), None once they stopped on an
+    error (nothing holds growth back then). A decode acquire holds to it (tests/test_moe.py)."""
+    from invariants import loaded
+
+    from streamer.experts.cache import ExpertCache, SlotClasses
+
+    classes = SlotClasses((0, 1), (MIB, 3 * MIB), (8, 4))  # layer 0: 8 slots of 1 MiB, layer 1: 4 of 3 MiB
+    cache = ExpertCache(12, 3 * MIB, classes=classes)
+    base = rss(cache.arena)
+    assert cache.ready() == [0, 0]
+    loaded(cache, (0, 5))  # a slot of class 0 used before the threads start
+    assert cache.untouched() == [(MIB, 8 * MIB), (8 * MIB, 20 * MIB)]  # each class's never-used slots
+    cache.prefaulter.start()
+    assert cache.prefaulter.done.wait(30) and cache.prefaulter.error == 0
+    assert cache.ready() == [7, 4] == cache.fresh
+    assert rss(cache.arena) - base >= cache.arena.nbytes - MIB - 4096  # all but the slot taken (never written)
+    loaded(cache, (1, 0))
+    assert cache.ready() == [7, 3]
+    cache.prefaulter.error = 12  # ENOMEM
+    assert cache.ready() is None
+
+
+def test_a_run_held_to_its_allowances_keeps_its_logits_and_replays_exactly(synth_model, tmp_path, monkeypatch):
+    """A streamed run whose decode steps may grow the cache by a slot in one layer call of six (a schedule standing
+    in for the threads' pace) reads more than one that grows freely, gives the resident run's logits bit for
+    bit, records the allowances, and `replay` of its trace serves every request as the run did."""
+    import itertools
+
+    from streamer.experts.cache import ExpertCache
+    from streamer.experts.store import ExpertLayout
+    from streamer.options import StreamOptions
+    from streamer.replay import recorded_classes, simulate
+    from streamer.session import open_model
+    from streamer.trace import load_trace
+
+    path = synth_model("tiny-moe", "Q8_0")
+    prompt = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], np.int64)
+
+    def run(options, trace=None):
+        with open_model(path, options, trace=trace) as s:
+            c = s.model.new_state()
+            out = [s.model.forward(prompt[:5], c)[-1]]
+            for i in range(14):
+                out.append(s.model.forward(prompt[5 + i % 7 : 6 + i % 7] * (i + 1) % 250, c)[-1])
+            return np.array(out), s.traffic.totals(), getattr(s.model.ffn.source, "cache", None)
+
+    resident, _, _ = run(StreamOptions(stream=False, learn=False))
+    with open_model(path, StreamOptions(stream=False, learn=False)) as s:
+        sb = ExpertLayout(s.gf, s.cfg).slot_bytes
+    options = StreamOptions(learn=False, prefetch=True, expert_cache_bytes=30 * sb)
+    monkeypatch.setattr(ExpertCache, "ready", lambda self: None)
+    _, free, free_cache = run(options)
+    ticks = itertools.count()
+    monkeypatch.setattr(ExpertCache, "ready", lambda self: [int(next(ticks) % 6 == 0)] * len(self.frees))
+    held, live, cache = run(options, tmp_path / "t.npz")
+    assert np.array_equal(held, resident)
+    assert cache.touched_slots < free_cache.touched_slots and live.read_bytes > free.read_bytes
+    trace = load_trace(tmp_path / "t.npz")
+    a = trace.a
+    assert len(a["a_call"]) > 0 and set(a["a_slots"].tolist()) == {0, 1}
+    c = trace.header["cache"]
+    sim = simulate(trace, c["n_slots"], [], c["pin_capacity"], "lru", 1.0, True, classes=recorded_classes(c))
+    assert np.array_equal(sim["q_expert"], a["q_expert"]) and np.array_equal(sim["q_tier"], a["q_tier"])
+    assert np.array_equal(sim["p_expert"], a["p_expert"]) and np.array_equal(sim["a_slots"], a["a_slots"])

@@ -65,15 +65,6 @@ def test_a_class_evicts_only_its_own_and_its_slots_are_its_own_bytes():
     assert_cache_consistent(cache)
 
 
-def test_prefault_covers_every_class():
-    classes = SlotClasses(of_layer=(0, 1), slot_bytes=(SMALL, BIG), n_slots=(64, 64))
-    cache = ExpertCache(128, BIG, classes=classes)
-    loaded(cache, (0, 0))
-    assert cache.untouched() == [(SMALL, 64 * SMALL), (64 * SMALL, 64 * SMALL + 64 * BIG)]
-    assert cache.prefaulter.start().done.wait(30) and cache.prefaulter.error == 0
-    cache.prefaulter.stop()
-
-
 @pytest.fixture
 def mixed(synth_model):
     """tiny-moe (4 layers, 16 experts, 4 used) as Q4_K_M: layers 2 and 3 have Q6_K ffn_down (larger experts)."""

@@ -318,6 +318,17 @@ def test_bad_traces_are_one_error_line(synth_model, tmp_path):
         invoke("replay", rewritten("ids.npz", None, lambda a: a["r_ids"].__setitem__((0, 0), 99))), "inconsistent"
     )
     user_error(invoke("replay", rewritten("gone.npz", None, lambda a: a.pop("q_tier"))), "missing arrays q_tier")
+    user_error(invoke("replay", rewritten("noa.npz", None, lambda a: a.pop("a_call"))), "missing arrays a_call")
+
+    def version_1(a):  # written before the allowances: none recorded
+        for n in ("a_call", "a_class", "a_slots"):
+            a.pop(n)
+
+    old = rewritten("v1.npz", lambda h: h.update(version=1), version_1)
+    assert len(load_trace(old).a["a_slots"]) == 0 and invoke("replay", old).exit_code == 0
+    negative = {"a_call": np.array([0], "i4"), "a_class": np.array([0], "i2"), "a_slots": np.array([-1], "i4")}
+    bad = rewritten("allow.npz", None, lambda a: a.update(negative))
+    user_error(invoke("replay", bad), "inconsistent")
     user_error(
         invoke("replay", rewritten("short.npz", None, lambda a: a.update(q_tier=a["q_tier"][:-1]))), "inconsistent"
     )

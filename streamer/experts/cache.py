@@ -10,7 +10,14 @@ the O_DIRECT reads, slower than the disk). acquire(grow=False) reuses the slot o
 prefetch still waiting for its layer) before such a fresh one: a prompt, which reads each layer's experts once,
 then touches only the slots its reads in flight need, not the whole arena. Which experts were used is decided
 by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices. The
-fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile on idle CPU (experts/prefault.py)."""
+fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile on idle CPU (experts/prefault.py).
+
+A decode step grows into fresh slots only as far as that thread has faulted them in (`allow`, set per layer call
+from ready() and recorded in the trace, so the replay holds back where the run did); past it, it reuses idle
+slots as a prompt does. Where the host backs memory lazily, growing faster than that paid the first touch
+inside the reads: on the 122B-A10B IQ2_XXS file (2026-12-06, AMD EPYC Zen 4, AVX-512, free page reporting on,
+memory already handed back), 16 decode steps ran at 0.56-0.62 tok/s growing freely against 1.16-1.19 held back,
+for a hit rate of 22% against 9-10%; with memory not yet handed back, 1.28-1.32 both ways at equal hit rates."""
 
 from __future__ import annotations
 
@@ -194,6 +201,7 @@ class ExpertCache:
         self.n_pinned = 0
         self.class_pinned = [0] * n_cls
         self.reserve = reserve
+        self.allow: list[int] | None = None  # per class, the fresh slots acquire may still take (None: any)
         self.evictions = 0
         self.ops = 0  # acquire + release calls so far: the clock a trace times prefetch landings by
         if allocate and PREFAULT:
@@ -259,13 +267,27 @@ class ExpertCache:
             for b, n, f, size in zip(self.bases, self.classes.n_slots, self.fresh, self.classes.slot_bytes)
         ]
 
+    def ready(self) -> list[int] | None:
+        """Per class, how many never-used slots the prefault threads have faulted in (the next ones acquire
+        takes); None when nothing limits growth (no prefault threads, or they stopped on an error)."""
+        p = self.prefaulter
+        if p is None:
+            return None
+        out = []
+        for b, n, f, size in zip(self.bases, self.classes.n_slots, self.fresh, self.classes.slot_bytes):
+            reached = p.faulted(b + n * size)
+            if reached is None:
+                return None
+            out.append(max(0, (reached - (b + (n - f) * size)) // size))
+        return out
+
     def acquire(self, key, prefetch: bool = False, grow: bool = True) -> tuple[Entry | None, bool]:
         """(entry, created). A demand acquire takes a reference (release() gives it back); a prefetch does
         not. A new entry has a slot but no data: the caller must start its read and set entry.future.
         (None, False) when every slot of its class is pinned, in use or being read, or (prefetch) when taking
         one would leave fewer than `reserve` free or idle slots of the class for demand reads. grow=False: a new
         entry takes the slot of the least recently released idle entry of its class (self.used) rather than
-        one never used before."""
+        one never used before; so does grow=True once the class's `allow` is spent."""
         with self.lock:
             self.ops += 1
             e = self.entries.get(key)
@@ -280,6 +302,8 @@ class ExpertCache:
                     self.used.pop(key, None)
                 return e, False
             used = self.used.parts[c]
+            if self.allow is not None and self.allow[c] <= 0:
+                grow = False
             if free and not grow and len(free) <= self.fresh[c] and used:
                 old, victim = used.popitem(last=False)
                 idle.pop(old)
@@ -301,7 +325,10 @@ class ExpertCache:
             )
             self.n_pinned += pinned
             self.class_pinned[c] += pinned
-            self.fresh[c] -= len(free) <= self.fresh[c]
+            if len(free) <= self.fresh[c]:  # a never-used slot
+                self.fresh[c] -= 1
+                if self.allow is not None:
+                    self.allow[c] -= 1
             e = self.entries[key] = Entry(key, free.pop(), pinned, prefetch)
             e.refs = 0 if prefetch else 1
             return e, True

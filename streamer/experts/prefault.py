@@ -86,6 +86,17 @@ class Prefaulter:
             self._reached[end] = start + CHUNK
             return arena, start, min(CHUNK, end - start)
 
+    def faulted(self, end: int) -> int | None:
+        """How far the never-used range ending at `end` is faulted in: the chunks handed out, less one per
+        thread that may still be at work on its chunk (all of it once every thread has ended). None when it
+        stopped early on an error: its pages are no longer being faulted in ahead of need."""
+        if self.error:
+            return None
+        if self.done.is_set():
+            return end
+        with self._cursor:
+            return self._reached.get(end, 0) - CHUNK * len(self.threads)
+
     def _run(self) -> None:
         try:
             if hasattr(os, "SCHED_IDLE"):

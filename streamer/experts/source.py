@@ -128,6 +128,9 @@ class ResidentSource:
     def release(self, layer: int, e: int) -> None:
         pass
 
+    def limit_growth(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -175,6 +178,13 @@ class StreamingSource:
     def _start(self, entry, priority: int) -> None:
         timing.mark("experts_first_read")
         entry.future = self.pool.submit(priority, self._load, entry)
+
+    def limit_growth(self) -> None:
+        """At each layer call, once routed: a decode step's call grows the cache only into the slots the
+        prefault threads have faulted in (ExpertCache.allow); the trace records that, for the replay."""
+        allow = self.cache.allow = self.cache.ready() if self.grow else None
+        if allow is not None and self.traffic.trace is not None:
+            self.traffic.trace.allowed(allow)
 
     def request(self, layer: int, e: int) -> bool:
         old = self.cache.entries.get((layer, e))
