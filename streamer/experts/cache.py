@@ -16,8 +16,8 @@ A decode step grows into fresh slots only as far as that thread has faulted them
 from ready() and recorded in the trace, so the replay holds back where the run did); past it, it reuses idle
 slots as a prompt does. Where the host backs memory lazily, growing faster than that paid the first touch
 inside the reads: on the 122B-A10B IQ2_XXS file (2026-12-06, AMD EPYC Zen 4, AVX-512, free page reporting on,
-memory already handed back), 16 decode steps ran at 0.56-0.62 tok/s growing freely against 1.16-1.19 held back,
-for a hit rate of 22% against 9-10%; with memory not yet handed back, 1.28-1.32 both ways at equal hit rates."""
+memory already handed back), 32 decode steps ran at 0.90-0.95 tok/s growing freely against 1.20-1.23 held back,
+at 32% hits against 9%; with memory the host still backed, the threads kept ahead and nothing changed."""
 
 from __future__ import annotations
 
