@@ -308,7 +308,7 @@ def simulate(
         ids, w = routes[i]
         rec.call, rec.step = i, int(step)
         src.grow = grows(roomy, m, int(step))  # as MoEFFN._starting
-        cache.allow = allows.get(i)  # as StreamingSource.limit_growth
+        cache.allow = None if roomy else allows.get(i)  # as MoEFFN.__call__ and StreamingSource.limit_growth
         if cache.allow is not None:
             rec.allowed(cache.allow)
         used = ids >= 0

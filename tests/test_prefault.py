@@ -166,3 +166,6 @@ def test_a_run_held_to_its_allowances_keeps_its_logits_and_replays_exactly(synth
     sim = simulate(trace, c["n_slots"], [], c["pin_capacity"], "lru", 1.0, True, classes=recorded_classes(c))
     assert np.array_equal(sim["q_expert"], a["q_expert"]) and np.array_equal(sim["q_tier"], a["q_tier"])
     assert np.array_equal(sim["p_expert"], a["p_expert"]) and np.array_equal(sim["a_slots"], a["a_slots"])
+    # a cache that never evicts is never held back, as in a live run: Belady's, or one with a slot for every expert
+    for n_slots, policy in ((c["n_slots"], "belady"), (64, "lru")):
+        assert len(simulate(trace, n_slots, [], 0, policy, 1.0, False)["a_call"]) == 0

@@ -12,7 +12,7 @@ then touches only the slots its reads in flight need, not the whole arena. Which
 by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices. The
 fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile on idle CPU (experts/prefault.py).
 
-A decode step grows into fresh slots only as far as that thread has faulted them in (`allow`, set per layer call
+A decode step grows into fresh slots only as far as those threads have faulted them in (`allow`, set per layer call
 from ready() and recorded in the trace, so the replay holds back where the run did); past it, it reuses idle
 slots as a prompt does. Where the host backs memory lazily, growing faster than that paid the first touch
 inside the reads: on the 122B-A10B IQ2_XXS file (2026-12-06, AMD EPYC Zen 4, AVX-512, free page reporting on,
