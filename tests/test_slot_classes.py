@@ -5,6 +5,7 @@ live run's tiers."""
 
 import numpy as np
 import pytest
+from forcing import run
 from invariants import assert_cache_consistent, loaded
 
 from streamer.experts.cache import ExpertCache, SlotClasses, cache_slots
@@ -75,19 +76,9 @@ def mixed(synth_model):
     return path, layout
 
 
-PROMPT = np.array([3, 77, 120, 9, 201, 45, 45, 18, 160, 2, 99, 64], dtype=np.int64)
-
-
-def _run(s):
-    c = s.model.new_state()
-    out = [s.model.forward(PROMPT[:5], c, all_logits=True)]
-    out += [s.model.forward(PROMPT[i : i + 1], c, all_logits=True) for i in range(5, len(PROMPT))]
-    return np.concatenate(out)
-
-
 def test_mixed_recipe_streams_bit_identical_in_classes_and_holds_more(mixed):
     path, layout = mixed
-    resident = _run(open_model(path, StreamOptions(stream=False, learn=False)))
+    resident = run(open_model(path, StreamOptions(stream=False, learn=False)))
     for share in (0.3, 0.6):
         nbytes = int(share * layout.total_bytes)
         for prefetch in (False, True):
@@ -95,7 +86,7 @@ def test_mixed_recipe_streams_bit_identical_in_classes_and_holds_more(mixed):
             cache = s.model.ffn.source.cache
             assert cache.classes.slot_bytes == (layout.layer_slot_bytes[0], layout.layer_slot_bytes[2])
             assert cache.n_slots > nbytes // layout.slot_bytes and cache.capacity_bytes <= nbytes
-            assert np.array_equal(_run(s), resident), (share, prefetch)
+            assert np.array_equal(run(s), resident), (share, prefetch)
             assert cache.evictions > 0 or share > 0.5
             assert_cache_consistent(cache)
 
@@ -108,7 +99,7 @@ def mixed_trace(mixed, tmp_path):
     path, layout = mixed
     out = tmp_path / "t.npz"
     with open_model(path, StreamOptions(learn=False, expert_cache_bytes=int(0.3 * layout.total_bytes)), trace=out) as s:
-        _run(s)
+        run(s)
     return load_trace(out), layout
 
 
