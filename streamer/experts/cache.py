@@ -261,7 +261,7 @@ class ExpertCache:
         return self.n_slots - sum(self.fresh)
 
     def untouched(self) -> list[tuple[int, int]]:
-        """Per class, the arena's byte range of its never-used slots (the prefault thread's work)."""
+        """Per class, the arena's byte range of its never-used slots (the prefault threads' work)."""
         return [
             (b + (n - f) * size, b + n * size)
             for b, n, f, size in zip(self.bases, self.classes.n_slots, self.fresh, self.classes.slot_bytes)
@@ -274,11 +274,11 @@ class ExpertCache:
         if p is None:
             return None
         out = []
-        for b, n, f, size in zip(self.bases, self.classes.n_slots, self.fresh, self.classes.slot_bytes):
-            reached = p.faulted(b + n * size)
+        for (start, end), size in zip(self.untouched(), self.classes.slot_bytes):
+            reached = p.faulted(end)
             if reached is None:
                 return None
-            out.append(max(0, (reached - (b + (n - f) * size)) // size))
+            out.append(max(0, (reached - start) // size))
         return out
 
     def acquire(self, key, prefetch: bool = False, grow: bool = True) -> tuple[Entry | None, bool]:
