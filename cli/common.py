@@ -105,7 +105,7 @@ def open_session(
         trace=trace,
         lazy_kernels=lazy_kernels,
         started_pagein=early.take_pagein(gf),  # the entry point's, if it started one on this file
-        load_progress=progress_printer("reading the model into memory (--no-mmap)", after_s=0.5),
+        load_progress=progress_printer("reading the model into memory", after_s=0.5),
     )
 
 

@@ -82,15 +82,16 @@ STREAM_FLAGS = {
     ),
     "mmap": (
         Annotated[
-            bool,
+            Optional[bool],
             typer.Option(
-                " /--no-mmap",
-                help="Read the whole model into memory at load, as llama.cpp's --no-mmap, instead of using the "
-                "file's pages in place (implies --no-stream; the model must fit the RAM budget).",
+                "--mmap/--no-mmap",
+                help="Use the file's pages in place, or read the whole model into memory at load as llama.cpp's "
+                "--no-mmap (implies --no-stream; the model must fit the RAM budget) [default: in place; serve "
+                "reads a model into memory when the copy takes at most 90% of the budget].",
                 show_default=False,
             ),
         ],
-        True,
+        None,
     ),
     "expert_top_p": (
         Annotated[

@@ -17,7 +17,7 @@ from streamer.io import parse_size
 from streamer.options import StreamOptions
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
-from streamer.session import run_budget
+from streamer.session import run_budget, with_default_mapping
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
 
@@ -69,7 +69,7 @@ def serve(
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
     /detokenize, /metrics. Up to --parallel requests decode together, more wait in a FIFO queue; each slot's KV
     cache is reused by requests that share a prompt prefix. Loads the model after the socket is bound (/health:
-    503, then 200)."""
+    503, then 200); reads it into memory when the copy fits 90% of the RAM budget, unless --mmap."""
     try:
         import starlette  # noqa: F401
         import uvicorn
@@ -84,7 +84,7 @@ def serve(
     n_ctx = cfg.context(ctx_size)
     if parallel is None:
         parallel = default_parallel(run_budget(gf, cfg, options, ctx_size), cfg.state_bytes(n_ctx))
-    options = dataclasses.replace(options, n_seq=parallel)
+    options = with_default_mapping(gf, cfg, dataclasses.replace(options, n_seq=parallel), ctx_size)
     opts = ServerOptions(
         alias or model.name.removesuffix(".gguf"),
         api_key,
@@ -93,7 +93,10 @@ def serve(
 
     def load() -> Engine:
         s = open_session(gf, options, ctx_size, threads)
-        print(f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens, {parallel} parallel", file=sys.stderr)
+        where = "read into memory" if s.gf.in_memory else "used in place"
+        print(
+            f"model loaded: {opts.alias}, context {s.model.n_ctx} tokens, {parallel} parallel, {where}", file=sys.stderr
+        )
         return Engine(s, queue_size=queue, parallel=parallel)
 
     _serve(uvicorn, lambda on_fatal: create_app(load, opts, on_fatal), host, port, opts.alias)

@@ -51,7 +51,9 @@ class StreamOptions:
     readers: int = READERS  # parallel expert reads
     pin_share: float = 0.5  # at most this share of the expert cache is pinned to learned hot experts
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
-    mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
+    # False: the whole file read into the process's memory (--no-mmap; implies stream=False); True: used in place
+    # (--mmap); None: the command's default (in place; serve reads a model that fits with room into memory)
+    mmap: bool | None = None
     expert_skip: float = 0.0  # per token, drop uncached routed experts below this weight share (0: off)
     n_seq: int = 1  # sequences decoded together (serve and bench --parallel): the budget holds each one's state
 
@@ -61,7 +63,7 @@ class StreamOptions:
         if self.io not in set(IoMode):
             raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
         object.__setattr__(self, "io", IoMode(self.io))
-        if not self.mmap:  # every expert is in the copy: nothing to stream
+        if self.mmap is False:  # every expert is in the copy: nothing to stream
             object.__setattr__(self, "stream", False)
         checks = (
             (self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import psutil
@@ -331,6 +331,29 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
         )
 
 
+def whole_model_bytes(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> int:
+    """What a copy of the model holds: the whole file, the KV cache of options.n_seq sequences, the scratch."""
+    return gf.size + cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg)
+
+
+# A long-lived process (serve) reads the model into memory by default when the copy takes at most this share of
+# the RAM budget: the slack keeps open_model's own check, made later with the process grown by its imports,
+# from refusing it.
+COPY_SHARE = 0.9
+
+
+def with_default_mapping(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> StreamOptions:
+    """options with mmap decided where it was left to the command (None), as serve decides it: the model read
+    into memory (False) when its copy fits COPY_SHARE of the budget, else used in place (True). On a VM whose
+    host takes freed memory back, the page cache's pages ran the 30B-A3B's prefill 10-15% slower than the same
+    bytes copied (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy costs a whole read at load,
+    which a server pays once."""
+    if options.mmap is not None:
+        return options
+    fits = whole_model_bytes(gf, cfg, options, n_ctx) <= COPY_SHARE * resolve_budget(options.ram_budget)
+    return replace(options, mmap=not fits)
+
+
 def read_model_into_memory(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
@@ -338,7 +361,7 @@ def read_model_into_memory(
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    rest = cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg)
+    rest = whole_model_bytes(gf, cfg, options, n_ctx) - gf.size
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(
@@ -349,7 +372,7 @@ def read_model_into_memory(
     if progress is not None:
         gf.read_into_memory(options.io.direct, progress)
     else:
-        with notice_if_slow(f"reading {human(gf.size)} into memory (--no-mmap)..."):
+        with notice_if_slow(f"reading {human(gf.size)} into memory..."):
             gf.read_into_memory(options.io.direct)
     timing.mark("in_memory")
 
@@ -380,7 +403,7 @@ def open_model(
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     budget = run_budget(gf, cfg, options, n_ctx)  # once: every check below uses this figure
-    if options.mmap:
+    if options.mmap is not False:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
     else:
         if started_pagein is not None:

@@ -14,10 +14,11 @@ from forcing import run
 
 from cli import early
 from streamer import inram
+from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
 from streamer.options import StreamOptions
-from streamer.session import open_model
+from streamer.session import open_model, with_default_mapping
 from streamer.synth.writer import Split, spec_for, write_model
 
 EXE = Path(sys.executable).parent / "stream-run"
@@ -135,6 +136,39 @@ def test_cli_no_mmap_runs_and_refuses_a_small_budget(moe_files):
     bad = subprocess.run(base + ["--no-mmap", "--ram-budget", "1M"], capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "--no-mmap reads the whole model" in bad.stderr, bad.stderr
+
+
+def test_serve_s_default_reads_a_model_that_fits_with_room_and_maps_one_that_does_not(moe_files):
+    """serve's default (mmap left to the command): a copy when it fits the budget with room, else in place;
+    --mmap / --no-mmap as given. The budgets are set against the file's size on disk."""
+    single, _ = moe_files
+    gf = GGUFFile(single)
+    cfg = ModelConfig.from_gguf(gf)
+    size = os.path.getsize(single)
+
+    def decided(**kw):
+        return with_default_mapping(gf, cfg, StreamOptions(learn=False, **kw), 256)
+
+    roomy = decided(ram_budget=20 * size)
+    assert roomy.mmap is False and roomy.stream is False  # the copy holds every expert: nothing to stream
+    assert decided(ram_budget=size).mmap is True  # the file alone fills the budget: used in place
+    assert decided(ram_budget=size).stream is True
+    assert decided(ram_budget=20 * size, mmap=True).mmap is True
+    assert decided(ram_budget=size, mmap=False).mmap is False  # asked for: open_model then checks the budget
+    assert StreamOptions().mmap is None and StreamOptions().stream is True  # the library's default: in place
+    s = open_model(single, decided(ram_budget=20 * size), n_ctx=256)
+    try:
+        assert s.gf.in_memory and not s.streaming and len(mapping_of(s.gf.mm).split()) == 5  # anonymous
+    finally:
+        s.close()
+
+
+def test_cli_mmap_flag_keeps_the_file_in_place(moe_files):
+    single, _ = moe_files
+    base = [str(EXE), "run", str(single), "--tokens", "1,2,3", "-n", "4", "--no-learn"]
+    mapped = subprocess.run(base + ["--mmap"], capture_output=True, text=True)
+    plain = subprocess.run(base, capture_output=True, text=True)
+    assert mapped.returncode == 0 and mapped.stdout == plain.stdout, mapped.stderr
 
 
 def test_no_early_pagein_with_no_mmap():
