@@ -345,9 +345,9 @@ COPY_SHARE = 0.9
 def with_default_mapping(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> StreamOptions:
     """options with mmap decided where it was left to the command (None), as serve decides it: the model read
     into memory (False) when its copy fits COPY_SHARE of the budget, else used in place (True). On a VM whose
-    host takes freed memory back, the page cache's pages ran the 30B-A3B's prefill 10-15% slower than the same
-    bytes copied (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy costs a whole read at load,
-    which a server pays once."""
+    host takes freed memory back, the page cache's pages ran the 30B-A3B's 32-token prefill 12-17% slower than
+    the same bytes copied, 10% through serve (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy
+    costs a whole read at load (12 s for 17 GB there), which a server pays once."""
     if options.mmap is not None:
         return options
     fits = whole_model_bytes(gf, cfg, options, n_ctx) <= COPY_SHARE * resolve_budget(options.ram_budget)
