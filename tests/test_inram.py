@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from forcing import run
+from typer.testing import CliRunner
 
 from cli import early
 from streamer import inram
@@ -163,12 +164,24 @@ def test_serve_s_default_reads_a_model_that_fits_with_room_and_maps_one_that_doe
         s.close()
 
 
-def test_cli_mmap_flag_keeps_the_file_in_place(moe_files):
+@pytest.mark.parametrize("flag,want", [([], None), (["--mmap"], True), (["--no-mmap"], False)])
+def test_cli_mmap_flags_reach_the_options(moe_files, monkeypatch, flag, want):
+    """`run`'s --mmap / --no-mmap / neither arrive as StreamOptions.mmap True / False / None (the command's
+    default: in place), --no-mmap with nothing left to stream."""
+    from streamer.cli import common
+    from streamer.cli.main import app
+
     single, _ = moe_files
-    base = [str(EXE), "run", str(single), "--tokens", "1,2,3", "-n", "4", "--no-learn"]
-    mapped = subprocess.run(base + ["--mmap"], capture_output=True, text=True)
-    plain = subprocess.run(base, capture_output=True, text=True)
-    assert mapped.returncode == 0 and mapped.stdout == plain.stdout, mapped.stderr
+    seen = []
+
+    def stop(gf, options, **kw):
+        seen.append(options)
+        raise StreamerError("stopped before loading")
+
+    monkeypatch.setattr(common, "open_model", stop)
+    r = CliRunner().invoke(app, ["run", str(single), "--tokens", "1,2,3", "-n", "1", "--no-learn", *flag])
+    assert r.exit_code == 2 and "stopped before loading" in r.stderr, r.stderr
+    assert seen[0].mmap is want and seen[0].stream is (want is not False)
 
 
 def test_no_early_pagein_with_no_mmap():
