@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """serve's model in place (--mmap) against read into memory (serve's default when the copy fits), alternating:
 the time until /health says ready, then R sequential /v1/completions requests of a P-token prompt and N greedy
-tokens each, timed by the client (prefill: the time to the first streamed token; decode: the tokens after it).
+tokens each, timed by the server (its llama-server `timings`: prompt_per_second, predicted_per_second).
 
     python bench/serve_mapping.py MODEL.gguf [--rounds 2] [--requests 3] [--prompt-tokens 128] [--max-tokens 32]
 
@@ -11,11 +11,9 @@ in-place server starts from a cached file, its best case. Never run in CI."""
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -30,28 +28,12 @@ VARIANTS = {"in place (--mmap)": ["--mmap"], "in memory (default)": []}
 
 
 def one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tok/s after it) of one streamed greedy completion."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    first, n = None, 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                n = event["usage"]["completion_tokens"]
-            if event.get("choices") and first is None:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    return first - t0, (n - 1) / (end - first) if n > 1 else 0.0
+    """(prefill tok/s, decode tok/s) of one greedy completion, from the server's llama-server timings."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    t = r.json()["timings"]
+    return t["prompt_per_second"], t["predicted_per_second"]
 
 
 def main() -> int:
@@ -79,12 +61,11 @@ def main() -> int:
                 ]
             finally:
                 srv.stop()
-            ttft = statistics.median(t for t, _ in runs)
-            tg = statistics.median(s for _, s in runs)
-            res[name].append((srv.ready_s, a.prompt_tokens / ttft, tg))
+            pp = statistics.median(p for p, _ in runs)
+            tg = statistics.median(d for _, d in runs)
+            res[name].append((srv.ready_s, pp, tg))
             print(
-                f"round {r}: {name:20} ready {srv.ready_s:5.1f} s  prefill {a.prompt_tokens / ttft:6.2f} tok/s  "
-                f"decode {tg:6.2f} tok/s",
+                f"round {r}: {name:20} ready {srv.ready_s:5.1f} s  prefill {pp:6.2f} tok/s  decode {tg:6.2f} tok/s",
                 flush=True,
             )
     for name, rows in res.items():

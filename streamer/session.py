@@ -346,7 +346,7 @@ def with_default_mapping(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions,
     """options with mmap decided where it was left to the command (None), as serve decides it: the model read
     into memory (False) when its copy fits COPY_SHARE of the budget, else used in place (True). On a VM whose
     host takes freed memory back, the page cache's pages ran the 30B-A3B's 32-token prefill 12-17% slower than
-    the same bytes copied, 10% through serve (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy
+    the same bytes copied, 5% through serve (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy
     costs a whole read at load (12 s for 17 GB there), which a server pays once."""
     if options.mmap is not None:
         return options
@@ -361,8 +361,9 @@ def read_model_into_memory(
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    rest = whole_model_bytes(gf, cfg, options, n_ctx) - gf.size
-    if gf.size + rest > budget:
+    need = whole_model_bytes(gf, cfg, options, n_ctx)
+    rest = need - gf.size
+    if need > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(
             f"--no-mmap reads the whole model into memory: {human(gf.size)} plus {human(rest)} for the KV cache "
