@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""serve's model in place (--mmap) against read into memory (serve's default when the copy fits), alternating:
+"""serve's model in place (--mmap) against read into memory (the default when the copy fits), alternating:
 the time until /health says ready, then R sequential /v1/completions requests of a P-token prompt and N greedy
 tokens each, timed by the server (its llama-server `timings`: prompt_per_second, predicted_per_second).
 

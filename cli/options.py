@@ -86,8 +86,8 @@ STREAM_FLAGS = {
             typer.Option(
                 "--mmap/--no-mmap",
                 help="Use the file's pages in place, or read the whole model into memory at load as llama.cpp's "
-                "--no-mmap (implies --no-stream; the model must fit the RAM budget) [default: in place; serve "
-                "reads a model into memory when the copy takes at most 90% of the budget].",
+                "--no-mmap (implies --no-stream; the model must fit the RAM budget) [default: read into memory when "
+                "the copy fits the budget with its margin, else in place].",
                 show_default=False,
             ),
         ],

@@ -17,7 +17,7 @@ from streamer.io import parse_size
 from streamer.options import StreamOptions
 from streamer.server.engine import Engine
 from streamer.server.schemas import Limits
-from streamer.session import run_budget, with_default_mapping
+from streamer.session import run_budget
 
 INSTALL_HINT = "stream-run serve needs the server extra: pip install 'stream-run[serve]'"
 
@@ -69,7 +69,7 @@ def serve(
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize,
     /detokenize, /metrics. Up to --parallel requests decode together, more wait in a FIFO queue; each slot's KV
     cache is reused by requests that share a prompt prefix. Loads the model after the socket is bound (/health:
-    503, then 200); reads it into memory when the copy fits 90% of the RAM budget, unless --mmap."""
+    503, then 200)."""
     try:
         import starlette  # noqa: F401
         import uvicorn
@@ -84,7 +84,7 @@ def serve(
     n_ctx = cfg.context(ctx_size)
     if parallel is None:
         parallel = default_parallel(run_budget(gf, cfg, options, ctx_size), cfg.state_bytes(n_ctx))
-    options = with_default_mapping(gf, cfg, dataclasses.replace(options, n_seq=parallel), ctx_size)
+    options = dataclasses.replace(options, n_seq=parallel)
     opts = ServerOptions(
         alias or model.name.removesuffix(".gguf"),
         api_key,

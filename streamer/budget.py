@@ -121,6 +121,13 @@ def split_at(
     return BudgetSplit(budget, baseline, nonexpert, kv, scratch, margin_bytes(budget), expert_total, slot_bytes)
 
 
+def process_baseline(mapped: int = 0) -> int:
+    """What the process holds now, charged to the budget: its RSS, less the `mapped` bytes of model pages it has
+    paged in (file-backed, RssFile; counted as the model's)."""
+    mem = psutil.Process().memory_info()
+    return mem.rss - min(mapped, getattr(mem, "shared", 0))
+
+
 def split_budget(
     budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0
 ) -> BudgetSplit:
@@ -128,9 +135,7 @@ def split_budget(
     its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
     RSS is, so what is mapped meanwhile errs on the safe side)."""
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
-    mapped = paged_in()
-    mem = psutil.Process().memory_info()
-    baseline = mem.rss - min(mapped, getattr(mem, "shared", 0))  # mapped model pages are file-backed (RssFile)
+    baseline = process_baseline(paged_in())
     plan = split_at(budget, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)
     need_cache = cfg.n_expert_used * slot_bytes
     if plan.expert_cache < need_cache:

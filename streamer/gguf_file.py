@@ -496,6 +496,7 @@ class GGUFFile:
         (streamer/inram.py). Call it before taking any tensor view: views taken after it are into the copy."""
         shards = [(s.path, s.base, s.size) for s in self.shards]
         self.mm = read_into_memory(shards, self.mm.size, direct, progress)
+        self.mm.flags.writeable = False  # as the mapping: the same array types, so the warm-up's kernels serve it
         self._buf = memoryview(self.mm)  # the mapping goes when nothing else holds it (metadata arrays may)
         self.in_memory = True
 

@@ -52,7 +52,7 @@ class StreamOptions:
     pin_share: float = 0.5  # at most this share of the expert cache is pinned to learned hot experts
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
     # False: the whole file read into the process's memory (--no-mmap; implies stream=False); True: used in place
-    # (--mmap); None: the command's default (in place; serve reads a model that fits with room into memory)
+    # (--mmap); None: open_model decides (session.with_default_mapping: a copy when it fits the budget with room)
     mmap: bool | None = None
     expert_skip: float = 0.0  # per token, drop uncached routed experts below this weight share (0: off)
     n_seq: int = 1  # sequences decoded together (serve and bench --parallel): the budget holds each one's state

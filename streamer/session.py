@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 import psutil
 
 from streamer import timing
-from streamer.budget import resolve as resolve_budget, roomy, scratch_bytes, split_at, split_budget
+from streamer.budget import (
+    margin_bytes,
+    process_baseline,
+    resolve as resolve_budget,
+    roomy,
+    scratch_bytes,
+    split_at,
+    split_budget,
+)
 from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.experts.store import ExpertLayout
@@ -332,32 +340,30 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 
 
 def whole_model_bytes(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> int:
-    """What a copy of the model holds: the whole file, the KV cache of options.n_seq sequences, the scratch."""
-    return gf.size + cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg)
-
-
-# A long-lived process (serve) reads the model into memory by default when the copy takes at most this share of
-# the RAM budget: the slack keeps open_model's own check, made later with the process grown by its imports,
-# from refusing it.
-COPY_SHARE = 0.9
+    """What a process holding a copy of the model holds: the whole file, the KV cache of options.n_seq sequences,
+    the scratch, and the process as it stands (budget.process_baseline)."""
+    return gf.size + cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg) + process_baseline()
 
 
 def with_default_mapping(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> StreamOptions:
-    """options with mmap decided where it was left to the command (None), as serve decides it: the model read
-    into memory (False) when its copy fits COPY_SHARE of the budget, else used in place (True). On a VM whose
-    host takes freed memory back, the page cache's pages ran the 30B-A3B's 32-token prefill 12-17% slower than
-    the same bytes copied, 5% through serve (bench/RESULTS.md, 2026-12-06; AMD EPYC Zen 4, AVX-512); the copy
-    costs a whole read at load (12 s for 17 GB there), which a server pays once."""
+    """options with mmap decided where it was left open (None): the model read into memory (False) when the copy,
+    with the budget plan's margin, fits the RAM budget and no expert cache size was asked for, else used in place
+    (True). llama.cpp's default copies too where it repacks the weights for the CPU. On a VM whose host takes
+    freed memory back, the page cache's pages ran the 30B-A3B's 32-token prefill 12-17% slower than the same
+    bytes copied, and their speed moved with the machine's state where the copy's did not (bench/RESULTS.md,
+    2026-12-06; AMD EPYC Zen 4, AVX-512); the copy costs a whole read at load (12 s for 17 GB there, llama.cpp's
+    repacking 35-39 s)."""
     if options.mmap is not None:
         return options
-    fits = whole_model_bytes(gf, cfg, options, n_ctx) <= COPY_SHARE * resolve_budget(options.ram_budget)
-    return replace(options, mmap=not fits)
+    budget = resolve_budget(options.ram_budget)
+    fits = whole_model_bytes(gf, cfg, options, n_ctx) + margin_bytes(budget) <= budget
+    return replace(options, mmap=not (fits and options.expert_cache_bytes is None))
 
 
 def read_model_into_memory(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
-    """--no-mmap: check that the whole file, the KV cache and the scratch fit the RAM budget (one error line
+    """--no-mmap: check that the whole file, the KV cache, the scratch and the process fit the RAM budget (one error line
     before any read if not: this memory cannot be paged out), then read the file into the process's memory
     (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
@@ -366,10 +372,14 @@ def read_model_into_memory(
     if need > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(
-            f"--no-mmap reads the whole model into memory: {human(gf.size)} plus {human(rest)} for the KV cache "
-            f"and scratch, more than {which}; drop --no-mmap to use the file in place"
+            f"--no-mmap reads the whole model into memory: {human(gf.size)} plus {human(rest)} for the process, "
+            f"KV cache and scratch, more than {which}; drop --no-mmap to use the file in place"
             + (" and stream its experts" if cfg.is_moe else "")
         )
+    logger.info(
+        f"RAM budget {human(budget)}: the model's {human(gf.size)} read into memory, {human(rest)} for the process, "
+        f"KV cache and scratch (--mmap: use the file in place)"
+    )
     if progress is not None:
         gf.read_into_memory(options.io.direct, progress)
     else:
@@ -403,6 +413,7 @@ def open_model(
     timing.mark("header")
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
+    options = with_default_mapping(gf, cfg, options, n_ctx)
     budget = run_budget(gf, cfg, options, n_ctx)  # once: every check below uses this figure
     if options.mmap is not False:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
