@@ -5,8 +5,7 @@
         --stream-run before=/opt/before/bin/stream-run --stream-run after=/opt/dev/bin/stream-run --rounds 3
 
 Every round runs each variant once, the order reversed every other round: each stream-run build as
-`stream-run bench MODEL --pp PP --tg TG -t T --no-stream --json` (all experts resident: the in-RAM case; the
-model read into memory where it fits with room, stream-run's default since 2026-12-07, in place with "PATH --mmap"), and
+`stream-run bench MODEL --pp PP --tg TG -t T --no-stream --json` (all experts resident: the in-RAM case), and
 llama.cpp through bench/llama_run.py under --llama-python, with repacking (its fastest decode) unless
 --no-repack. The page cache is NOT evicted (a warm in-RAM comparison; read the file once before, e.g. with
 `cat MODEL > /dev/null`, and keep enough free RAM). A first round is run and discarded unless --no-discard.

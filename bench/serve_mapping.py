@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""serve's model in place (--mmap) against read into memory (the default when the copy fits), alternating:
+"""serve's model in place (the default) against read into memory (--no-mmap), alternating:
 the time until /health says ready, then R sequential /v1/completions requests of a P-token prompt and N greedy
 tokens each, timed by the server (its llama-server `timings`: prompt_per_second, predicted_per_second).
 
@@ -24,7 +24,7 @@ from serve_common import Server  # noqa: E402
 
 from streamer import machine  # noqa: E402
 
-VARIANTS = {"in place (--mmap)": ["--mmap"], "in memory (default)": []}
+VARIANTS = {"in place (default)": [], "in memory (--no-mmap)": ["--no-mmap"]}
 
 
 def one(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@
 second the disk would otherwise sit idle through.
 
 start(argv) runs first in the entry point (cli/main.py), before typer is imported. For `run MODEL ...` and
-`chat MODEL ...` it reads the few flags that decide what may be read early (--ram-budget, --no-stream, --mmap,
+`chat MODEL ...` it reads the few flags that decide what may be read early (--ram-budget, --no-stream,
 --preset/--profile, -c/--ctx-size), parses MODEL's header and starts session.start_early_pagein's
 background page-in of the non-expert weights, under the same budget check open_model makes (with
 RSS_MARGIN more resident memory than the process has now, for the imports still to come). It is a hint only:
@@ -34,7 +34,7 @@ _VALUE = {
     "-c": "n_ctx",
     "--ctx-size": "n_ctx",
 }
-_FLAG = {"--no-stream": ("stream", False), "--mmap": ("mmap", True)}
+_FLAG = {"--no-stream": ("stream", False)}
 _NEVER = ("-h", "--help", "--no-mmap")  # --no-mmap: the model is read whole into memory, not paged in
 
 _held: dict = {}  # "path", "gf", "cfg", "ranges", "pagein": what start() opened and started
@@ -89,17 +89,12 @@ def start(argv: list[str]) -> None:
 
         n_ctx = int(found["n_ctx"]) if "n_ctx" in found else None
         opts = options.StreamOptions.build(
-            found.get("preset"),
-            ram_budget=found.get("ram_budget"),
-            stream=found.get("stream", True),
-            mmap=found.get("mmap"),
+            found.get("preset"), ram_budget=found.get("ram_budget"), stream=found.get("stream", True)
         )
         gf = gguf_file.GGUFFile(path)
         cfg = config.ModelConfig.from_gguf(gf)
         timing.mark("header")
         _held.update(path=path, gf=gf, cfg=cfg)
-        if session.with_default_mapping(gf, cfg, opts, n_ctx).mmap is False:
-            return  # open_model will read the model into memory, not page it in
         ranges, whole = session.early_plan(
             gf, cfg, opts, session.run_budget(gf, cfg, opts, n_ctx), n_ctx, rss_margin=RSS_MARGIN
         )

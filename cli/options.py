@@ -82,16 +82,15 @@ STREAM_FLAGS = {
     ),
     "mmap": (
         Annotated[
-            Optional[bool],
+            bool,
             typer.Option(
                 "--mmap/--no-mmap",
                 help="Use the file's pages in place, or read the whole model into memory at load as llama.cpp's "
-                "--no-mmap (implies --no-stream; the model must fit the RAM budget) [default: read into memory when "
-                "the copy fits the budget with its margin, else in place].",
+                "--no-mmap (implies --no-stream; the model must fit the RAM budget) [default: in place].",
                 show_default=False,
             ),
         ],
-        None,
+        True,
     ),
     "expert_top_p": (
         Annotated[

@@ -51,9 +51,7 @@ class StreamOptions:
     readers: int = READERS  # parallel expert reads
     pin_share: float = 0.5  # at most this share of the expert cache is pinned to learned hot experts
     expert_cache_bytes: int | None = None  # size the expert cache exactly, instead of planning it from the budget
-    # False: the whole file read into the process's memory (--no-mmap; implies stream=False); True: used in place
-    # (--mmap); None: open_model decides (session.with_default_mapping: a copy when it fits the budget with room)
-    mmap: bool | None = None
+    mmap: bool = True  # False: the whole file read into the process's memory (--no-mmap; implies stream=False)
     expert_skip: float = 0.0  # per token, drop uncached routed experts below this weight share (0: off)
     n_seq: int = 1  # sequences decoded together (serve and bench --parallel): the budget holds each one's state
 

@@ -9,14 +9,13 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psutil
 
 from streamer import timing
 from streamer.budget import (
-    margin_bytes,
     process_baseline,
     resolve as resolve_budget,
     roomy,
@@ -345,21 +344,6 @@ def whole_model_bytes(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_
     return gf.size + cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg) + process_baseline()
 
 
-def with_default_mapping(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> StreamOptions:
-    """options with mmap decided where it was left open (None): the model read into memory (False) when the copy,
-    with the budget plan's margin, fits the RAM budget and no expert cache size was asked for, else used in place
-    (True). llama.cpp's default copies too where it repacks the weights for the CPU. On a VM whose host takes
-    freed memory back, the page cache's pages ran the 30B-A3B's 32-token prefill 12-17% slower than the same
-    bytes copied, and their speed moved with the machine's state where the copy's did not (bench/RESULTS.md,
-    2026-12-06; AMD EPYC Zen 4, AVX-512); the copy costs a whole read at load (12 s for 17 GB there, llama.cpp's
-    repacking 35-39 s)."""
-    if options.mmap is not None:
-        return options
-    budget = resolve_budget(options.ram_budget)
-    fits = whole_model_bytes(gf, cfg, options, n_ctx) + margin_bytes(budget) <= budget
-    return replace(options, mmap=not (fits and options.expert_cache_bytes is None))
-
-
 def read_model_into_memory(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
@@ -378,7 +362,7 @@ def read_model_into_memory(
         )
     logger.info(
         f"RAM budget {human(budget)}: the model's {human(gf.size)} read into memory, {human(rest)} for the process, "
-        f"KV cache and scratch (--mmap: use the file in place)"
+        f"KV cache and scratch"
     )
     if progress is not None:
         gf.read_into_memory(options.io.direct, progress)
@@ -413,7 +397,6 @@ def open_model(
     timing.mark("header")
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
-    options = with_default_mapping(gf, cfg, options, n_ctx)
     budget = run_budget(gf, cfg, options, n_ctx)  # once: every check below uses this figure
     if options.mmap is not False:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load

@@ -51,12 +51,12 @@ def test_flags(argv, want):
 
 def test_started_early_then_adopted_and_logits_unchanged(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
-    early.start(["stream-run", "run", str(path), "--tokens", "1,2", "--ram-budget", "4G", "--no-learn", "--mmap"])
+    early.start(["stream-run", "run", str(path), "--tokens", "1,2", "--ram-budget", "4G", "--no-learn"])
     assert "pagein" in early._held  # started before any CLI parsing
     p = early._held["pagein"]
     gf, cfg = early.take_file(path)
     assert early.take_file(Path(str(path) + "x")) is None  # another path: not this one
-    options = StreamOptions(learn=False, ram_budget=4 * 2**30, mmap=True)
+    options = StreamOptions(learn=False, ram_budget=4 * 2**30)
     assert early._held["ranges"] == early_plan(gf, cfg, options, options.ram_budget, None)[0]
     ids = np.array([3, 17, 5, 9])
     with open_model(gf, options, started_pagein=early.take_pagein(gf)) as s:
@@ -77,23 +77,12 @@ def test_refused_budget_reads_nothing_early_and_other_ranges_stop_the_hint(synth
     gf, cfg = early.take_file(path)
     assert early_plan(gf, cfg, StreamOptions(), 4 * 2**30, None, rss_margin=2**40)[0] == []
     # the entry point guessed a budget open_model's own check disagrees with: the early reads stop
-    early.start(["stream-run", "run", str(path), "--ram-budget", "4G", "--mmap"])
+    early.start(["stream-run", "run", str(path), "--ram-budget", "4G"])
     p = early._held["pagein"]
     gf, _ = early.take_file(path)
     with pytest.raises(StreamerError, match="too small"):
         open_model(gf, StreamOptions(learn=False, ram_budget=64 * 2**20), started_pagein=early.take_pagein(gf))
     assert p._stop.is_set() and p.finished and "pagein" not in early._held
-
-
-def test_a_model_the_default_reads_into_memory_is_not_paged_in_early(synth_model):
-    """Without --mmap a model whose copy fits the budget with room is read into memory by open_model (O_DIRECT):
-    paging it in through the page cache first would read it twice."""
-    path = synth_model("tiny-moe", "Q8_0")
-    early.start(["stream-run", "run", str(path), "--ram-budget", "4G"])
-    assert "gf" in early._held and "pagein" not in early._held
-    gf, _ = early.take_file(path)
-    with open_model(gf, StreamOptions(learn=False, ram_budget=4 * 2**30), started_pagein=early.take_pagein(gf)) as s:
-        assert s.gf.in_memory and s.pagein is None
 
 
 @pytest.mark.parametrize(

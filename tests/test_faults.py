@@ -39,7 +39,7 @@ def streaming(path, slots=8):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset):
     path = copy_of(synth_model(preset, "Q8_0"), tmp_path)
-    s = open_model(path, StreamOptions(learn=False, mmap=True))
+    s = open_model(path, StreamOptions(learn=False))
     cache = s.model.new_state()
     s.model.forward(TOKENS, cache)
     os.truncate(path, path.stat().st_size // 2)
@@ -51,7 +51,7 @@ def test_truncated_between_steps_is_a_clear_error(synth_model, tmp_path, preset)
 
 def test_rewritten_in_place_with_the_same_size_is_a_clear_error(synth_model, tmp_path):
     path = copy_of(synth_model("tiny", "Q8_0"), tmp_path)
-    s = open_model(path, StreamOptions(learn=False, mmap=True))
+    s = open_model(path, StreamOptions(learn=False))
     s.model.forward(TOKENS, s.model.new_state())
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # as `cp other.gguf model.gguf` would
@@ -136,7 +136,7 @@ print(int(mm.sum()), flush=True)
 def test_chat_stops_with_one_line_when_the_model_is_truncated_between_turns(synth_model, tmp_path):
     path = copy_of(synth_model("tiny-moe", "Q8_0"), tmp_path)
     p = subprocess.Popen(
-        [str(STREAM_RUN), "chat", str(path), "-n", "3", "--temp", "0", "--ram-budget", "4G", "--mmap"],
+        [str(STREAM_RUN), "chat", str(path), "-n", "3", "--temp", "0", "--ram-budget", "4G"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -192,21 +192,7 @@ def test_run_stops_with_one_line_when_the_model_is_truncated_mid_run(synth_model
     expert read; between steps: the size check), it stops with exit code 2 and one error line."""
     path = copy_of(synth_model("demo", "Q4_K"), tmp_path)
     p = subprocess.Popen(
-        [
-            str(STREAM_RUN),
-            "run",
-            str(path),
-            "-p",
-            "x",
-            "-n",
-            "-1",
-            "--ignore-eos",
-            "-c",
-            "512",
-            "--ram-budget",
-            "300M",
-            "--mmap",
-        ],
+        [str(STREAM_RUN), "run", str(path), "-p", "x", "-n", "-1", "--ignore-eos", "-c", "512", "--ram-budget", "300M"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

@@ -9,18 +9,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 from forcing import run
 from typer.testing import CliRunner
 
 from cli import early
 from streamer import inram
-from streamer.config import ModelConfig
 from streamer.errors import StreamerError
 from streamer.gguf_file import GGUFFile
 from streamer.options import StreamOptions
-from streamer.session import open_model, with_default_mapping
+from streamer.session import open_model
 from streamer.synth.writer import Split, spec_for, write_model
 
 EXE = Path(sys.executable).parent / "stream-run"
@@ -140,42 +138,10 @@ def test_cli_no_mmap_runs_and_refuses_a_small_budget(moe_files):
     assert bad.stderr.strip().count("\n") == 0 and "--no-mmap reads the whole model" in bad.stderr, bad.stderr
 
 
-def test_default_reads_a_model_that_fits_with_room_and_maps_one_that_does_not(moe_files):
-    """The default (mmap left open): a copy when the file, KV cache, scratch and this process fit the budget with
-    the plan's margin, else in place; --mmap / --no-mmap as given. The budgets are set against the file's size on
-    disk and this process's RSS."""
-    single, _ = moe_files
-    gf = GGUFFile(single)
-    cfg = ModelConfig.from_gguf(gf)
-    size = os.path.getsize(single)
-    rss = psutil.Process().memory_info().rss
-
-    def decided(budget, **kw):
-        return with_default_mapping(gf, cfg, StreamOptions(learn=False, ram_budget=budget, **kw), 256)
-
-    roomy, tight = rss + 20 * size + 2**30, rss + size  # the file alone fills the tight one
-    assert decided(roomy).mmap is False and decided(roomy).stream is False  # the copy holds every expert
-    assert decided(tight).mmap is True and decided(tight).stream is True
-    assert decided(roomy, mmap=True).mmap is True
-    assert decided(tight, mmap=False).mmap is False  # asked for: open_model then checks the budget
-    assert decided(roomy, expert_cache_bytes=size // 4).mmap is True  # an expert cache asked for: it streams
-    assert StreamOptions().mmap is None and StreamOptions().stream is True  # left to open_model
-    s = open_model(single, StreamOptions(learn=False, ram_budget=roomy), n_ctx=256)
-    try:
-        assert s.gf.in_memory and not s.streaming and len(mapping_of(s.gf.mm).split()) == 5  # anonymous
-    finally:
-        s.close()
-    s = open_model(single, StreamOptions(learn=False, ram_budget=roomy, mmap=True), n_ctx=256)
-    try:
-        assert not s.gf.in_memory and single.name in mapping_of(s.gf.mm)  # the file's own pages
-    finally:
-        s.close()
-
-
-@pytest.mark.parametrize("flag,want", [([], None), (["--mmap"], True), (["--no-mmap"], False)])
+@pytest.mark.parametrize("flag,want", [([], True), (["--mmap"], True), (["--no-mmap"], False)])
 def test_cli_mmap_flags_reach_the_options(moe_files, monkeypatch, flag, want):
-    """`run`'s --mmap / --no-mmap / neither arrive as StreamOptions.mmap True / False / None (left to
-    open_model), --no-mmap with nothing left to stream."""
+    """`run`'s --mmap / --no-mmap / neither arrive as StreamOptions.mmap True / False / True (in place by
+    default), --no-mmap with nothing left to stream."""
     from streamer.cli import common
     from streamer.cli.main import app
 

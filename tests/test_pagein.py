@@ -235,7 +235,7 @@ def test_pagein_keeps_to_what_the_budget_keeps_resident(synth_model):
 def test_forward_order_and_warmup_progress(synth_model):
     path = synth_model("tiny-moe", "Q8_0")
     names = {int(t.data_offset): t.name for t in GGUFReader(str(path)).tensors}
-    with open_model(path, StreamOptions(learn=False, stream=False, mmap=True)) as s:
+    with open_model(path, StreamOptions(learn=False, stream=False)) as s:
         order = [names[o] for o, _ in pagein_ranges(s.gf, s.moe, resolve_budget(None))]
         seen = []
         p = s.populate(lambda done, total: seen.append((done, total)))
@@ -313,7 +313,7 @@ def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never
         assert not p.huge  # a part of the file: no 2 MiB pages, whose faults would read past the ranges
     # everything fits: the early page-in goes on with the experts and the embedding table, each page once,
     # the whole file in 2 MiB pages
-    with open_model(path, StreamOptions(learn=False, ram_budget=4 * 2**30, mmap=True)) as s:
+    with open_model(path, StreamOptions(learn=False, ram_budget=4 * 2**30)) as s:
         p = s.populate()
         want = pagein_ranges(s.gf, s.moe, 4 * 2**30)
         assert p.total == len(_covered(want)) * PAGE == p.done

@@ -513,7 +513,7 @@ def test_serve_command_end_to_end(path):
     err = err.decode()
     assert p.returncode == 130 and err.splitlines()[-1] == "interrupted", err  # Ctrl-C, as every command
     assert "Traceback" not in err and f"listening on http://127.0.0.1:{port}/v1" in err
-    assert "4 parallel, read into memory" in err  # the tiny model fits the default budget with room: a copy
+    assert "4 parallel, used in place" in err  # the file's pages, as every command unless --no-mmap
     assert stopped_in < 10, stopped_in
 
 

@@ -98,7 +98,7 @@ def test_one_layer_spans_shards_and_logits_are_identical(models):
 
 def test_populate_advise_and_watch_cover_every_shard(models, monkeypatch):
     _, by_size, _ = models
-    s = open_model(by_size, StreamOptions(stream=False, learn=False, mmap=True))
+    s = open_model(by_size, StreamOptions(stream=False, learn=False))
     assert s.model.watch.paths == [str(f) for f in shard_files(by_size)]
     s.populate()  # touches pages of every shard (it would fault on a bad mapping)
     last = shard_files(by_size)[-1]
