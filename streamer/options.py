@@ -61,7 +61,7 @@ class StreamOptions:
         if self.io not in set(IoMode):
             raise StreamerError(f"--io must be auto, direct or buffered, got {self.io!r}")
         object.__setattr__(self, "io", IoMode(self.io))
-        if self.mmap is False:  # every expert is in the copy: nothing to stream
+        if not self.mmap:  # every expert is in the copy: nothing to stream
             object.__setattr__(self, "stream", False)
         checks = (
             (self.ram_budget is not None and self.ram_budget <= 0, "--ram-budget must be positive", self.ram_budget),

@@ -338,22 +338,15 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
         )
 
 
-def whole_model_bytes(gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, n_ctx: int | None) -> int:
-    """What a process holding a copy of the model holds: the whole file, the KV cache of options.n_seq sequences,
-    the scratch, and the process as it stands (budget.process_baseline)."""
-    return gf.size + cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg) + process_baseline()
-
-
 def read_model_into_memory(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
-    """--no-mmap: check that the whole file, the KV cache, the scratch and the process fit the RAM budget (one error line
-    before any read if not: this memory cannot be paged out), then read the file into the process's memory
-    (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
+    """--no-mmap: check that the whole file, the KV cache, the scratch and the process as it stands
+    (budget.process_baseline) fit the RAM budget (one error line before any read if not: this memory cannot be
+    paged out), then read the file into the process's memory (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
     slow."""
-    need = whole_model_bytes(gf, cfg, options, n_ctx)
-    rest = need - gf.size
-    if need > budget:
+    rest = cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg) + process_baseline()
+    if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
         raise StreamerError(
             f"--no-mmap reads the whole model into memory: {human(gf.size)} plus {human(rest)} for the process, "
@@ -398,7 +391,7 @@ def open_model(
     if trace is not None and not cfg.is_moe:
         raise StreamerError(f"{gf.path} is a dense model: it has no experts, so there is no routing to trace")
     budget = run_budget(gf, cfg, options, n_ctx)  # once: every check below uses this figure
-    if options.mmap is not False:
+    if options.mmap:
         early = start_early_pagein(gf, cfg, options, budget, n_ctx, started_pagein)  # before the kernels load
     else:
         if started_pagein is not None:
