@@ -17,6 +17,7 @@ The integer matmul (kernels/int8.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, m > 1, where 
 x the same way, dx_g = max|x in g| / XA_MAX per group of 32 (16 for Q6_K): the same term with those dx_g.
 """
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -204,6 +205,30 @@ def test_extreme_scales(qtype, regime):
     _check(qtype, 33, _n_ins(qtype)[1], regime, seed=7)
 
 
+@pytest.mark.parametrize("rows", [15, 16])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.F16, T.F32], ids=lambda q: q.name)
+def test_f32_tiles_take_their_rows_from_the_scratch(qtype, rows):
+    """The f32 tile matmuls (block, half, f32) tile W by the scratch's rows, whatever gemm.TILE this CPU has
+    (16, or 15 for the 4x3 register block): 48 rows as 15 + 15 + 15 + 3 and as 16 + 16 + 16, each against the
+    oracle, and nothing written past the scratch."""
+    rng = np.random.default_rng(rows)
+    n_out, n_in, m = 48, 256, 6
+    data, raw = make_weight(qtype, n_out, n_in, rng)
+    deq = dequantize(raw, qtype).reshape(n_out, n_in)
+    k = SUPPORTED[qtype]
+    X = rng.standard_normal((m, n_in)).astype(np.float32)
+    out = np.full((m, n_out), np.nan, np.float32)
+    buf = np.full((2, rows, n_in), np.nan, np.float32)  # one thread's scratch (dispatch._tile_scratch), a guard
+    set_threads(1)
+    try:
+        k.matmul.specialise(k.fmt)(k.fmt, np.ascontiguousarray(data).view(k.view), X, out, buf[:1])
+    finally:
+        set_threads(numba.config.NUMBA_NUM_THREADS)
+    ref = X.astype(np.float64) @ deq.astype(np.float64).T
+    assert np.all(np.abs(out - ref) <= _tolerance(qtype, raw, deq, X))
+    assert np.isnan(buf[1]).all()  # nothing written past the scratch
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
 def test_readonly_memmap_view_is_used_in_place(tmp_path, qtype):
     rng = np.random.default_rng(3)
@@ -286,8 +311,6 @@ def test_rows_out_of_range_and_threads():
     try:
         assert q.matvec(np.ones(32, np.float32)).shape == (4,)
     finally:
-        import numba
-
         set_threads(numba.config.NUMBA_NUM_THREADS)
 
 

@@ -47,7 +47,7 @@ from ..formats import (
 )
 from ._bits import FASTMATH, kernel
 from .activations import group_sums, quantize_groups
-from .gemm import TILE, gemm_tile
+from .gemm import gemm_tile
 from .int8 import DECODE_ISA, DIGITS as INT8_DIGITS
 from .simd import (
     q4_0_deq,
@@ -446,10 +446,11 @@ def block_matvec(fmt, w, x, out, xq, aux):
 def block_matmul(fmt, w, X, out, scratch):
     n_out, rb = w.shape
     K = X.shape[1]
-    for t in prange((n_out + TILE - 1) // TILE):
+    tile = scratch.shape[1]  # gemm.TILE rows: the buffer's, not a constant numba's cache could hold stale
+    for t in prange((n_out + tile - 1) // tile):
         buf = scratch[numba.get_thread_id()]
-        r0 = t * TILE
-        nr = min(TILE, n_out - r0)
+        r0 = t * tile
+        nr = min(tile, n_out - r0)
         for j in range(nr):
             deq(fmt, w, (r0 + j) * rb, buf, j * K, K)
         gemm_tile(X, buf, 0, nr, out, r0)

@@ -11,7 +11,7 @@ import numpy as np
 from numba import prange
 
 from ._bits import FASTMATH, bf16_to_f32, copy_row, f16_to_f32, kernel
-from .gemm import TILE, gemm_tile
+from .gemm import gemm_tile
 from .specialise import format_kernel
 
 # ---- F32 -------------------------------------------------------------------------------
@@ -46,9 +46,10 @@ def f32_matvec(fmt, w, x, out, xq, aux):
 def f32_matmul(fmt, w, X, out, scratch):
     # No dequantization needed: the tile product reads W's rows in place.
     n_out = w.shape[0]
-    for t in prange((n_out + TILE - 1) // TILE):
-        r0 = t * TILE
-        gemm_tile(X, w, r0, min(TILE, n_out - r0), out, r0)
+    tile = scratch.shape[1]  # gemm.TILE rows (blocks.block_matmul)
+    for t in prange((n_out + tile - 1) // tile):
+        r0 = t * tile
+        gemm_tile(X, w, r0, min(tile, n_out - r0), out, r0)
 
 
 @format_kernel(every=True)
@@ -99,10 +100,11 @@ def half_row(bf, w, r, dst, j):
 @format_kernel("bf", every=True, parallel=True, fastmath=FASTMATH)
 def half_matmul(bf, w, X, out, scratch):
     n_out = w.shape[0]
-    for t in prange((n_out + TILE - 1) // TILE):
+    tile = scratch.shape[1]  # gemm.TILE rows (blocks.block_matmul)
+    for t in prange((n_out + tile - 1) // tile):
         buf = scratch[numba.get_thread_id()]
-        r0 = t * TILE
-        nr = min(TILE, n_out - r0)
+        r0 = t * tile
+        nr = min(tile, n_out - r0)
         for j in range(nr):
             half_row(bf, w, r0 + j, buf, j)
         gemm_tile(X, buf, 0, nr, out, r0)

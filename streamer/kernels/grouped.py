@@ -17,7 +17,7 @@ from numba import prange
 
 from ._bits import FASTMATH, fma32, kernel
 from .blocks import deq, dot, dot2, prepare
-from .gemm import TILE, gemm_tile
+from .gemm import gemm_tile
 from .specialise import format_kernel
 
 
@@ -94,7 +94,8 @@ def grouped_matmul(fmt, w, offs, row_bytes, X, starts, out, scratch):
     parts, g = offs.shape
     n = out.shape[2]
     K = X.shape[1]
-    nt = (n + TILE - 1) // TILE
+    tile = scratch.shape[1]  # gemm.TILE rows (blocks.block_matmul)
+    nt = (n + tile - 1) // tile
     for task in prange(parts * g * nt):
         j = task // (g * nt)
         rest = task - j * g * nt
@@ -104,8 +105,8 @@ def grouped_matmul(fmt, w, offs, row_bytes, X, starts, out, scratch):
         b = starts[i + 1]
         if b > a:
             buf = scratch[numba.get_thread_id()]
-            r0 = t * TILE
-            nr = min(TILE, n - r0)
+            r0 = t * tile
+            nr = min(tile, n - r0)
             for q in range(nr):
                 deq(fmt, w, offs[j, i] + (r0 + q) * row_bytes, buf, q * K, K)
             gemm_tile(X[a:b], buf, 0, nr, out[j, a:b], r0)
