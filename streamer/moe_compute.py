@@ -70,7 +70,7 @@ def _by_token(toks: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _int8_serves(fmt: int) -> bool:
     """The integer prefill kernel runs on this CPU (or is forced) and serves this format."""
-    return int8.ISA is not None and fmt in int8.CODES
+    return int8.serves(fmt)
 
 
 class ExpertRows(NamedTuple):

@@ -260,7 +260,8 @@ def _run_int8() -> None:
         w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         out = np.empty((2, N_OUT), np.float32)
         for isa in int8.usable_isas():
-            int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
+            if int8.serves(SUPPORTED[qtype].fmt, isa):
+                int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
     _run_int8_grouped(None, int8.usable_isas())
     _run_lanes(None, _lanes_isas())
 
@@ -275,7 +276,7 @@ def _run_int8_grouped(qtypes=None, isas=()) -> None:
         w = _readonly(np.zeros((N_OUT, N_IN // block * type_size), np.uint8))
         fmt = SUPPORTED[qtype].fmt
         act = int8.gather(int8.quantize(fmt, np.zeros((2, N_IN), np.float32)), np.array([0, 1, -1, -1], np.int64))
-        for isa in isas:
+        for isa in (i for i in isas if int8.serves(fmt, i)):
             flat = w.reshape(-1)  # read-only, as the file's mapping and the expert cache's arena view
             gu = np.empty((2, int8.N_TOK, N_OUT), np.float32)
             int8.grouped_matmul(
@@ -400,9 +401,10 @@ def compiles() -> int:
 
 def common_groups(qtypes) -> list[str]:
     """The groups `stream-run warmup` runs for COMMON_RECIPES' formats (recipe_formats): all but every ISA's
-    integer kernels (STREAM_RUN_ISA's other choice), and the f32 expert tiles only where no integer kernel runs
-    (every format of these mixes has one: MoEFFN.needs_tiles)."""
-    skip = {"int8"} | (set() if int8.ISA is None else {"expert-tiles"})
+    integer kernels (STREAM_RUN_ISA's other choice), and the f32 expert tiles only where some format of these
+    mixes has no integer kernel here (MoEFFN.needs_tiles: with VNNI every one has; AVX2's serves Q4_0 and Q4_K)."""
+    every = all(int8.serves(SUPPORTED[q].fmt) for q in qtypes & INT8)
+    skip = {"int8"} | ({"expert-tiles"} if every and int8.ISA is not None else set())
     return [g.name for g in groups(qtypes) if g.name not in skip]
 
 
@@ -453,7 +455,7 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
     prefill kernel where it serves them, the ops, and for a MoE the expert kernels (grouped_matmul if
     needs_tiles)."""
     qtypes = {m.qtype for m in model.matrices()}
-    int8_serves = set() if int8.ISA is None else qtypes & INT8  # their matmul is the integer kernel
+    int8_serves = {q for q in qtypes & INT8 if int8.serves(SUPPORTED[q].fmt)}  # their matmul is the integer kernel
     code = {q: SUPPORTED[q].fmt for q in qtypes | {model.embd.qtype}}  # each format's kernels (specialise.py)
     out = [SUPPORTED[q].matvec.specialise(code[q]) for q in qtypes]
     out += [SUPPORTED[q].matmul.specialise(code[q]) for q in qtypes - int8_serves]
@@ -480,7 +482,11 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
                 elif g.name in ("experts", "expert-tiles"):
                     out += [d.specialise(experts.FORMATS[q]) for q in sorted(experts_q) if q in experts.FORMATS]
                 elif g.name == "expert-int8":
-                    out += [d.specialise(SUPPORTED[q].fmt) for q in sorted(experts_q & INT8)]
+                    out += [
+                        d.specialise(SUPPORTED[q].fmt)
+                        for q in sorted(experts_q & INT8)
+                        if int8.serves(SUPPORTED[q].fmt)
+                    ]
     if not any(_lanes(q) for q in experts_q):  # lanes.grouped serves Q4_K experts only: never compiled otherwise
         lanes_k = set(_lanes_kernels(lanes.isas()))
         out = [d for d in out if d not in lanes_k]

@@ -1,5 +1,6 @@
-"""The int8 prefill matmul (kernels/int8.py, simd_i8.py) against gguf-py's dequantizer in float64, for both
-instruction sets: vpdpbusd (where the CPU has AVX512-VNNI) and the generic fallback, forced here explicitly.
+"""The int8 prefill matmul (kernels/int8.py, simd_i8.py) against gguf-py's dequantizer in float64, for every
+instruction set the CPU runs: vpdpbusd (AVX512-VNNI), vpmaddubsw (AVX2: Q4_0 and Q4_K) and the generic
+fallback, each forced here explicitly.
 The bound is test_kernels' formula with x rounded to int8 per group (derivation in simd_i8.py's docstring)."""
 
 import os
@@ -8,14 +9,19 @@ import sys
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 from test_kernels import _tolerance, make_weight
 
+from streamer.formats import FORMATS as F
 from streamer.kernels import QMatrix, int8
 from streamer.kernels.dispatch import INT8
 
 FORMATS = sorted(INT8, key=lambda t: t.name)
 ISAS = int8.usable_isas()
+# (format, instruction set) pairs where that set's kernel serves the format
+SERVED = [(q, isa) for q in FORMATS for isa in ISAS if int8.serves(F[q].code, isa)]
+SERVED_IDS = [f"{q.name}-{isa}" for q, isa in SERVED]
 
 
 def _case(qtype, n_out, n_in, m, regime, seed, isa, digits=2):
@@ -45,8 +51,7 @@ def _code(qtype):
 
 
 @pytest.mark.parametrize("digits", [2, 1])
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+@pytest.mark.parametrize("qtype,isa", SERVED, ids=SERVED_IDS)
 def test_int8_matmul_against_oracle(qtype, isa, digits):
     # partial tiles (n_out % 32), a token tail (m % 4), one and several tiles, Qwen3 widths
     for n_out, n_in, m in [(1, 256, 2), (33, 256, 5), (70, 768, 9), (64, 2048, 4), (40, 1024, 7)]:
@@ -55,14 +60,12 @@ def test_int8_matmul_against_oracle(qtype, isa, digits):
 
 @pytest.mark.parametrize("regime", ["extreme", "subnormal"])
 @pytest.mark.parametrize("digits", [2, 1])
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+@pytest.mark.parametrize("qtype,isa", SERVED, ids=SERVED_IDS)
 def test_int8_matmul_extreme_scales(qtype, isa, digits, regime):
     _case(qtype, 37, 512, 6, regime, 11, isa, digits)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
+@pytest.mark.parametrize("qtype,isa", SERVED, ids=SERVED_IDS)
 def test_one_digit_is_exact_for_its_own_rounded_x(qtype, isa):
     """With one digit, the product is W . xh to float32 rounding, xh = q dx the activations as quantize rounded them
     (the K-quant mins take the sums of xh, as ggml's bsums, not of x: the exact sums would add dmin m (sum x -
@@ -87,8 +90,6 @@ def test_one_digit_is_exact_for_its_own_rounded_x(qtype, isa):
 
 def test_two_digits_are_finer_than_one():
     """The default (int16 as two int8 digits) is far more accurate than ggml's int8 activations."""
-    from gguf import GGMLQuantizationType as T
-
     rng = np.random.default_rng(4)
     data, raw = make_weight(T.Q8_0, 64, 1024, rng)
     deq = dequantize(raw, T.Q8_0).reshape(64, 1024).astype(np.float64)
@@ -97,17 +98,19 @@ def test_two_digits_are_finer_than_one():
     err = {}
     for digits in (1, 2):
         out = np.empty((8, 64), np.float32)
-        int8.matmul(_code(T.Q8_0), QMatrix(data, T.Q8_0, 1024)._w, X, out, ISAS[-1], digits)
+        int8.matmul(_code(T.Q8_0), QMatrix(data, T.Q8_0, 1024)._w, X, out, "generic", digits)
         err[digits] = np.abs(out - ref).max()
     assert err[2] * 50 < err[1]
 
 
 @pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
-@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs only the generic kernel")
-@pytest.mark.parametrize("qtype", FORMATS, ids=[q.name for q in FORMATS])
-def test_vnni_and_generic_agree(qtype):
-    """Both form the same exact int32 sums; only the f32 steps may contract differently (an ulp or so)."""
-    a, b = (_case(qtype, 64, 1024, 8, "normal", 5, isa) for isa in ("vnni", "generic"))
+@pytest.mark.parametrize(
+    "qtype,isa", [(q, i) for q, i in SERVED if i != "generic"], ids=lambda v: getattr(v, "name", v)
+)
+def test_each_isa_and_generic_agree(qtype, isa):
+    """vpdpbusd, vpmaddubsw and the generic kernel form the same exact int32 sums; only the f32 steps may round
+    and contract differently (an ulp or so)."""
+    a, b = (_case(qtype, 64, 1024, 8, "normal", 5, i) for i in (isa, "generic"))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
 
 
@@ -129,9 +132,13 @@ def test_stream_run_isa_generic_forces_the_fallback():
 
 @pytest.mark.skipif(int8.ISA is None, reason="this CPU uses the f32 tiles")
 def test_qmatrix_matmul_uses_int8_for_its_formats():
-    """m > 1 on an int8 format goes through the int8 kernel: its output equals a direct call bit for bit."""
+    """m > 1 on a format this CPU's int8 kernel serves goes through it: its output equals a direct call bit for
+    bit; a direct call on a format that kernel does not serve (AVX2's: 8-bit codes) is refused."""
     rng = np.random.default_rng(2)
-    for qtype in FORMATS:
+    if int8.ISA == "avx2":
+        with pytest.raises(ValueError, match="avx2 integer kernel does not serve"):
+            int8.matmul(_code(T.Q8_0), np.zeros((32, 34), np.uint8), np.zeros((4, 32), np.float32), np.empty((4, 32)))
+    for qtype in (q for q in FORMATS if int8.serves(_code(q))):
         data, _ = make_weight(qtype, 40, 512, rng)
         q = QMatrix(data, qtype, 512)
         X = rng.standard_normal((6, 512)).astype(np.float32)

@@ -11,7 +11,7 @@ from streamer.kernels import int8, lanes
 # each ISA's row kernels, by the helper names its source calls
 CALLS = {
     "lanes": {"vnni": "_row_vnni", "avx2": "_row_avx2", "generic": "_row_generic"},
-    "int8": {"vnni": "_gemm_vnni", "generic": "_gemm_generic"},
+    "int8": {"vnni": "_gemm_vnni", "avx2": "_gemm_avx2", "generic": "_gemm_generic"},
 }
 KERNELS = {"lanes": lanes.GROUPED, "int8": {**int8.KERNELS, **{f"grouped-{k}": v for k, v in int8.GROUPED.items()}}}
 

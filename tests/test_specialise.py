@@ -70,7 +70,7 @@ def test_a_q8_0_model_compiles_only_q8_0_kernels(synth_model, preset):
     # a hybrid's layers have no one-call attention block: attn_block is never compiled for it (it was, for every
     # format, when its empty list of format tuples read as "not given")
     assert ("attn_block" in compiled) == (preset == "tiny-moe"), compiled
-    if int8.ISA is not None:  # the integer prefill matmul too (the Q8_0 attention matrices)
+    if int8.serves(SUPPORTED[T.Q8_0].fmt):  # the integer prefill matmul too (the Q8_0 attention matrices)
         assert f"KERNELS[{int8.ISA}]" in compiled, compiled
         # one quantize_act for both: the specialised matmul passes its group and offset as plain ints
         assert len(got["quantize_act"]) == 1 and "Literal" not in str(got["quantize_act"]), got["quantize_act"]

@@ -104,7 +104,7 @@ class QMatrix:
         self._fmt = k.fmt  # the kernels compiled for this format only (specialise.py)
         self._mv, self._mm, self._rw = (f.specialise(k.fmt) for f in (k.matvec, k.matmul, k.rows))
         self._xq, self._aux = _act_scratch(n_in, k.matvec is blocks.block_matvec)
-        self._i8 = qtype in INT8 and int8.ISA is not None
+        self._i8 = qtype in INT8 and int8.serves(k.fmt)
 
     @property
     def block(self) -> tuple[int, np.ndarray] | None:

@@ -19,23 +19,22 @@ from ._bits import FASTMATH, kernel
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _col_tail(X, T, t0, i, j, nr, out, c0):
-    """Columns j.. of rows i..i+3, one weight row at a time."""
-    m, K = X.shape
-    while j < nr:
-        a = t0 + j
-        s0 = s1 = s2 = s3 = np.float32(0)
-        for k in range(K):
-            w0 = T[a, k]
-            s0 += X[i, k] * w0
-            s1 += X[i + 1, k] * w0
-            s2 += X[i + 2, k] * w0
-            s3 += X[i + 3, k] * w0
-        out[i, c0 + j] = s0
-        out[i + 1, c0 + j] = s1
-        out[i + 2, c0 + j] = s2
-        out[i + 3, c0 + j] = s3
-        j += 1
+def _cols(t0, j, nr, n):
+    """The T rows of columns j..j+n-1 (4 values; those past n unused), each past the last column nr-1 replaced
+    by it: every output of a tile comes from the register block, whatever its column, so a row's dot has the
+    same bits at any position (a matrix cut in two, as qwen3next's ssm_in and attn_qkv + attn_gate, gives the
+    rows of one the bits of the other's). The repeated row's products are computed and not stored."""
+    last = t0 + nr - 1
+    return min(t0 + j, last), min(t0 + j + 1, last), min(t0 + j + 2, last), min(t0 + j + 3, last)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
+def _put4(out, i, c, s0, s1, s2, s3):
+    """Rows i..i+3 of output column c."""
+    out[i, c] = s0
+    out[i + 1, c] = s1
+    out[i + 2, c] = s2
+    out[i + 3, c] = s3
 
 
 @kernel(fastmath=FASTMATH, inline="always")
@@ -59,8 +58,8 @@ def gemm_tile_4x4(X, T, t0, nr, out, c0):
     i = 0
     while i + 4 <= m:
         j = 0
-        while j + 4 <= nr:
-            a = t0 + j
+        while j < nr:  # a last block of fewer columns repeats the last row (see _cols)
+            a0, a1, a2, a3 = _cols(t0, j, nr, 4)
             s00 = s01 = s02 = s03 = np.float32(0)
             s10 = s11 = s12 = s13 = np.float32(0)
             s20 = s21 = s22 = s23 = np.float32(0)
@@ -70,10 +69,10 @@ def gemm_tile_4x4(X, T, t0, nr, out, c0):
                 x1 = X[i + 1, k]
                 x2 = X[i + 2, k]
                 x3 = X[i + 3, k]
-                w0 = T[a, k]
-                w1 = T[a + 1, k]
-                w2 = T[a + 2, k]
-                w3 = T[a + 3, k]
+                w0 = T[a0, k]
+                w1 = T[a1, k]
+                w2 = T[a2, k]
+                w3 = T[a3, k]
                 s00 += x0 * w0
                 s01 += x0 * w1
                 s02 += x0 * w2
@@ -90,25 +89,14 @@ def gemm_tile_4x4(X, T, t0, nr, out, c0):
                 s31 += x3 * w1
                 s32 += x3 * w2
                 s33 += x3 * w3
-            c = c0 + j
-            out[i, c] = s00
-            out[i, c + 1] = s01
-            out[i, c + 2] = s02
-            out[i, c + 3] = s03
-            out[i + 1, c] = s10
-            out[i + 1, c + 1] = s11
-            out[i + 1, c + 2] = s12
-            out[i + 1, c + 3] = s13
-            out[i + 2, c] = s20
-            out[i + 2, c + 1] = s21
-            out[i + 2, c + 2] = s22
-            out[i + 2, c + 3] = s23
-            out[i + 3, c] = s30
-            out[i + 3, c + 1] = s31
-            out[i + 3, c + 2] = s32
-            out[i + 3, c + 3] = s33
+            _put4(out, i, c0 + j, s00, s10, s20, s30)
+            if j + 1 < nr:
+                _put4(out, i, c0 + j + 1, s01, s11, s21, s31)
+            if j + 2 < nr:
+                _put4(out, i, c0 + j + 2, s02, s12, s22, s32)
+            if j + 3 < nr:
+                _put4(out, i, c0 + j + 3, s03, s13, s23, s33)
             j += 4
-        _col_tail(X, T, t0, i, j, nr, out, c0)
         i += 4
     _row_tail(X, T, t0, i, nr, out, c0)
 
@@ -120,16 +108,16 @@ def gemm_tile_4x3(X, T, t0, nr, out, c0):
     i = 0
     while i + 4 <= m:
         j = 0
-        while j + 3 <= nr:
-            a = t0 + j
+        while j < nr:  # a last block of fewer columns repeats the last row (see _cols)
+            a0, a1, a2, _ = _cols(t0, j, nr, 3)
             s00 = s01 = s02 = np.float32(0)
             s10 = s11 = s12 = np.float32(0)
             s20 = s21 = s22 = np.float32(0)
             s30 = s31 = s32 = np.float32(0)
             for k in range(K):
-                w0 = T[a, k]
-                w1 = T[a + 1, k]
-                w2 = T[a + 2, k]
+                w0 = T[a0, k]
+                w1 = T[a1, k]
+                w2 = T[a2, k]
                 x0 = X[i, k]
                 s00 += x0 * w0
                 s01 += x0 * w1
@@ -146,21 +134,12 @@ def gemm_tile_4x3(X, T, t0, nr, out, c0):
                 s30 += x3 * w0
                 s31 += x3 * w1
                 s32 += x3 * w2
-            c = c0 + j
-            out[i, c] = s00
-            out[i, c + 1] = s01
-            out[i, c + 2] = s02
-            out[i + 1, c] = s10
-            out[i + 1, c + 1] = s11
-            out[i + 1, c + 2] = s12
-            out[i + 2, c] = s20
-            out[i + 2, c + 1] = s21
-            out[i + 2, c + 2] = s22
-            out[i + 3, c] = s30
-            out[i + 3, c + 1] = s31
-            out[i + 3, c + 2] = s32
+            _put4(out, i, c0 + j, s00, s10, s20, s30)
+            if j + 1 < nr:
+                _put4(out, i, c0 + j + 1, s01, s11, s21, s31)
+            if j + 2 < nr:
+                _put4(out, i, c0 + j + 2, s02, s12, s22, s32)
             j += 3
-        _col_tail(X, T, t0, i, j, nr, out, c0)
         i += 4
     _row_tail(X, T, t0, i, nr, out, c0)
 
@@ -170,7 +149,7 @@ gemm_tile = gemm_tile_4x4 if _WIDE else gemm_tile_4x3
 
 
 # Rows of W dequantized per tile: TILE rows x K f32 stay in L2 while all m activation rows pass. A multiple of the
-# register block's columns, so that no row of a full tile falls to the one-column tail: with 16 rows the 4x3 block
-# left one, and 15 ran 1.07-1.09x faster per FLOP (gemm_tile alone, m = 32, K = 1024-3072, one AMD EPYC Zen 4 core
-# with AVX2-only kernels, medians of 9 alternating rounds; 2026-12-07).
+# register block's columns, so that a full tile has no partial block: with 16 rows the 4x3 block left one row to
+# a one-column tail, and 15 ran 1.07-1.09x faster per FLOP (gemm_tile alone, m = 32, K = 1024-3072, one AMD EPYC
+# Zen 4 core with AVX2-only kernels, medians of 9 alternating rounds; 2026-12-07).
 TILE = 16 if _WIDE else 15

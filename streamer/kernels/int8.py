@@ -7,8 +7,10 @@ call, on activation rows quantized once (quantize, gather); each row's result eq
 
 Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's
 f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni" (vpdpbusd) when the CPU has
-AVX512-VNNI and AVX512-BW, else the f32 tiles; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32
-tiles. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from numba's
+AVX512-VNNI and AVX512-BW, else "avx2" (vpmaddubsw; Q4_0 and Q4_K, the others keep the f32 tiles) where it
+has AVX2; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32 tiles. On AVX2 the integer tiles run
+at the f32 tiles' speed with two digits and 1.34x it with one (the 0.6B Q4_K's 64-token prefill, 2026-12-07,
+AVX2-only kernels on an AMD EPYC Zen 4): the integer work per product is what one digit halves. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from numba's
 cache). The vnni ones are compiled per weight format (specialise.py): a Q8_0 file's first run compiles only Q8_0's
 tile unpacking and integer dots (i8_matmul's compile 7.2 s -> 3.9 s; 2026-12-06, AMD EPYC Zen 4, AVX-512/VNNI).
 """
@@ -29,6 +31,10 @@ from .simd_i8 import (
     N_TOK,
     ROWS,
     digits_i8,
+    gemm_avx2_1_32_0,
+    gemm_avx2_1_32_1,
+    gemm_avx2_2_32_0,
+    gemm_avx2_2_32_1,
     gemm_generic_1_16_0,
     gemm_generic_1_32_0,
     gemm_generic_1_32_1,
@@ -49,6 +55,9 @@ from .simd_i8 import (
 )
 
 CODES = (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)  # format codes (streamer.formats) the int8 path serves
+# AVX2's tile product (simd_i8._gemm_avx2_intrinsic) sums vpmaddubsw's int16 pairs over a group: exact for
+# 4-bit codes only; Q8_0's 8-bit codes would saturate them, Q5_K's and Q6_K's after a few steps
+AVX2_CODES = (Q4_0, Q4_K)
 # Activation levels per number of int8 digits: 127, or 127 * 256 + 127 (hi stays within int8).
 LEVELS = {1: 127, 2: 127 * 256 + 127}
 # Two digits (int16-fine) unless STREAM_RUN_ACT=int8 asks for ggml's one (faster, 257x coarser).
@@ -148,6 +157,19 @@ def _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
 
 
 @kernel(fastmath=FASTMATH, inline="always")
+def _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+    if digits == 2:
+        if fmt == Q4_K:
+            gemm_avx2_2_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+        else:  # Q4_0
+            gemm_avx2_2_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    elif fmt == Q4_K:
+        gemm_avx2_1_32_1(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+    else:
+        gemm_avx2_1_32_0(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)
+
+
+@kernel(fastmath=FASTMATH, inline="always")
 def _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
     if digits == 2:
         if fmt == Q4_K or fmt == Q5_K:
@@ -187,11 +209,15 @@ def _matmul_source(isa):
                 if nr == ROWS and i + N_TOK <= m:
                     if isa == "vnni":
                         _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                    elif isa == "avx2":
+                        _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
                     else:
                         _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
                 else:
                     if isa == "vnni":
                         _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                    elif isa == "avx2":
+                        _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
                     else:
                         _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
                     for a in range(min(N_TOK, m - i)):
@@ -243,11 +269,15 @@ def _grouped_source(isa):
                     if nr == ROWS:
                         if isa == "vnni":
                             _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
+                        elif isa == "avx2":
+                            _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
                         else:
                             _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
                     else:
                         if isa == "vnni":
                             _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
+                        elif isa == "avx2":
+                            _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
                         else:
                             _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
                         for r in range(N_TOK):
@@ -294,15 +324,18 @@ def decode_isa() -> str | None:
 
 
 def host_isa() -> str | None:
-    """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else None
-    (today's f32 tiles, which the generic kernel does not beat: 0.4-0.5x of them on this machine).
-    STREAM_RUN_ISA overrides: 'generic' forces the portable kernel, 'f32' the f32 tiles."""
+    """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else 'avx2'
+    where it has AVX2 (for AVX2_CODES' formats; the others keep the f32 tiles), else None (the f32 tiles, which
+    the generic kernel does not beat: 0.4-0.5x of them). STREAM_RUN_ISA overrides: 'generic' forces the portable
+    kernel, 'f32' the f32 tiles."""
     env = _isa_env()
     if env == "generic":
         return "generic"
     if env == "f32":
         return None
-    return "vnni" if host_has_vnni() else None
+    if host_has_vnni():
+        return "vnni"
+    return "avx2" if host_has_avx2() else None
 
 
 ISA = host_isa()
@@ -312,18 +345,25 @@ DECODE_ISA = decode_isa()
 # on both, would compile them four times (Q8_0, Q4_K, Q6_K, the rest) instead of once
 _OPT = {"parallel": True, "fastmath": FASTMATH}
 KERNELS = {
-    **isa_kernels(_matmul_source, ("vnni",), "i8_matmul", format_args=("fmt",), **_OPT),
+    **isa_kernels(_matmul_source, ("vnni", "avx2"), "i8_matmul", format_args=("fmt",), **_OPT),
     **isa_kernels(_matmul_source, ("generic",), "i8_matmul", **_OPT),
 }
 GROUPED = {
-    **isa_kernels(_grouped_source, ("vnni",), "i8_grouped", format_args=("fmt",), **_OPT),
+    **isa_kernels(_grouped_source, ("vnni", "avx2"), "i8_grouped", format_args=("fmt",), **_OPT),
     **isa_kernels(_grouped_source, ("generic",), "i8_grouped", **_OPT),
 }
 
 
 def usable_isas() -> list[str]:
-    """The kernels this CPU can run: the generic one always (STREAM_RUN_ISA=generic picks it), vnni if present."""
-    return ["generic"] + (["vnni"] if host_has_vnni() else [])
+    """The kernels this CPU can run: the generic one always (STREAM_RUN_ISA=generic picks it), avx2 and vnni
+    where the CPU has them."""
+    return ["generic"] + (["avx2"] if host_has_avx2() else []) + (["vnni"] if host_has_vnni() else [])
+
+
+def serves(fmt: int, isa: str | None = None) -> bool:
+    """Whether isa's integer kernel (default: ISA, the one this process uses) computes format fmt's matmuls."""
+    isa = isa or ISA
+    return isa is not None and fmt in (AVX2_CODES if isa == "avx2" else CODES)
 
 
 _tiles: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -346,7 +386,10 @@ def matmul(
     fmt: int, w: np.ndarray, X: np.ndarray, out: np.ndarray, isa: str | None = None, digits: int | None = None
 ) -> None:
     """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous); isa and digits
-    default to ISA and DIGITS."""
+    default to ISA and DIGITS. ValueError if isa's kernel does not serve the format (serves)."""
+    isa = isa or ISA or "generic"
+    if not serves(fmt, isa):
+        raise ValueError(f"the {isa} integer kernel does not serve format {fmt}")
     digits = digits or DIGITS
     m, K = X.shape
     ng = K // group_of(fmt)
@@ -355,7 +398,7 @@ def matmul(
     dx, xs, xc = np.empty((mp, ng), np.float32), np.empty((mp, ng), np.float32), np.empty((mp, ng), np.int32)
     for a in (xq, dx, xs, xc):
         a[m:] = 0
-    KERNELS[isa or ISA or "generic"](fmt, digits, w, X, out, (xq, dx, xs, xc), tuple(_scratch(K)))
+    KERNELS[isa](fmt, digits, w, X, out, (xq, dx, xs, xc), tuple(_scratch(K)))
 
 
 class Act(NamedTuple):
@@ -412,7 +455,11 @@ def grouped_matmul(
     row_bytes at byte offs[j, i] of the flat uint8 w), out[j, rstarts[i]:rstarts[i+1]] = the activation rows
     rstarts[i]..rstarts[i+1] of act (see quantize, gather; each expert's a multiple of N_TOK) . W_ji^T.
     Each row is what matmul gives for the same weights and activation row, bit for bit. The work items (j, i,
-    tile of ROWS rows) are split between the threads by their cost (a tile's unpacking plus its token blocks)."""
+    tile of ROWS rows) are split between the threads by their cost (a tile's unpacking plus its token blocks).
+    ValueError as matmul's."""
+    isa = isa or ISA or "generic"
+    if not serves(fmt, isa):
+        raise ValueError(f"the {isa} integer kernel does not serve format {fmt}")
     digits = digits or DIGITS
     parts, g = offs.shape
     n_out, K = out.shape[2], act.xq.shape[1] // digits
@@ -424,6 +471,4 @@ def grouped_matmul(
     bounds = np.searchsorted(cum, cum[-1] * np.arange(T + 1) / T, side="right") if len(cum) else np.zeros(T + 1)
     bounds = bounds.astype(np.int64)
     bounds[0], bounds[-1] = 0, len(cum)
-    GROUPED[isa or ISA or "generic"](
-        fmt, digits, w, offs, row_bytes, tuple(act), rstarts, bounds, out, tuple(_scratch(K))
-    )
+    GROUPED[isa](fmt, digits, w, offs, row_bytes, tuple(act), rstarts, bounds, out, tuple(_scratch(K)))

@@ -25,10 +25,11 @@ The bound per output (tests/test_int8.py, tests/test_kernels.py check it against
 with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound;
 float(isum) may round once per group, well inside gamma_n).
 
-Two instruction sets, chosen in Python (int8.py), never inside a cached kernel: "vnni" calls
-llvm.x86.avx512.vpdpbusd.512; "generic" is plain vector IR (i16 products summed in pairs: vpmaddwd on
-AVX2/AVX-512BW) that any LLVM target lowers. Both form the same exact int32 sums and then run the same f32
-code (LLVM may contract it differently: they agree to about an ulp, tests/test_int8.py).
+Three instruction sets, chosen in Python (int8.py), never inside a cached kernel: "vnni" calls
+llvm.x86.avx512.vpdpbusd.512; "avx2" (4-bit codes only: Q4_0, Q4_K) vpmaddubsw with int16 partial sums
+(_gemm_avx2_intrinsic); "generic" is plain vector IR (i16 products summed in pairs: vpmaddwd on
+AVX2/AVX-512BW) that any LLVM target lowers. All form the same exact int32 sums and then the same f32 step
+(rounded in their own order: they agree to about an ulp, tests/test_int8.py).
 """
 
 from llvmlite import ir
@@ -280,6 +281,32 @@ def _dp_generic(e, acc, w, x):
     return bb.add(acc, bb.add(e.shuffle(both, u, list(range(0, 32, 2))), e.shuffle(both, u, list(range(1, 32, 2)))))
 
 
+def _gemm_args_ok(tile, sc, mn, xq, dx, xs, xc, dst) -> bool:
+    """The tile products' argument types: C-contiguous arrays of these dtypes, xq two-dimensional."""
+    return (
+        _c_array(tile, types.uint8)
+        and _c_array(sc, types.float32)
+        and _c_array(mn, types.float32)
+        and _c_array(xq, types.int8)
+        and _c_array(dx, types.float32)
+        and _c_array(xs, types.float32)
+        and _c_array(xc, types.int32)
+        and _c_array(dst, types.float32)
+        and xq.ndim == 2
+    )
+
+
+def _gemm_bases(e, sig, args):
+    """A tile product's (tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld) as byte pointers, with xq's bytes per
+    token row: (tile, sc, mn, xq, xq row bytes, dx, xs, xc, dst)."""
+    xqa = e.c.make_array(sig.args[3])(e.c, e.b, args[3])
+    xrb = e.b.extract_value(xqa.shape, 1)
+    xqb = e.b.bitcast(xqa.data, I8.as_pointer())
+    tb, scb, mnb = (e.base(sig.args[i], args[i]) for i in range(3))
+    dxb, xsb, xcb = (e.base(sig.args[i], args[i]) for i in range(4, 7))
+    return tb, scb, mnb, xqb, xrb, dxb, xsb, xcb, e.base(sig.args[8], args[8])
+
+
 def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
     """Intrinsic `(tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld)`: for tokens t0..t0+n_tok-1 and the 32
     rows of the tile, dst[doff + t*ld + j] = row j . x_t (f32; ld = dst's row stride in elements).
@@ -288,30 +315,15 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
 
     @intrinsic
     def gemm(typingctx, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
-        if not (
-            _c_array(tile, types.uint8)
-            and _c_array(sc, types.float32)
-            and _c_array(mn, types.float32)
-            and _c_array(xq, types.int8)
-            and _c_array(dx, types.float32)
-            and _c_array(xs, types.float32)
-            and _c_array(xc, types.int32)
-            and _c_array(dst, types.float32)
-            and xq.ndim == 2
-        ):
+        if not _gemm_args_ok(tile, sc, mn, xq, dx, xs, xc, dst):
             return None
 
         def codegen(context, builder, sig, args):
             e = _Emit(context, builder)
             bb = builder
-            tile_, sc_, mn_, xq_, dx_, xs_, xc_, t0_, dst_, doff_, ld_ = args
-            tb, scb, mnb = e.base(sig.args[0], tile_), e.base(sig.args[1], sc_), e.base(sig.args[2], mn_)
-            xqa = context.make_array(sig.args[3])(context, builder, xq_)
-            xrb = builder.extract_value(xqa.shape, 1)  # bytes per token row of xq
+            t0_, doff_, ld_ = args[7], args[9], args[10]
+            tb, scb, mnb, xqb, xrb, dxb, xsb, xcb, db = _gemm_bases(e, sig, args)
             K = bb.udiv(xrb, ir.Constant(I64, digits))
-            xqb = bb.bitcast(xqa.data, I8.as_pointer())
-            dxb, xsb, xcb = e.base(sig.args[4], dx_), e.base(sig.args[5], xs_), e.base(sig.args[6], xc_)
-            db = e.base(sig.args[8], dst_)
             ng = bb.udiv(K, ir.Constant(I64, group))
             xrow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), xrb) for t in range(n_tok)]  # byte offsets of x_t
             grow = [bb.mul(bb.add(t0_, ir.Constant(I64, t)), ng) for t in range(n_tok)]  # group-array rows
@@ -375,6 +387,91 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
     return gemm
 
 
+def _gemm_avx2_intrinsic(has_min, digits):
+    """The tile product of _gemm_intrinsic (same arguments, same N_TOK tokens x 32 rows out) for AVX2 without
+    VNNI, for 4-bit codes (u <= 15: Q4_0, Q4_K) and groups of 32. Per pass, 2 tokens x 16 rows (two ymm of 8
+    rows x 4 bytes), over every group: per 4 elements one vpmaddubsw per ymm and digit (u8 x s8, adjacent pairs
+    summed into int16: |.| <= 2 * 15 * 128 = 3840), added in int16 over the group's 8 steps (|.| <= 30720: no
+    saturation, exact), then one vpmaddwd by 1 per digit into int32: the int32 group sums vpdpbusd forms, so the
+    same isum and the same f32 step as _gemm_intrinsic. Two passes' registers: 8 int16 sums, 4 f32 accumulators,
+    2 weight vectors and a broadcast. One token x 16 rows per pass ran at the f32 tiles' speed; 2 tokens at
+    1.0-1.1x them (two digits) and 1.3-1.4x (one digit): Q4_K, m = 32, 2 threads, AVX2-only kernels on an AMD
+    EPYC Zen 4 (2026-12-07)."""
+    steps, tp = 8, 2
+
+    @intrinsic
+    def gemm(typingctx, tile, sc, mn, xq, dx, xs, xc, t0, dst, doff, ld):
+        if not _gemm_args_ok(tile, sc, mn, xq, dx, xs, xc, dst):
+            return None
+
+        def codegen(context, builder, sig, args):
+            e = _Emit(context, builder)
+            bb = builder
+            c = lambda k: ir.Constant(I64, k)  # noqa: E731
+            t0_, doff_, ld_ = args[7], args[9], args[10]
+            tb, scb, mnb, xqb, xrb, dxb, xsb, xcb, db = _gemm_bases(e, sig, args)
+            ng = bb.udiv(bb.udiv(xrb, c(digits)), c(32))
+            mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+            mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
+            ones, eight = ir.Constant(V(I16, 16), [1] * 16), ir.Constant(V(I32, 8), [8] * 8)
+            z16, zf = ir.Constant(V(I16, 16), [0] * 16), ir.Constant(V(F32, 8), [0.0] * 8)
+
+            def one_pass(p, carried):  # tokens 2 (p // 2) and 2 (p // 2) + 1, rows 16 (p % 2) ..
+                pair, h = bb.udiv(p, c(2)), bb.urem(p, c(2))
+                toks = [bb.add(bb.mul(pair, c(tp)), c(u)) for u in range(tp)]
+                xrow = [bb.mul(bb.add(t0_, t), xrb) for t in toks]
+                grow = [bb.mul(bb.add(t0_, t), ng) for t in toks]
+                hoff = bb.mul(h, c(64))
+
+                def group(g, accs):
+                    sums = [[[z16, z16] for _ in range(digits)] for _ in range(tp)]
+                    for s in range(steps):
+                        chunk = bb.add(bb.mul(g, c(steps)), c(s))
+                        toff = bb.add(bb.mul(chunk, c(4 * ROWS)), hoff)
+                        ws = [e.load(tb, bb.add(toff, c(32 * i)), V(I8, 32), 1) for i in range(2)]
+                        for u in range(tp):
+                            x0 = bb.add(xrow[u], bb.mul(chunk, c(4 * digits)))
+                            for d in range(digits):  # d = 0: the hi digit (two digits) or the one digit
+                                xi = e.load(xqb, bb.add(x0, c(4 * d)), I32, 4)
+                                xv = bb.bitcast(e.splat(xi, 8), V(I8, 32))
+                                for i in range(2):
+                                    sums[u][d][i] = bb.add(sums[u][d][i], bb.call(mub, [ws[i], xv]))
+                    goff = bb.add(bb.mul(g, c(4 * ROWS)), hoff)
+                    scv = [e.load(scb, bb.add(goff, c(32 * i)), V(F32, 8), 4) for i in range(2)]
+                    mnv = [e.load(mnb, bb.add(goff, c(32 * i)), V(F32, 8), 4) for i in range(2)] if has_min else None
+                    new = []
+                    for u in range(tp):
+                        gi = bb.mul(bb.add(grow[u], g), c(4))
+                        corr = e.splat(e.load(xcb, gi, I32, 4), 8)
+                        dxs = e.splat(e.load(dxb, gi, F32, 4), 8)
+                        xss = e.splat(e.load(xsb, gi, F32, 4), 8) if has_min else None
+                        for i in range(2):
+                            w32 = [bb.call(mwd, [sums[u][d][i], ones]) for d in range(digits)]
+                            isum = w32[0] if digits == 1 else bb.add(bb.shl(w32[0], eight), w32[1])
+                            f = bb.sitofp(bb.add(isum, corr), V(F32, 8))
+                            a = e.fma(accs[2 * u + i], f, bb.fmul(scv[i], dxs, flags=("fast",)))
+                            if has_min:
+                                a = bb.fsub(a, bb.fmul(mnv[i], xss, flags=("fast",)), flags=("fast",))
+                            new.append(a)
+                    return new
+
+                accs = e.loop(ng, [zf] * (2 * tp), group)
+                for u in range(tp):
+                    row = bb.add(doff_, bb.mul(toks[u], ld_))
+                    for i in range(2):
+                        at = bb.mul(bb.add(row, bb.add(bb.mul(h, c(16)), c(8 * i))), c(4))
+                        bb.store(accs[2 * u + i], e.ptr(db, at, V(F32, 8)), align=4)
+                return carried
+
+            e.loop(c(2 * (N_TOK // tp)), [], one_pass)
+            return context.get_dummy_value()
+
+        sig = types.none(tile, sc, mn, xq, dx, xs, xc, types.int64, dst, types.int64, types.int64)
+        return sig, codegen
+
+    return gemm
+
+
 N_TOK = 4  # tokens per register block: 2 x 4 int32 + 2 x 4 f32 accumulators + 2 weight vectors
 
 # gemm_<isa>_<digits>_<group>_<mins>: the variants int8.py's kernels pick from (module globals for numba).
@@ -382,6 +479,9 @@ for _isa, _dp in (("vnni", _dp_vnni), ("generic", _dp_generic)):
     for _d in (1, 2):
         for _g, _m in ((32, 0), (32, 1), (16, 0)):
             globals()[f"gemm_{_isa}_{_d}_{_g}_{_m}"] = _gemm_intrinsic(N_TOK, _g, _m, _dp, _d)
+for _d in (1, 2):  # AVX2 without VNNI: Q4_0 and Q4_K only (codes <= 15, groups of 32)
+    for _m in (0, 1):
+        globals()[f"gemm_avx2_{_d}_32_{_m}"] = _gemm_avx2_intrinsic(_m, _d)
 
 
 # ---- activation digits: one 32-element group per call, vectorized (simd_vnni's quantizers use them too) --
