@@ -61,7 +61,8 @@ def main() -> None:
             out = np.empty((args.m, n_out), np.float32)
             fns = {"f32": partial(blocks.block_matmul, code, w, X, out, _tile_scratch(n_in))}
             for isa, d in isas:
-                fns[isa, d] = partial(int8.matmul, code, w, X, out, isa, d)
+                if int8.serves(code, isa):  # avx2: Q4_0 and Q4_K only
+                    fns[isa, d] = partial(int8.matmul, code, w, X, out, isa, d)
             for f in fns.values():
                 f()  # compile / warm
             best = dict.fromkeys(fns, float("inf"))
@@ -73,8 +74,10 @@ def main() -> None:
             flop, nbytes = 2 * args.m * n_out * n_in, w.nbytes
             cells = [f"{flop / best['f32'] / 1e9:8.0f} {nbytes / best['f32'] / 1e9:6.2f}"]
             for key in isas:
-                t = best[key]
-                cells.append(f"{flop / t / 1e9:14.0f} {nbytes / t / 1e9:6.2f} {best['f32'] / t:6.2f}")
+                t = best.get(key)
+                cells.append(
+                    f"{flop / t / 1e9:14.0f} {nbytes / t / 1e9:6.2f} {best['f32'] / t:6.2f}" if t else f"{'-':>28}"
+                )
             print(f"{name:6} {shape:>10} | " + " | ".join(cells), flush=True)
 
 

@@ -19,8 +19,8 @@ from ._bits import FASTMATH, kernel
 
 
 @kernel(fastmath=FASTMATH, inline="always")
-def _cols(t0, j, nr, n):
-    """The T rows of columns j..j+n-1 (4 values; those past n unused), each past the last column nr-1 replaced
+def _cols(t0, j, nr):
+    """The T rows of columns j..j+3 (the 4x3 block uses the first three), each past the last column nr-1 replaced
     by it: every output of a tile comes from the register block, whatever its column, so a row's dot has the
     same bits at any position (a matrix cut in two, as qwen3next's ssm_in and attn_qkv + attn_gate, gives the
     rows of one the bits of the other's). The repeated row's products are computed and not stored."""
@@ -59,7 +59,7 @@ def gemm_tile_4x4(X, T, t0, nr, out, c0):
     while i + 4 <= m:
         j = 0
         while j < nr:  # a last block of fewer columns repeats the last row (see _cols)
-            a0, a1, a2, a3 = _cols(t0, j, nr, 4)
+            a0, a1, a2, a3 = _cols(t0, j, nr)
             s00 = s01 = s02 = s03 = np.float32(0)
             s10 = s11 = s12 = s13 = np.float32(0)
             s20 = s21 = s22 = s23 = np.float32(0)
@@ -109,7 +109,7 @@ def gemm_tile_4x3(X, T, t0, nr, out, c0):
     while i + 4 <= m:
         j = 0
         while j < nr:  # a last block of fewer columns repeats the last row (see _cols)
-            a0, a1, a2, _ = _cols(t0, j, nr, 3)
+            a0, a1, a2, _ = _cols(t0, j, nr)
             s00 = s01 = s02 = np.float32(0)
             s10 = s11 = s12 = np.float32(0)
             s20 = s21 = s22 = np.float32(0)
@@ -149,7 +149,7 @@ gemm_tile = gemm_tile_4x4 if _WIDE else gemm_tile_4x3
 
 
 # Rows of W dequantized per tile: TILE rows x K f32 stay in L2 while all m activation rows pass. A multiple of the
-# register block's columns, so that a full tile has no partial block: with 16 rows the 4x3 block left one row to
-# a one-column tail, and 15 ran 1.07-1.09x faster per FLOP (gemm_tile alone, m = 32, K = 1024-3072, one AMD EPYC
-# Zen 4 core with AVX2-only kernels, medians of 9 alternating rounds; 2026-12-07).
+# register block's columns, so that a full tile has no partial block: 16 rows left the 4x3 block one row (then
+# to a one-column tail), and 15 ran 1.07-1.09x faster per FLOP (gemm_tile alone, m = 32, K = 1024-3072, one AMD
+# EPYC Zen 4 core with AVX2-only kernels, medians of 9 alternating rounds; 2026-12-07).
 TILE = 16 if _WIDE else 15
