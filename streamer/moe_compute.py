@@ -68,11 +68,6 @@ def _by_token(toks: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
     return perm, np.searchsorted(toks[perm], np.arange(m + 1))
 
 
-def _int8_serves(fmt: int) -> bool:
-    """The integer prefill kernel runs on this CPU (or is forced) and serves this format."""
-    return int8.serves(fmt)
-
-
 class ExpertRows(NamedTuple):
     """How the multi-expert decode kernels read one layer's experts: format code and bytes per row."""
 
@@ -93,7 +88,7 @@ def expert_rows(parts) -> ExpertRows | None:
 def needs_tiles(plans) -> bool:
     """Whether a prefill may call grouped_matmul: some layer's expert format is one the integer kernel does not
     serve here (warm-up compiles grouped_matmul only then)."""
-    return any(p is not None and not (_int8_serves(p.gate_up_format) and _int8_serves(p.down_format)) for p in plans)
+    return any(p is not None and not (int8.serves(p.gate_up_format) and int8.serves(p.down_format)) for p in plans)
 
 
 @dataclass
@@ -197,9 +192,9 @@ class Fused:
         lanes_out = np.zeros_like(out) if (kind == 1).any() else None
         big_out = np.zeros_like(out) if (kind == 2).any() else None
         hq = None  # h quantized once for the integer kernels and the lanes, for all of the layer's larger experts
-        if (kind == 1).any() or ((kind == 2).any() and _int8_serves(plan.gate_up_format)):
+        if (kind == 1).any() or ((kind == 2).any() and int8.serves(plan.gate_up_format)):
             hq = int8.quantize(plan.gate_up_format, h)
-        hq_mm = hq if _int8_serves(plan.gate_up_format) else None  # None: the f32 tiles (the lanes' ISA only)
+        hq_mm = hq if int8.serves(plan.gate_up_format) else None  # None: the f32 tiles (the lanes' ISA only)
 
         def compute(start, group, mats):
             for k in range(3):
@@ -275,7 +270,7 @@ class Fused:
             )
         a = ops.swiglu_rows(gu[0], gu[1], gu[0])  # zero on the padding rows
         y = np.empty((1, R, h.shape[1]), np.float32)
-        if _int8_serves(plan.down_format):
+        if int8.serves(plan.down_format):
             aq = int8.quantize(plan.down_format, a)
             int8.grouped_matmul(plan.down_format, base, down_offs, plan.down_row_bytes, aq, rstarts, y)
         else:

@@ -10,8 +10,8 @@ f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni
 AVX512-VNNI and AVX512-BW, else "avx2" (vpmaddubsw; Q4_0 and Q4_K, the others keep the f32 tiles) where it
 has AVX2; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32 tiles. On AVX2 the integer tiles run
 at the f32 tiles' speed with two digits and 1.34x it with one (the 0.6B Q4_K's 64-token prefill, 2026-12-07,
-AVX2-only kernels on an AMD EPYC Zen 4): the integer work per product is what one digit halves. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from numba's
-cache). The vnni ones are compiled per weight format (specialise.py): a Q8_0 file's first run compiles only Q8_0's
+AVX2-only kernels on an AMD EPYC Zen 4): the integer work per product is what one digit halves. Each is its own
+cached kernel (a choice made inside a cached kernel would be served stale from numba's cache). The vnni ones are compiled per weight format (specialise.py): a Q8_0 file's first run compiles only Q8_0's
 tile unpacking and integer dots (i8_matmul's compile 7.2 s -> 3.9 s; 2026-12-06, AMD EPYC Zen 4, AVX-512/VNNI).
 """
 
@@ -206,20 +206,15 @@ def _matmul_source(isa):
             _decode(fmt, w, r0, n_out - 1, tile, sc, mn, K)
             nr = min(ROWS, n_out - r0)
             for i in range(0, m, N_TOK):  # xq and the rest have zero rows up to a multiple of N_TOK
-                if nr == ROWS and i + N_TOK <= m:
-                    if isa == "vnni":
-                        _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
-                    elif isa == "avx2":
-                        _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
-                    else:
-                        _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, out, i * n_out + r0, n_out)
+                full = nr == ROWS and i + N_TOK <= m  # else into ob, then the rows and columns that exist
+                d, doff, ld = (out, i * n_out + r0, n_out) if full else (ob, 0, ROWS)
+                if isa == "vnni":
+                    _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, d, doff, ld)
+                elif isa == "avx2":
+                    _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, d, doff, ld)
                 else:
-                    if isa == "vnni":
-                        _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                    elif isa == "avx2":
-                        _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
-                    else:
-                        _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, ob, 0, ROWS)
+                    _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i, d, doff, ld)
+                if not full:
                     for a in range(min(N_TOK, m - i)):
                         for j in range(nr):
                             out[i + a, r0 + j] = ob[a, j]
@@ -266,20 +261,15 @@ def _grouped_source(isa):
                 _decode(fmt, _weights(w, offs[j, i], n_out, row_bytes), r0, n_out - 1, tile, sc, mn, K)
                 dst = out[j]
                 for i0 in range(a, b, N_TOK):
-                    if nr == ROWS:
-                        if isa == "vnni":
-                            _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
-                        elif isa == "avx2":
-                            _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
-                        else:
-                            _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, dst, i0 * n_out + r0, n_out)
+                    full = nr == ROWS  # else into ob, then the columns that exist
+                    d, doff, ld = (dst, i0 * n_out + r0, n_out) if full else (ob, 0, ROWS)
+                    if isa == "vnni":
+                        _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, d, doff, ld)
+                    elif isa == "avx2":
+                        _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, d, doff, ld)
                     else:
-                        if isa == "vnni":
-                            _gemm_vnni(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
-                        elif isa == "avx2":
-                            _gemm_avx2(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
-                        else:
-                            _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, ob, 0, ROWS)
+                        _gemm_generic(fmt, digits, tile, sc, mn, xq, dx, xs, xc, i0, d, doff, ld)
+                    if not full:
                         for r in range(N_TOK):
                             for c in range(nr):
                                 dst[i0 + r, r0 + c] = ob[r, c]
@@ -360,6 +350,14 @@ def usable_isas() -> list[str]:
     return ["generic"] + (["avx2"] if host_has_avx2() else []) + (["vnni"] if host_has_vnni() else [])
 
 
+def _served_isa(fmt: int, isa: str | None) -> str:
+    """isa, or ISA, or the generic kernel; ValueError if that kernel does not serve fmt."""
+    isa = isa or ISA or "generic"
+    if not serves(fmt, isa):
+        raise ValueError(f"the {isa} integer kernel does not serve format {fmt}")
+    return isa
+
+
 def serves(fmt: int, isa: str | None = None) -> bool:
     """Whether isa's integer kernel (default: ISA, the one this process uses) computes format fmt's matmuls."""
     isa = isa or ISA
@@ -387,9 +385,7 @@ def matmul(
 ) -> None:
     """out[m, n_out] = X[m, K] . w^T for a block format in CODES (X, out f32 C-contiguous); isa and digits
     default to ISA and DIGITS. ValueError if isa's kernel does not serve the format (serves)."""
-    isa = isa or ISA or "generic"
-    if not serves(fmt, isa):
-        raise ValueError(f"the {isa} integer kernel does not serve format {fmt}")
+    isa = _served_isa(fmt, isa)
     digits = digits or DIGITS
     m, K = X.shape
     ng = K // group_of(fmt)
@@ -457,9 +453,7 @@ def grouped_matmul(
     Each row is what matmul gives for the same weights and activation row, bit for bit. The work items (j, i,
     tile of ROWS rows) are split between the threads by their cost (a tile's unpacking plus its token blocks).
     ValueError as matmul's."""
-    isa = isa or ISA or "generic"
-    if not serves(fmt, isa):
-        raise ValueError(f"the {isa} integer kernel does not serve format {fmt}")
+    isa = _served_isa(fmt, isa)
     digits = digits or DIGITS
     parts, g = offs.shape
     n_out, K = out.shape[2], act.xq.shape[1] // digits
