@@ -299,8 +299,8 @@ def _run_lanes(qtypes=None, isas=()) -> None:
 
 
 def _lanes(qtype) -> bool:
-    """lanes.grouped serves this format (two activation digits)."""
-    return qtype == T.Q4_K and int8.DIGITS == 2
+    """lanes.grouped serves this format."""
+    return qtype == T.Q4_K
 
 
 def _lanes_isas() -> list[str]:
@@ -309,7 +309,7 @@ def _lanes_isas() -> list[str]:
 
 
 def _lanes_kernels(isas) -> tuple:
-    if int8.DIGITS != 2 or not isas:
+    if not isas:
         return ()
     packs = ((lanes.pack,) if set(isas) - {"amx"} else ()) + ((lanes.pack_amx,) if "amx" in isas else ())
     return tuple(lanes.GROUPED[i] for i in isas) + packs

@@ -250,15 +250,17 @@ def _qmatrix_script():
     )
 
 
-@pytest.mark.parametrize("isa,act", [("generic", ""), ("", ""), ("", "int8"), ("generic", "int8")])
+@pytest.mark.parametrize("isa,act", [("generic", ""), ("", ""), ("", "int8"), ("", "int16"), ("generic", "int8")])
 def test_stream_run_isa_picks_the_decode_path(isa, act):
     """STREAM_RUN_ISA=generic: QMatrix.matvec runs the int16 row dot (same bits as calling it explicitly); by
-    default the two-digit path where the CPU has VNNI or AVX2, and with STREAM_RUN_ACT=int8 the one-digit path."""
+    default the two-digit path where the CPU has VNNI, the one-digit path where it has AVX2 only;
+    STREAM_RUN_ACT=int8 asks for one digit, =int16 for two."""
     env = dict(os.environ, STREAM_RUN_ISA=isa, STREAM_RUN_ACT=act)
     p = subprocess.run([sys.executable, "-c", _qmatrix_script()], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     digits = DIGITS_CPU and isa == ""
-    dtype = ("uint8" if act else "int8") if digits else "int16"
+    one = act == "int8" or (act == "" and not VNNI)
+    dtype = ("uint8" if one else "int8") if digits else "int16"
     assert p.stdout.split() == [str(digits), dtype, "True"]
 
 

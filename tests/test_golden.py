@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -197,3 +200,54 @@ def _run_and_compare(name, tmp_path_factory, streamed: bool):
     assert ours.shape == theirs.shape
     bad, stats = compare(ours, theirs, _tol_for(args))
     assert not bad, f"{name} vs llama.cpp {_META['llama']['versions']}: " + "; ".join(bad) + f" | {stats}"
+
+
+# The golden models' forward in a process whose activations are one int8 digit (ggml's grid: AVX2's default;
+# this process runs two, conftest.py)
+# and, for the MoE models, streamed through a small expert cache (argv: a JSON {name: cache bytes})
+_ONE_DIGIT = """
+import json, sys
+import numpy as np
+from streamer.kernels import int8
+from streamer.options import StreamOptions
+from streamer.session import open_model
+assert int8.DIGITS == 1, int8.DIGITS
+d, tokens, streamed = sys.argv[1], np.asarray(json.loads(sys.argv[2]), np.int64), json.loads(sys.argv[3])
+def logits(s):
+    return np.asarray(s.model.forward(tokens, s.model.new_state(), all_logits=True), np.float32)
+out = {}
+for name in sys.argv[4:]:
+    out[name] = logits(open_model(f"{d}/{name}.gguf"))
+    if name in streamed:
+        opts = StreamOptions(expert_cache_bytes=streamed[name], learn=False)
+        out[name + ".streamed"] = logits(open_model(f"{d}/{name}.gguf", opts))
+np.savez(f"{d}/logits.npz", **out)
+"""
+
+
+@pytest.fixture(scope="module")
+def one_digit_logits(tmp_path_factory):
+    d = tmp_path_factory.mktemp("golden-one-digit")
+    for name, rec in _META["models"].items():
+        _check_same_file(_write(d / f"{name}.gguf", rec["writer_args"]), name, rec)
+    streamed = {name: _small_expert_cache(d / f"{name}.gguf") for name in MOE_NAMES}
+    env = dict(os.environ, STREAM_RUN_ACT="int8")
+    argv = [sys.executable, "-c", _ONE_DIGIT, str(d), json.dumps(_META["tokens"]), json.dumps(streamed), *MODEL_NAMES]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return np.load(d / "logits.npz")
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_one_digit_logits_match_llama_cpp(name, one_digit_logits):
+    """Activations as one int8 digit per element (STREAM_RUN_ACT=int8, AVX2's default) meet the same bounds
+    against llama.cpp's logits as the default two digits."""
+    ours, theirs = one_digit_logits[name], _Z[f"{name}.logits"]
+    assert ours.shape == theirs.shape
+    bad, stats = compare(ours, theirs, _tol_for(_META["models"][name]["writer_args"]))
+    assert not bad, f"{name}, one digit, vs llama.cpp: " + "; ".join(bad) + f" | {stats}"
+
+
+@pytest.mark.parametrize("name", MOE_NAMES)
+def test_one_digit_streamed_equals_resident(name, one_digit_logits):
+    np.testing.assert_array_equal(one_digit_logits[name + ".streamed"], one_digit_logits[name])

@@ -11,8 +11,8 @@ at most n_in * 2^-149.
 The block-format matvecs quantize x to int16 per group of G elements (activations.py):
 x_k ~ xq_k * dx_g with dx_g = max|x in g| / XQ_MAX and |x_k - xq_k dx_g| <= dx_g/2 + 4u|x_k|,
 which adds sum_k A_k (dx_g/2 + 4u|x_k|) to the bound (the matmul tile path uses x exactly). Where the CPU has
-AVX512-VNNI, Q4_K's matvec (simd_vnni.py) holds x as two int8 digits per group of 32, dx_g = max|x in g| / XD_MAX:
-the same term with those dx_g.
+AVX512-VNNI or AVX2, Q4_K's matvec (simd_vnni.py) holds x as int8 digits per group of 32, dx_g = max|x in g| /
+XD_MAX with two (VNNI), / XD1_MAX with one (AVX2): the same term with those dx_g.
 The integer matmul (kernels/int8.py: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, m > 1, where the CPU has VNNI) quantizes
 x the same way, dx_g = max|x in g| / XA_MAX per group of 32 (16 for Q6_K): the same term with those dx_g.
 """
@@ -26,7 +26,7 @@ from gguf.quants import dequantize
 import streamer.formats
 from streamer.errors import StreamerError
 from streamer.kernels import SUPPORTED, QMatrix, blocks, set_threads
-from streamer.kernels.activations import XD_MAX, XQ_MAX
+from streamer.kernels.activations import XD1_MAX, XD_MAX, XQ_MAX
 from streamer.kernels.dispatch import INT8
 from streamer.kernels.int8 import ISA as INT8_ISA, XA_MAX, group_of
 
@@ -130,11 +130,11 @@ def _magnitude(qtype, raw, deq):
 
 def activation_grid(qtype, m):
     """(group, levels) of the activation quantization the kernel for m rows uses, or None if x is used as f32:
-    int16 per act_group for matvec (m == 1), or two int8 digits per 32 for the formats with a vpdpbusd row dot
-    where the CPU has it (blocks.DIGITS); int8 per group_of(fmt) for the int8 matmul."""
+    int16 per act_group for matvec (m == 1), or int8 digits per 32 for the formats with a digit row dot where the
+    CPU has one (blocks.DIGITS; one digit with blocks.ONE_DIGIT); int8 per group_of(fmt) for the int8 matmul."""
     if m == 1:
         if blocks.DIGITS and SUPPORTED[qtype].fmt in blocks.DIGIT_CODES and SUPPORTED[qtype].act_group:
-            return (32, XD_MAX)
+            return (32, XD1_MAX if blocks.ONE_DIGIT else XD_MAX)
         return (SUPPORTED[qtype].act_group, XQ_MAX) if SUPPORTED[qtype].act_group else None
     return (group_of(SUPPORTED[qtype].fmt), XA_MAX) if qtype in INT8 and INT8_ISA else None
 
@@ -240,8 +240,9 @@ def test_readonly_memmap_view_is_used_in_place(tmp_path, qtype):
     q = QMatrix(view, qtype, n_in, name="w")
     assert np.shares_memory(q._w, view)
     x = rng.standard_normal(n_in).astype(np.float32)
-    ref = dequantize(raw, qtype).reshape(5, n_in).astype(np.float64) @ x
-    np.testing.assert_allclose(q.matvec(x), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    deq = dequantize(raw, qtype).reshape(5, n_in)
+    err = np.abs(q.matvec(x) - deq.astype(np.float64) @ x)
+    assert np.all(err <= _tolerance(qtype, raw, deq, x[None], activation_grid(qtype, 1))[0])
 
 
 def test_bf16_accepts_uint16_view():

@@ -42,6 +42,6 @@ def group_sums(x, xs, group):
 
 # Two int8 digits per activation (q = 256 hi + lo, both within int8): the decode row dots of simd_vnni.py.
 XD_MAX = 127 * 256 + 127
-# One int8 digit per activation (STREAM_RUN_ACT=int8: ggml's q8 grid, per 32 elements): simd_vnni's dots, given
+# One int8 digit per activation (AVX2's default, or STREAM_RUN_ACT=int8: ggml's q8 grid, per 32 elements): simd_vnni's dots, given
 # the digits as a uint8 buffer.
 XD1_MAX = 127

@@ -179,7 +179,7 @@ DIGIT_CODES = (Q4_K,)
 # Decode with int8 digits where the CPU has AVX512-VNNI or AVX2 (int8.decode_isa: STREAM_RUN_ISA=generic or f32 keep
 # the int16 path). Chosen here, in Python: act_buffer's dtype picks the compiled kernel version (see prepare).
 DIGITS = DECODE_ISA is not None
-# ... and one digit per element instead of two where STREAM_RUN_ACT=int8 (int8.DIGITS == 1, as prefill): the
+# ... and one digit per element instead of two where int8.DIGITS == 1 (AVX2, or STREAM_RUN_ACT=int8): the
 # buffer's bytes typed uint8. ggml's q8 grid (127 levels, here per 32 elements): faster, 257x coarser.
 ONE_DIGIT = DIGITS and INT8_DIGITS == 1
 

@@ -247,8 +247,14 @@ def host_isa() -> str | None:
 
 
 def ready() -> bool:
-    """lanes.grouped runs here: an instruction set for it (host_isa) and activations in two int8 digits."""
-    return host_isa() is not None and int8.DIGITS == 2
+    """lanes.grouped runs here: an instruction set for it (host_isa)."""
+    return host_isa() is not None
+
+
+def quantize(fmt: int, X: np.ndarray) -> int8.Act:
+    """X's rows as lanes.grouped takes them: two int8 digits each, whatever int8.DIGITS (where the other kernels
+    take one, on AVX2, a layer's lanes and matmul experts each quantize its input once)."""
+    return int8.quantize(fmt, X, digits=2)
 
 
 def best_isa(isa: str | None) -> str | None:
@@ -285,7 +291,7 @@ def grouped(
     isa: str,
 ) -> None:
     """For part j and expert i (out.shape[2] Q4_K rows of row_bytes at byte offs[j, i] of the flat uint8 w):
-    out[j, starts[i] + t] = W_ji . (activation row rows[starts[i] + t] of act, int8.quantize's with 2 digits),
+    out[j, starts[i] + t] = W_ji . (activation row rows[starts[i] + t] of act, lanes.quantize's),
     for t < starts[i+1] - starts[i] <= MAX_TOKENS. isa: 'vnni' or 'generic'."""
     parts, g = offs.shape
     n_out = out.shape[2]

@@ -17,7 +17,7 @@ groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^30), d
 the final tree sum: the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py checks it
 against gguf-py's dequantizer in float64).
 
-One digit (STREAM_RUN_ACT=int8, the buffer's bytes typed uint8) keeps simd_vnni's body and grid, with _dp_avx2.
+One digit (the default on AVX2, or STREAM_RUN_ACT=int8; the buffer's bytes typed uint8) keeps simd_vnni's body and grid, with _dp_avx2.
 """
 
 from functools import partial

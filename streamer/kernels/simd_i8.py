@@ -9,11 +9,11 @@ f16 scales and small integers; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_
 
 x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantize_act). q has two int8
 digits, q = 256 hi + lo (XA_MAX = 127 * 256 + 127 = 32639): two vpdpbusd per 4 elements give sum(u * hi)
-and sum(u * lo), combined exactly as 256 * the first + the second. (One digit, opt-in with
-STREAM_RUN_ACT=int8, is ggml's q8_0 activation, q int8 itself, XA_MAX = 127: about twice as fast, but 257x
-coarser; on the tiny test models it misses tests/test_model.py's 1e-2 max-error bound against the float64
-forward (0.7-1.2% by format; the float64 forward with its inputs rounded to that grid errs as much), so it is
-not the default. Its K-quant mins take the sums of the rounded x, as ggml's q8_K bsums: with the exact sums
+and sum(u * lo), combined exactly as 256 * the first + the second. (One digit, AVX2's default
+(int8.activation_digits) and STREAM_RUN_ACT=int8, is ggml's q8_0 activation, q int8 itself, XA_MAX = 127:
+about twice as fast without vpdpbusd, but 257x coarser; on the tiny test models it misses tests/test_model.py's
+1e-2 max-error bound against the float64 forward (0.7-1.2% by format; the float64 forward with its inputs
+rounded to that grid errs as much), so the tests check it against llama.cpp's logits instead. Its K-quant mins take the sums of the rounded x, as ggml's q8_K bsums: with the exact sums
 Q4_K and Q5_K erred 2.3% and 3.6% there.)
 For each token and group the int32 sum  sum(u * q) - OFF * sum(q)  is exact (|sum| < 2^30), and one f32
 step

@@ -20,7 +20,7 @@ n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_ke
 activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16 path's (256, 16383)). The
 mins use exact f32 sums of x per 32, as simd.py's dot does (two digits; one digit below).
 
-One digit (STREAM_RUN_ACT=int8, as prefill's int8.DIGITS == 1; ggml's q8 grid, here per 32 elements):
+One digit (AVX2's default, or STREAM_RUN_ACT=int8: int8.DIGITS == 1, as prefill; ggml's q8 grid, here per 32 elements):
 q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digits32's one-digit bytes (SB_BYTES1 per
 super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The mins
 then take float(sum q) dx_j, the sum of the rounded x (ggml's bsums), so the product is W . (q dx) to f32
@@ -196,7 +196,7 @@ def _digits_intrinsic(shared, name):
     dx[g] = max|x| / L, xs[g] (group_digits), and q = rint(x / dx[g]) (0 if the group is all zero) at
     digit_offset(e, digits) of xd. xd's type decides how many digits, when the kernel is compiled: int8, two
     (L = XD_MAX, q = 256 hi + lo, the default decode row dots); uint8, one (L = XD1_MAX, q itself: the one-digit
-    buffer, STREAM_RUN_ACT=int8). shared: with two digits, max|x| is taken over the super-block and its dx stored in
+    buffer, int8.DIGITS == 1). shared: with two digits, max|x| is taken over the super-block and its dx stored in
     all 8 groups' slots (simd_avx2.py's folded body); else, and with one digit, per group."""
 
     def typer(typingctx, x, xd, dx, xs, b):
