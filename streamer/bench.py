@@ -68,7 +68,9 @@ def run_bench(
     prompt (sequence 0's is the one-sequence run's), prefilled together and decoded together; tg_tok_s is then
     each sequence's rate and aggregate_tg_tok_s all of them together (generated tokens per second of wall time)."""
     model, traffic = session.model, session.traffic
-    state = machine.describe()
+    from streamer.kernels import int8  # numba: the session has loaded it; `stream-run bench --help` does not
+
+    state = {**machine.describe(), "activation_digits": int8.DIGITS}  # the kernels' precision (int8.py)
     n_vocab = session.cfg.n_vocab
     prompts = [prompt_tokens(n_vocab, pp, seed=1234 + s) for s in range(parallel)]
     feed = [prompt_tokens(n_vocab, tg, seed=99 + s) for s in range(parallel)] if random_decode else None

@@ -160,7 +160,8 @@ def line(state: dict, delta: dict | None = None) -> str:
     gib = 2**30
     parts = [
         f"{state['cpu'] or 'unknown CPU'} ({state['isa'] or 'no AVX2'}), {state['cpus']} CPUs"
-        + (f", kernels for {state['kernel_isa']}" if state.get("kernel_isa", state["isa"]) != state["isa"] else ""),
+        + (f", kernels for {state['kernel_isa']}" if state.get("kernel_isa", state["isa"]) != state["isa"] else "")
+        + (f", activations as {state['activation_digits']} int8 digit(s)" if "activation_digits" in state else ""),
         f"{mem.get('MemAvailable', 0) / gib:.1f} of {mem.get('MemTotal', 0) / gib:.1f} GiB available "
         f"({mem.get('MemFree', 0) / gib:.1f} free) at the start",
         f"THP {state['thp_enabled']}/{state['thp_defrag']}",

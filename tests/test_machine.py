@@ -7,7 +7,7 @@ import pytest
 from test_cli import invoke
 
 from streamer import machine
-from streamer.kernels import cpu
+from streamer.kernels import cpu, int8
 
 
 def test_isa_names_by_hand():
@@ -55,9 +55,11 @@ def test_bench_records_the_machine(synth_model):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["machine"]["isa"] == machine.describe()["isa"] and out["machine"]["cpus"] >= 1
+    assert out["machine"]["activation_digits"] == int8.DIGITS
     assert out["machine_during"]["pgfault"] >= 0
     text = invoke("bench", path, "--pp", "4", "--tg", "3")
     assert "machine  " in text.stdout and "free page reporting" in text.stdout
+    assert f"activations as {int8.DIGITS} int8 digit" in text.stdout
 
 
 def test_kernels_follow_the_features_numba_is_told_to_compile_for():
@@ -70,12 +72,16 @@ def test_kernels_follow_the_features_numba_is_told_to_compile_for():
     avx2 = "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+movbe,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3"
     code = (
         "import json; from streamer.kernels import cpu, int8, lanes; "
-        "print(json.dumps([cpu.has('avx512f'), cpu.has('avx2'), int8.ISA, int8.DECODE_ISA, lanes.host_isa()]))"
+        "print(json.dumps([cpu.has('avx512f'), cpu.has('avx2'), int8.ISA, int8.DECODE_ISA, lanes.host_isa(), "
+        "int8.DIGITS]))"
     )
+    # and activations as one int8 digit there (int8.activation_digits), unless STREAM_RUN_ACT says otherwise
     env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": avx2}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, "avx2", "avx2", "avx2"]
+    for act, digits in (("", 1), ("int16", 2)):
+        env["STREAM_RUN_ACT"] = act
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, "avx2", "avx2", "avx2", digits]
 
 
 def test_kernel_isa_follows_numba_cpu_features(monkeypatch):

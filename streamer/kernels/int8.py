@@ -331,7 +331,7 @@ def activation_digits(isa: str | None) -> int:
     (int16-fine); by default two where vpdpbusd makes the second nearly free, one where the integer kernels run on
     AVX2 (isa "avx2"), whose vpmaddubsw pays for each digit in full. On AVX2 one digit prefilled the 0.6B Q4_K
     1.34x faster than two, and the trained models' held-out perplexity (Q4_K_M, 32 windows of 256) moved by
-    0.006% with it, against a standard error of 4.4% (2026-12-07, AMD EPYC Zen 4 with AVX2-only kernels)."""
+    at most 0.01% with it, against a standard error of 4.4% (2026-12-07, AMD EPYC Zen 4 with AVX2-only kernels)."""
     env = os.environ.get("STREAM_RUN_ACT", "").strip().lower()
     if env in ("int8", "int16"):
         return 1 if env == "int8" else 2
