@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 
 # Activations as two int8 digits on every host (int8.activation_digits reads this once, at import). AVX2's
 # default, one digit (ggml's grid), flips near-tied expert routes of the tiny random models: their logits then
-# leave the float64 reference's bounds (cosine down to 0.75 at such a position). One digit is checked per kernel
-# against gguf-py in float64 (test_int8.py, test_decode_digits.py) and end to end against llama.cpp's logits,
-# whose arithmetic it shares (test_golden.py, in a process of its own).
+# leave the float64 reference's bounds (cosine down to 0.75 at such a position, 2026-12-07). One digit is checked
+# per kernel against gguf-py in float64 (test_int8.py, test_decode_digits.py) and end to end against llama.cpp's
+# logits, whose arithmetic it shares (test_golden.py, in a process of its own).
 os.environ.setdefault("STREAM_RUN_ACT", "int16")
 
 
