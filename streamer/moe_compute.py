@@ -196,7 +196,7 @@ class Fused:
         hq = lanes.quantize(plan.gate_up_format, h) if (kind == 1).any() else None
         hq_mm = None
         if (kind == 2).any() and int8.serves(plan.gate_up_format):
-            hq_mm = hq if hq is not None and int8.DIGITS == 2 else int8.quantize(plan.gate_up_format, h)
+            hq_mm = hq if hq is not None and int8.DIGITS == lanes.DIGITS else int8.quantize(plan.gate_up_format, h)
 
         def compute(start, group, mats):
             for k in range(3):

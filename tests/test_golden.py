@@ -203,8 +203,8 @@ def _run_and_compare(name, tmp_path_factory, streamed: bool):
 
 
 # The golden models' forward in a process whose activations are one int8 digit (ggml's grid: AVX2's default;
-# this process runs two, conftest.py)
-# and, for the MoE models, streamed through a small expert cache (argv: a JSON {name: cache bytes})
+# this process runs two, conftest.py), and for the MoE models again streamed through a small expert cache
+# (argv: a JSON {name: cache bytes})
 _ONE_DIGIT = """
 import json, sys
 import numpy as np

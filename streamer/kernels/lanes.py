@@ -251,10 +251,13 @@ def ready() -> bool:
     return host_isa() is not None
 
 
+DIGITS = 2  # activation digits lanes.grouped takes, whatever int8.DIGITS
+
+
 def quantize(fmt: int, X: np.ndarray) -> int8.Act:
-    """X's rows as lanes.grouped takes them: two int8 digits each, whatever int8.DIGITS (where the other kernels
-    take one, on AVX2, a layer's lanes and matmul experts each quantize its input once)."""
-    return int8.quantize(fmt, X, digits=2)
+    """X's rows as lanes.grouped takes them: DIGITS int8 digits each (where the other kernels take another
+    number, on AVX2, a layer's lanes and matmul experts each quantize its input once)."""
+    return int8.quantize(fmt, X, digits=DIGITS)
 
 
 def best_isa(isa: str | None) -> str | None:
