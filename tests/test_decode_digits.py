@@ -315,7 +315,7 @@ def _pairs_and_single(isa_dots, kind, per256):
 
     from streamer.kernels.simd_vnni import digits32, digits256
 
-    one, two = isa_dots
+    one, two = isa_dots[:2]
     rng = np.random.default_rng(5)
     n_in, n_out = 2048, 6
     data, _ = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
@@ -358,7 +358,8 @@ def test_folded_avx2_body_equals_the_per_sub_block_one():
 @pytest.mark.parametrize("kind", ["digits", "digit"])
 def test_avx2_form_gives_vpdpbusd_bits(kind):
     """simd_vnni's AVX2 form of the 4-product sums (vpmaddubsw, vpmaddwd) against vpdpbusd, one and two rows: the
-    same bits (per-32 scales). The folded body on the per-256 buffer agrees with vpdpbusd to float32 rounding."""
+    same bits (per-32 scales). The AVX2 decode's bodies (folded two digits on the per-256 buffer, summed one
+    digit) agree with vpdpbusd to float32 rounding."""
     from streamer.kernels.simd_avx2 import fold_row_dots
     from streamer.kernels.simd_vnni import row_dots
 
@@ -367,4 +368,111 @@ def test_avx2_form_gives_vpdpbusd_bits(kind):
     assert np.array_equal(outs[0], outs[1])
     if kind == "digits":
         a, b = (_pairs_and_single(d, kind, True) for d in (row_dots("vnni"), fold_row_dots()))
-        np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(a).max())
+    else:  # the AVX2 one-digit body sums each sub-block in integers first: the same digits, fewer f32 roundings
+        a, b = outs[0], _pairs_and_single(fold_row_dots(), kind, False)
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * np.abs(a).max())
+
+
+def _token_dots(n_tok, dots=None):
+    """A kernel (w, X, xq, aux, toks, out, ref): X's rows prepared into xq/aux, then out[p, r], out[p, r + 1] for
+    the row pairs of w and the tokens toks[p..] n_tok at a time (blocks.dot2_tokens, or with dots = (dot2, its 2-
+    and 3-token forms) those intrinsics on the layout of the digits they take), ref the same by dot2 per token."""
+    from numba import njit
+
+    code = FORMATS[T.Q4_K].code
+    dot2, dot2x2, dot2x3 = dots if dots else (None, None, None)
+    production = dots is None
+
+    @njit
+    def run(w, X, xq, aux, toks, out, ref):
+        ng = X.shape[1] >> 5
+        nb = X.shape[1] >> 8
+        for t in range(X.shape[0]):
+            if production:
+                blocks.prepare(code, X[t], xq[t], aux[t])
+            else:
+                for b in range(nb):
+                    digits32(X[t], xq[t], aux[t, :ng], aux[t, ng : 2 * ng], b)
+        rb = w.shape[1]
+        for r in range(0, w.shape[0], 2):
+            for p in range(toks.size):
+                t = toks[p]
+                if production:
+                    ref[p, r], ref[p, r + 1] = blocks.dot2(
+                        code, w, r * rb, rb, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], X.shape[1]
+                    )
+                else:
+                    ref[p, r], ref[p, r + 1] = dot2(w, r * rb, rb, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], nb, 512)
+            p = 0
+            while p < toks.size:
+                if production:
+                    k = blocks.dot2_tokens(code, w, r * rb, rb, xq, aux, toks, p, min(n_tok, toks.size - p), out, r)
+                elif n_tok == 2:
+                    t0, t1 = toks[p], toks[p + 1]
+                    out[p, r], out[p + 1, r], out[p, r + 1], out[p + 1, r + 1] = dot2x2(
+                        w, r * rb, rb, xq[t0], aux[t0, :ng], aux[t0, ng : 3 * ng], xq[t1], aux[t1, :ng],
+                        aux[t1, ng : 3 * ng], nb, 512,
+                    )  # fmt: skip
+                    k = 2
+                else:
+                    t0, t1, t2 = toks[p], toks[p + 1], toks[p + 2]
+                    a0, a1, a2, b0, b1, b2 = dot2x3(
+                        w, r * rb, rb, xq[t0], aux[t0, :ng], aux[t0, ng : 3 * ng], xq[t1], aux[t1, :ng],
+                        aux[t1, ng : 3 * ng], xq[t2], aux[t2, :ng], aux[t2, ng : 3 * ng], nb, 512,
+                    )  # fmt: skip
+                    out[p, r], out[p + 1, r], out[p + 2, r], out[p, r + 1], out[p + 1, r + 1], out[p + 2, r + 1] = (
+                        a0, a1, a2, b0, b1, b2,
+                    )  # fmt: skip
+                    k = 3
+                p += k
+
+    from streamer.kernels.simd_vnni import digits32
+
+    return run
+
+
+@needs_digits
+@pytest.mark.parametrize("kind", ["digits", "digit"])
+@pytest.mark.parametrize("n_tok", [2, 3])
+def test_rows_shared_by_tokens_give_each_tokens_dot2_bits(kind, n_tok):
+    """blocks.dot2_tokens (the MoE prefill's experts with 2-3 tokens: a row pair read once for all of them) gives
+    each token blocks.dot2's bits, and dot2 is within gguf-py's float64 bound for each token."""
+    rng = np.random.default_rng(11)
+    n_out, n_in = 6, 2048
+    data, raw = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
+    deq = dequantize(raw, T.Q4_K).reshape(n_out, n_in).astype(np.float64)
+    w = QMatrix(data, T.Q4_K, n_in)._w
+    X = np.stack([_x(rng, n_in) * np.float32(s) for s in (1, 0.01, 3, 0.5)])
+    toks = np.array([2, 0, 3, 1, 0, 2][: 2 * n_tok if n_tok == 3 else 4], np.int64)  # tokens may repeat
+    out, ref = (np.full((toks.size, n_out), np.nan, np.float32) for _ in range(2))
+    aux = np.empty((len(X), 3 * (n_in // 32) + 1), np.float32)
+    _token_dots(n_tok)(w, X, _buffer(kind, n_in, len(X)), aux, toks, out, ref)
+    assert np.array_equal(out, ref)
+    for p, t in enumerate(toks):
+        tol = _tolerance(T.Q4_K, raw, deq, X[t][None], GRID[kind])[0]
+        assert np.all(np.abs(ref[p] - deq @ X[t].astype(np.float64)) <= tol)
+
+
+@needs_digits
+@pytest.mark.parametrize("isa", ["avx2", pytest.param("vnni", marks=pytest.mark.skipif(not VNNI, reason="no VNNI"))])
+@pytest.mark.parametrize("kind", ["digits", "digit"])
+def test_token_forms_of_each_isas_bodies_give_dot2_bits(isa, kind):
+    """The 2- and 3-token row dots of each body set (the AVX2 one: folded two digits, summed one digit; vpdpbusd's)
+    give its two-row dot's bits per token, whichever this CPU's kernels use (digits32's layout: the AVX2 folded
+    body's grid wants one scale per 256, so its values are only compared with each other here)."""
+    from streamer.kernels.simd_avx2 import fold_row_dots
+    from streamer.kernels.simd_vnni import row_dots
+
+    dots = fold_row_dots() if isa == "avx2" else row_dots("vnni")
+    rng = np.random.default_rng(12)
+    n_out, n_in = 4, 1024
+    data, _ = make_weight(T.Q4_K, n_out, n_in, rng, "normal")
+    w = QMatrix(data, T.Q4_K, n_in)._w
+    X = np.stack([_x(rng, n_in) for _ in range(3)])
+    for n_tok in (2, 3):
+        toks = np.arange(3)[:n_tok] if n_tok == 3 else np.array([2, 0, 1, 1])
+        out, ref = (np.full((toks.size, n_out), np.nan, np.float32) for _ in range(2))
+        aux = np.empty((3, 3 * (n_in // 32) + 1), np.float32)
+        _token_dots(n_tok, (dots[1], dots[2], dots[3]))(w, X, _buffer(kind, n_in, 3), aux, toks, out, ref)
+        assert np.array_equal(out, ref)
+        assert np.all(np.isfinite(ref)) and np.abs(ref).max() > 0

@@ -62,7 +62,7 @@ from .simd import (
     q8_0_deq,
     q8_0_dot,
 )
-from .simd_avx2 import act_digits, q4_k_digit_dot, q4_k_digit_dot2
+from .simd_avx2 import act_digits, q4_k_digit_dot, q4_k_digit_dot2, q4_k_digit_dot2x2, q4_k_digit_dot2x3
 from .simd_iq import (
     iq1_m_deq,
     iq1_m_dot,
@@ -340,6 +340,69 @@ def _dot2(fmt, w, off, stride, xq, dx, xs, n_in):
 
     def impl_f(fmt, w, off, stride, xq, dx, xs, n_in):
         return fn(F, w, off, stride, xq, dx, xs, n_in)
+
+    return impl_f
+
+
+def dot2_tokens(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+    """The rows at byte off and off + stride of w, each dotted with the tokens toks[p], toks[p + 1] (and toks[p + 2]
+    if n >= 3) prepared in xq[t] and aux[t] (grouped.prepare_rows' layout), into out[p + j, r] and out[p + j,
+    r + 1]: the rows read and unpacked once for the 2 or 3 tokens. Returns how many tokens it took: 0 (the caller
+    then calls dot2 per token) where n < 2 or the format has no such dot (Q4_K over digits only). Each value is
+    dot2's for that token, bit for bit: the same operations per token (simd.SplitBody)."""
+    raise NotImplementedError("blocks.dot2_tokens runs inside numba kernels only")
+
+
+@kernel(**_HELPER)
+def _dot2_tokens8(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+    if fmt != Q4_K or n < 2:
+        return 0
+    nb = (xq.shape[1] * xq.itemsize) >> 9  # xq: 2 n_in bytes whatever the digits (act_buffer)
+    ng = nb << 3
+    t0, t1 = toks[p], toks[p + 1]
+    if n == 2:
+        out[p, r], out[p + 1, r], out[p, r + 1], out[p + 1, r + 1] = q4_k_digit_dot2x2(
+            w,
+            off,
+            stride,
+            xq[t0],
+            aux[t0, :ng],
+            aux[t0, ng : 3 * ng],
+            xq[t1],
+            aux[t1, :ng],
+            aux[t1, ng : 3 * ng],
+            nb,
+            PF,
+        )
+        return 2
+    t2 = toks[p + 2]
+    a0, a1, a2, b0, b1, b2 = q4_k_digit_dot2x3(
+        w, off, stride, xq[t0], aux[t0, :ng], aux[t0, ng : 3 * ng], xq[t1], aux[t1, :ng], aux[t1, ng : 3 * ng],
+        xq[t2], aux[t2, :ng], aux[t2, ng : 3 * ng], nb, PF,
+    )  # fmt: skip
+    out[p, r], out[p + 1, r], out[p + 2, r] = a0, a1, a2
+    out[p, r + 1], out[p + 1, r + 1], out[p + 2, r + 1] = b0, b1, b2
+    return 3
+
+
+@kernel(**_HELPER)
+def _dot2_tokens_none(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+    return 0
+
+
+@overload(dot2_tokens, inline="always", jit_options=_OV, prefer_literal=True)
+def _dot2_tokens(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+    F = _code(fmt)
+    fn = _dot2_tokens8 if _is_digits(xq) and F in (None, Q4_K) else _dot2_tokens_none
+    if F is None:
+
+        def impl(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+            return fn(fmt, w, off, stride, xq, aux, toks, p, n, out, r)
+
+        return impl
+
+    def impl_f(fmt, w, off, stride, xq, aux, toks, p, n, out, r):
+        return fn(F, w, off, stride, xq, aux, toks, p, n, out, r)
 
     return impl_f
 

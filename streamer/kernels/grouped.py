@@ -13,10 +13,11 @@ group in one call) and `scatter_add`.
 """
 
 import numba
+import numpy as np
 from numba import prange
 
 from ._bits import FASTMATH, fma32, kernel
-from .blocks import deq, dot, dot2, prepare
+from .blocks import deq, dot, dot2, dot2_tokens, prepare
 from .gemm import gemm_tile
 from .specialise import format_kernel
 
@@ -44,45 +45,74 @@ def grouped_gate_up(fmt, w, offs, row_bytes, xq, aux, starts, toks, out):
         part = r // npair
         rr = 2 * (r - part * npair)
         off = offs[part, i] + rr * row_bytes
-        for p in range(starts[i], starts[i + 1]):
+        p, end = starts[i], starts[i + 1]
+        while p < end:
             t = toks[p]
             if rr + 1 < n:
+                k = dot2_tokens(fmt, w, off, row_bytes, xq, aux, toks, p, min(end - p, 3), out[part], rr)
+                if k > 0:  # 2 or 3 tokens at once, each the bits of dot2's
+                    p += k
+                    continue
                 out[part, p, rr], out[part, p, rr + 1] = dot2(
                     fmt, w, off, row_bytes, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in
                 )
             else:
                 out[part, p, rr] = dot(fmt, w, off, xq[t], aux[t, :ng], aux[t, ng : 3 * ng], n_in)
+            p += 1
+
+
+DOWN_ROWS = 64  # output row pairs per task of grouped_down: an expert's down matrix is read in runs this long
 
 
 @format_kernel(parallel=True, fastmath=FASTMATH)
 def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, out):
     """out[t, r] += sum over pairs q in tstarts[t]..tstarts[t+1] (in that order), with p = perm[q], of
-    weights[p] * (row r of the down matrix at byte poffs[p] of w) . a[p]. a (P, n_in) f32; aq, aux scratch."""
+    weights[p] * (row r of the down matrix at byte poffs[p] of w) . a[p]. a (P, n_in) f32; aq, aux scratch.
+    The pairs of one expert are consecutive (equal poffs). First each expert's down matrix is read front to back,
+    its rows dotted with its pairs 2 or 3 at a time (blocks.dot2_tokens: a row read once), into d (P, n_out);
+    then each token's row sums its pairs' d in order."""
     P, n_in = a.shape
     ng = n_in >> 5
     for p in prange(P):
         prepare(fmt, a[p], aq[p], aux[p])
-    m = tstarts.size - 1
+    gstarts = np.empty(P + 1, np.int64)  # the experts' first pairs
+    g = 0
+    for p in range(P):
+        if p == 0 or poffs[p] != poffs[p - 1]:
+            gstarts[g] = p
+            g += 1
+    gstarts[g] = P
+    pairs = np.arange(P)
     n = out.shape[1]
-    for pr in prange((n + 1) >> 1):  # output rows in pairs (blocks.dot2), as experts_down
-        r = 2 * pr
-        for t in range(m):
-            if r + 1 < n:
-                acc0, acc1 = out[t, r], out[t, r + 1]
-                for q in range(tstarts[t], tstarts[t + 1]):
-                    p = perm[q]
-                    d0, d1 = dot2(fmt, w, poffs[p] + r * row_bytes, row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
-                                  n_in)  # fmt: skip
-                    acc0 = fma32(weights[p], d0, acc0)  # as experts_down: one rounding in both
-                    acc1 = fma32(weights[p], d1, acc1)
-                out[t, r], out[t, r + 1] = acc0, acc1
-            else:
-                acc = out[t, r]
-                for q in range(tstarts[t], tstarts[t + 1]):
-                    p = perm[q]
-                    d = dot(fmt, w, poffs[p] + r * row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
-                    acc = fma32(weights[p], d, acc)
-                out[t, r] = acc
+    npair = (n + 1) >> 1
+    runs = (npair + DOWN_ROWS - 1) // DOWN_ROWS
+    d = np.empty((P, n), np.float32)
+    for task in prange(g * runs):
+        i = task // runs
+        p0, p1 = gstarts[i], gstarts[i + 1]
+        lo = (task - i * runs) * DOWN_ROWS
+        for pr in range(lo, min(npair, lo + DOWN_ROWS)):  # output rows in pairs (blocks.dot2), as experts_down
+            r = 2 * pr
+            off = poffs[p0] + r * row_bytes
+            p = p0
+            while p < p1:
+                if r + 1 < n:
+                    k = dot2_tokens(fmt, w, off, row_bytes, aq, aux, pairs, p, min(p1 - p, 3), d, r)
+                    if k == 0:
+                        d[p, r], d[p, r + 1] = dot2(fmt, w, off, row_bytes, aq[p], aux[p, :ng], aux[p, ng : 3 * ng],
+                                                    n_in)  # fmt: skip
+                        k = 1
+                    p += k
+                else:
+                    d[p, r] = dot(fmt, w, off, aq[p], aux[p, :ng], aux[p, ng : 3 * ng], n_in)
+                    p += 1
+    for r in prange(n):
+        for t in range(tstarts.size - 1):
+            acc = out[t, r]
+            for q in range(tstarts[t], tstarts[t + 1]):
+                p = perm[q]
+                acc = fma32(weights[p], d[p, r], acc)  # as experts_down: one rounding
+            out[t, r] = acc
 
 
 @format_kernel(parallel=True, fastmath=FASTMATH)

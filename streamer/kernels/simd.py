@@ -137,7 +137,20 @@ class _Emit:
         return phis
 
 
-def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_rows=1, block_stride=None):
+class SplitBody:
+    """A per-block row-dot body in two parts: weights(e, wb, blk) -> W, the values taken from the weights alone,
+    and token(e, W, xq, dx, xs, b, accs) -> accs. Called as a plain body it runs both; _row_intrinsic with
+    n_tok > 1 runs weights once per block and token per token, so each token's operations, and its bits, are
+    the one-token dot's."""
+
+    def __init__(self, weights, token):
+        self.weights, self.token = weights, token
+
+    def __call__(self, e, wb, xqb, dxb, xsb, b, blk, accs):
+        return self.token(e, self.weights(e, wb, blk), xqb, dxb, xsb, b, accs)
+
+
+def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_rows=1, block_stride=None, n_tok=1):
     """Wrap a per-block body into an intrinsic `(w, off, xq, dx, xs, nb, pf) -> f32`.
 
     body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
@@ -152,6 +165,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     callers keep the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, r < n_rows, an
     n_rows-tuple. block_stride: bytes from one block of a row to its next (default block_bytes: rows as in the
     file; n_rows * block_bytes with stride = block_bytes reads rows interleaved block by block).
+    n_tok > 1 (with n_rows = 2): `(w, off, stride, xq_0, dx_0, xs_0, ..., xq_{n_tok-1}, dx_{n_tok-1},
+    xs_{n_tok-1}, nb, pf)` -> the n_rows * n_tok dots, row by row (row 0 with each token, then row 1): the rows
+    read once for n_tok tokens, a SplitBody's weights part once per block (the MoE prefill's experts with a few
+    tokens each, kernels/grouped.py). Each dot has the operations of the one-token intrinsic's, in its order.
     """
     bstride = block_bytes if block_stride is None else block_stride
     bodies = body_fn if isinstance(body_fn, dict) else {x_dtype: body_fn}
@@ -167,12 +184,13 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     def codegen(context, builder, sig, args):
         e = _Emit(context, builder)
         w_, off_ = args[:2]
-        xq_, dx_, xs_, nb_, pf_ = args[-5:]
+        nb_, pf_ = args[-2:]
         offs = [off_] + [builder.add(off_, builder.mul(args[2], ir.Constant(I64, r))) for r in range(1, n_rows)]
         wb = e.base(sig.args[0], w_)
-        n = len(sig.args)
-        xqb, dxb, xsb = e.base(sig.args[n - 5], xq_), e.base(sig.args[n - 4], dx_), e.base(sig.args[n - 3], xs_)
-        body, nv = bodies[sig.args[n - 5].dtype], n_vec
+        at = len(sig.args) - 2 - 3 * n_tok  # the tokens' (xq, dx, xs), in order
+        xdt = sig.args[at].dtype
+        toks = [tuple(e.base(sig.args[k], args[k]) for k in range(at + 3 * j, at + 3 * j + 3)) for j in range(n_tok)]
+        body, nv = bodies[xdt], n_vec
         if isinstance(body, tuple):
             body, nv = body
         one = [ir.Constant(V(F32, 16), [0.0] * 16)] * nv + [ir.Constant(V(F32, 8), [0.0] * 8)] * (n_acc - 1)
@@ -185,12 +203,18 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
                 if r == 0 or bstride == block_bytes:  # interleaved rows: row 0's prefetches cover the group
                     for j in range(0, block_bytes if bstride == block_bytes else bstride, 64):
                         e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, j))))
-                new += body(e, wb, xqb, dxb, xsb, b, blk, accs[r * k : (r + 1) * k])
+                if n_tok > 1 and isinstance(body, SplitBody):
+                    W = body.weights(e, wb, blk)
+                    for j, (xqb, dxb, xsb) in enumerate(toks):
+                        new += body.token(e, W, xqb, dxb, xsb, b, accs[(r * n_tok + j) * k : (r * n_tok + j + 1) * k])
+                else:
+                    for j, (xqb, dxb, xsb) in enumerate(toks):
+                        new += body(e, wb, xqb, dxb, xsb, b, blk, accs[(r * n_tok + j) * k : (r * n_tok + j + 1) * k])
             return new
 
-        accs = e.loop(nb_, one * n_rows, step)
+        accs = e.loop(nb_, one * (n_rows * n_tok), step)
         res = []
-        for r in range(n_rows):
+        for r in range(n_rows * n_tok):
             a = accs[r * k : (r + 1) * k]
             v = a[0]
             for u in a[1:nv]:
@@ -199,12 +223,12 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
             if n_acc == 2:
                 total = builder.fsub(total, e.hsum(a[nv]))
             res.append(total)
-        if n_rows == 1:
+        if len(res) == 1:
             return res[0]
         return context.make_tuple(builder, sig.return_type, res)
 
     i64 = types.int64
-    if n_rows == 1:
+    if n_rows == 1 and n_tok == 1:
 
         @intrinsic
         def row(typingctx, w, off, xq, dx, xs, nb, pf):
@@ -212,12 +236,34 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
 
         return row
 
-    @intrinsic
-    def rows(typingctx, w, off, stride, xq, dx, xs, nb, pf):
-        sig = types.UniTuple(types.float32, n_rows)(w, i64, i64, xq, dx, xs, i64, i64)
-        return sig if typed(w, xq, dx, xs) else None, codegen
+    if n_tok == 1:
 
-    return rows
+        @intrinsic
+        def rows(typingctx, w, off, stride, xq, dx, xs, nb, pf):
+            sig = types.UniTuple(types.float32, n_rows)(w, i64, i64, xq, dx, xs, i64, i64)
+            return sig if typed(w, xq, dx, xs) else None, codegen
+
+        return rows
+
+    def tok_sig(w, xs3):
+        same = all(a == xs3[0] for a in xs3[0::3]) and all(typed(w, *xs3[3 * j : 3 * j + 3]) for j in range(n_tok))
+        return types.UniTuple(types.float32, n_rows * n_tok)(w, i64, i64, *xs3, i64, i64) if same else None
+
+    if n_tok == 2:
+
+        @intrinsic
+        def rows_t2(typingctx, w, off, stride, q0, d0, s0, q1, d1, s1, nb, pf):
+            return tok_sig(w, (q0, d0, s0, q1, d1, s1)), codegen
+
+        return rows_t2
+
+    assert n_tok == 3
+
+    @intrinsic
+    def rows_t3(typingctx, w, off, stride, q0, d0, s0, q1, d1, s1, q2, d2, s2, nb, pf):
+        return tok_sig(w, (q0, d0, s0, q1, d1, s1, q2, d2, s2)), codegen
+
+    return rows_t3
 
 
 def _q8_0(e, wb, xqb, dxb, xsb, b, blk, accs):

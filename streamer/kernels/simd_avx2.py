@@ -17,17 +17,18 @@ groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^30), d
 the final tree sum: the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py checks it
 against gguf-py's dequantizer in float64).
 
-One digit (the default on AVX2, or STREAM_RUN_ACT=int8; the buffer's bytes typed uint8) keeps simd_vnni's body and grid, with _dp_avx2.
+One digit (the default on AVX2, or STREAM_RUN_ACT=int8; the buffer's bytes typed uint8) keeps simd_vnni's grid and
+layout (a scale per 32 elements), and sums each sub-block's products in integers before one conversion per
+super-block (_q4_k_sum_token) where simd_vnni's body converts and scales every lane: on AVX2-only kernels on an
+AMD EPYC Zen 4 (2026-12-07) the 30B-A3B's decode MoE took 7% less time, and rows shared by 3 prefill tokens 13%.
 """
-
-from functools import partial
 
 from llvmlite import ir
 from numba import types
 
 from .int8 import host_has_vnni
-from .simd import F32, I8, I16, I32, I64, V, _k4_scales, _kquant_mins, _row_intrinsic
-from .simd_vnni import SB_BYTES, _dp_avx2, _q4_k_vnni_body, digits32, digits256, row_dots
+from .simd import F32, I8, I16, I32, I64, SplitBody, V, _k4_scales, _kquant_mins
+from .simd_vnni import SB_BYTES, SB_BYTES1, digit_dots, digits32, digits256, row_dots
 
 
 def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
@@ -65,14 +66,57 @@ def _q4_k_fold_body(e, wb, xdb, dxb, xsb, b, blk, accs):
     return [new, _kquant_mins(e, xsb, b, dmin, mins, accs[1])]
 
 
+def _q4_k_sum_weights(e, wb, blk):
+    """_q4_k_sum_token's values from the weights alone, once per block: (d * sc_j as f32 x 8, dmin, the mins as
+    f32 x 8, wb, blk)."""
+    bb = e.b
+    d, dmin = e.f16x2(wb, blk)
+    scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+    dsc = bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8)))
+    return dsc, dmin, bb.uitofp(mins, V(F32, 8)), wb, blk
+
+
+def _q4_k_sum_token(e, W, xdb, dxb, xsb, b, accs):
+    """One token's part of the one-digit Q4_K row dot on AVX2 (x: digits32's one-digit layout, a scale per 32).
+    Each sub-block's 32 products are summed in integers (vpmaddubsw, then vphaddw across the 8 sub-blocks), so a
+    super-block takes one f32 conversion and one fma for all 8: acc lanes 0-7 += float(isum_j) * (d sc_j dx_j),
+    lanes 8-15 += (m_j xs_j) * -dmin (the mins with their sign), and the row's value is the sum of the 16 lanes.
+    Exact integer sums as simd_vnni's body, fewer f32 roundings: within simd_vnni.py's bound, equal to its bits
+    only to float32 rounding (tests/test_decode_digits.py)."""
+    bb = e.b
+    dsc, dmin, mf, wb, blk = W
+    mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
+    hadd = e.declare("llvm.x86.avx2.phadd.w", V(I16, 16), [V(I16, 16), V(I16, 16)])
+    xb = bb.mul(b, ir.Constant(I64, SB_BYTES1))
+    sub = [None] * 8
+    for h in range(2):
+        q = e.load(wb, e.off(blk, 16 + 64 * h), V(I8, 64))
+        for n, wv in enumerate((bb.and_(q, e.const(I8, 64, 15)), bb.lshr(q, e.const(I8, 64, 4)))):
+            xv = e.load(xdb, e.off(xb, 128 * h + 64 * n), V(I8, 64))
+            for k in range(2):  # 32 bytes each: sub-block 2 (2h + k) + n
+                half = list(range(32 * k, 32 * k + 32))
+                sub[2 * (2 * h + k) + n] = bb.call(mub, [e.shuffle(wv, wv, half), e.shuffle(xv, xv, half)])
+    # vphaddw works per 128-bit half: after three rounds, word j of half c is sub-block j's sum over that half's
+    # 16 products (|.| <= 16 * 15 * 127 < 2^15: exact in int16); the halves are added in int32
+    a = [bb.call(hadd, [sub[2 * i], sub[2 * i + 1]]) for i in range(4)]
+    t = bb.call(hadd, [bb.call(hadd, [a[0], a[1]]), bb.call(hadd, [a[2], a[3]])])
+    wide = bb.sext(t, V(I32, 16))
+    isum = bb.add(e.shuffle(wide, wide, list(range(8))), e.shuffle(wide, wide, list(range(8, 16))))
+    dx8 = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    xs8 = e.load(xsb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
+    vals = e.shuffle(bb.sitofp(isum, V(F32, 8)), bb.fmul(mf, xs8), list(range(16)))
+    scl = e.shuffle(bb.fmul(dsc, dx8), bb.fneg(e.splat(dmin, 8)), list(range(16)))
+    return [e.fma(accs[0], vals, scl), accs[1]]
+
+
 def fold_row_dots():
-    """(one-row, two-row) Q4_K digit row dots for AVX2: the folded body for two digits (int8 buffer), simd_vnni's
-    one-digit body with _dp_avx2 for one (uint8)."""
+    """Q4_K digit row dots (simd_vnni.digit_dots) for AVX2: the folded body for two digits (int8 buffer), the
+    summed one (_q4_k_sum_token) for one (uint8)."""
     bodies = {
         types.int8: (_q4_k_fold_body, 1),  # one accumulator (+ the mins'), the one-digit body 4
-        types.uint8: partial(_q4_k_vnni_body, digits=1, dp=_dp_avx2),
+        types.uint8: (SplitBody(_q4_k_sum_weights, _q4_k_sum_token), 1),
     }
-    return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
+    return digit_dots(bodies)
 
 
 # act_digits(x, xq, dx, xs, b): the decode's quantizer, super-block b into xq by the kernels' grid: with two digits
@@ -82,4 +126,4 @@ act_digits = digits256 if FOLD else digits32
 
 # The decode's Q4_K digit row dots: vpdpbusd where the CPU has it, else the folded AVX2 body. int8.decode_isa
 # decides whether they run at all.
-q4_k_digit_dot, q4_k_digit_dot2 = fold_row_dots() if FOLD else row_dots("vnni")
+q4_k_digit_dot, q4_k_digit_dot2, q4_k_digit_dot2x2, q4_k_digit_dot2x3 = fold_row_dots() if FOLD else row_dots("vnni")

@@ -48,7 +48,7 @@ from numba import types
 
 from ._bits import intrinsic
 from .activations import XD1_MAX, XD_MAX
-from .simd import F32, I8, I16, I32, I64, V, _c_array, _Emit, _k4_scales, _kquant_mins, _row_intrinsic
+from .simd import F32, I8, I16, I32, I64, SplitBody, V, _c_array, _Emit, _k4_scales, _kquant_mins, _row_intrinsic
 from .simd_i8 import _dp_vnni, _vcall, abs_max, group_digits
 
 SB_BYTES = 512  # activation digit bytes per 256-element super-block
@@ -118,14 +118,25 @@ def _digits_dot(e, dp, ws, xh, xl):
     return t
 
 
-def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
-    # digits = 1: x as one int8 digit per element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd
-    # per 64 weights instead of two and a shift
+def _q4_k_weights(e, wb, blk):
+    """A Q4_K super-block's scales, computed once per block when several tokens share the row (_row_intrinsic's
+    n_tok): (d, dmin, scales, mins, wb, blk). Each token's part loads the nibbles where it uses them, as the
+    one-token dot always did: loading them first kept 8 more AVX2 registers live through a two-row dot and made
+    the decode's 30B-A3B MoE 15% slower (AVX2-only kernels on AMD EPYC Zen 4, 2026-12-07); LLVM shares the
+    repeated loads between tokens."""
     # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
     # of sub-block 2c + 1 (high nibble)
-    bb = e.b
     d, dmin = e.f16x2(wb, blk)
     scales, mins = _k4_scales(e, wb, e.off(blk, 4))
+    return d, dmin, scales, mins, wb, blk
+
+
+def _q4_k_token(e, W, xdb, dxb, xsb, b, accs, digits=2, dp=_dp_vnni):
+    """One token's part of the Q4_K digit row dot, on _q4_k_weights' values W. digits = 1: x as one int8 digit per
+    element (digits32 into a uint8 buffer: SB_BYTES1 per super-block), one vpdpbusd per 64 weights instead of two
+    and a shift."""
+    bb = e.b
+    d, dmin, scales, mins, wb, blk = W
     dx8 = e.load(dxb, bb.mul(b, ir.Constant(I64, 32)), V(F32, 8), 4)
     sdx = bb.fmul(bb.fmul(e.splat(d, 8), bb.uitofp(scales, V(F32, 8))), dx8)
     xb = bb.mul(b, ir.Constant(I64, SB_BYTES if digits == 2 else SB_BYTES1))
@@ -148,18 +159,30 @@ def _q4_k_vnni_body(e, wb, xdb, dxb, xsb, b, blk, accs, digits=2, dp=_dp_vnni):
     return new
 
 
+def q4_k_body(digits, dp):
+    """The Q4_K digit row dot's per-block body, split into its weights' part and a token's (SplitBody)."""
+    return SplitBody(_q4_k_weights, partial(_q4_k_token, digits=digits, dp=dp))
+
+
 DOTS = {"vnni": _dp_vnni, "avx2": _dp_avx2}
 
 
 def row_dots(isa):
-    """(one-row, two-row) Q4_K digit row dots with `isa`'s 4-product sums. xq's dtype picks the body: int8 = two
+    """Q4_K digit row dots (digit_dots) with `isa`'s 4-product sums. xq's dtype picks the body: int8 = two
     digits per element; uint8 = one (the buffer's bytes typed uint8, holding int8 digits: the dtype tells the
     kernels apart). 4 scale-lane accumulators + the mins."""
     bodies = {
-        types.int8: partial(_q4_k_vnni_body, dp=DOTS[isa]),
-        types.uint8: partial(_q4_k_vnni_body, digits=1, dp=DOTS[isa]),
+        types.int8: q4_k_body(2, DOTS[isa]),
+        types.uint8: q4_k_body(1, DOTS[isa]),
     }
-    return _row_intrinsic(144, bodies, 2, n_vec=4), _row_intrinsic(144, bodies, 2, n_vec=4, n_rows=2)
+    return digit_dots(bodies)
+
+
+def digit_dots(bodies):
+    """The Q4_K digit row dots over `bodies` (activation dtype -> body): one row; two rows; two rows with two
+    tokens; with three (simd._row_intrinsic's n_tok)."""
+    make = partial(_row_intrinsic, 144, bodies, 2, n_vec=4)
+    return make(), make(n_rows=2), make(n_rows=2, n_tok=2), make(n_rows=2, n_tok=3)
 
 
 # The decode's choice between these and simd_avx2.py's folded AVX2 body: simd_avx2.q4_k_digit_dot.
