@@ -165,10 +165,10 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
     callers keep the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, r < n_rows, an
     n_rows-tuple. block_stride: bytes from one block of a row to its next (default block_bytes: rows as in the
     file; n_rows * block_bytes with stride = block_bytes reads rows interleaved block by block).
-    n_tok > 1 (with n_rows = 2): `(w, off, stride, xq_0, dx_0, xs_0, ..., xq_{n_tok-1}, dx_{n_tok-1},
-    xs_{n_tok-1}, nb, pf)` -> the n_rows * n_tok dots, row by row (row 0 with each token, then row 1): the rows
-    read once for n_tok tokens, a SplitBody's weights part once per block (the MoE prefill's experts with a few
-    tokens each, kernels/grouped.py). Each dot has the operations of the one-token intrinsic's, in its order.
+    n_tok = 2 or 3: `(w, off, stride, xq_0, dx_0, xs_0, ..., xq_{n_tok-1}, dx_{n_tok-1}, xs_{n_tok-1}, nb, pf)`
+    (stride taken even with one row) -> the n_rows * n_tok dots, row by row (row 0 with each token, then row 1):
+    the rows read once for n_tok tokens, a SplitBody's weights part once per block (the MoE prefill's experts with
+    a few tokens each, kernels/grouped.py). Each dot has the operations of the one-token intrinsic's, in its order.
     """
     bstride = block_bytes if block_stride is None else block_stride
     bodies = body_fn if isinstance(body_fn, dict) else {x_dtype: body_fn}
