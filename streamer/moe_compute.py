@@ -239,10 +239,12 @@ class Fused:
         grouped_gate_up(plan.gate_up_format, base, gu_offs, plan.gate_up_row_bytes, xq, aux, starts, toks, gu)
         a = ops.swiglu_rows(gu[0], gu[1], gu[0])
         perm, tstarts = _by_token(toks, out.shape[0])
-        poffs = np.repeat(offs[2 * g :], np.diff(starts))
         aq = act_buffer(n_ff, P)
         aaux = np.empty((P, 3 * (n_ff >> 5) + 1), np.float32)
-        grouped_down(plan.down_format, base, poffs, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out)
+        down_offs = offs[2 * g :]
+        grouped_down(
+            plan.down_format, base, down_offs, starts, plan.down_row_bytes, a, aq, aaux, weights, tstarts, perm, out
+        )
 
     def _grouped_mm(self, layer, group, starts, toks, weights, h, hq, out) -> None:
         """As _grouped, by matmul over each expert's tokens: for the whole group, one kernel call for gate and

@@ -148,6 +148,7 @@ def _run_experts(qtypes=None) -> None:
             fmt,
             w,
             np.zeros(g, np.int64),
+            starts,
             row_bytes,
             np.zeros((g, N_IN), np.float32),
             blocks.act_buffer(N_IN, g),

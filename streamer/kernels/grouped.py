@@ -67,23 +67,17 @@ DOWN_ROWS = 64
 
 
 @format_kernel(parallel=True, fastmath=FASTMATH)
-def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, out):
+def grouped_down(fmt, w, offs, starts, row_bytes, a, aq, aux, weights, tstarts, perm, out):
     """out[t, r] += sum over pairs q in tstarts[t]..tstarts[t+1] (in that order), with p = perm[q], of
-    weights[p] * (row r of the down matrix at byte poffs[p] of w) . a[p]. a (P, n_in) f32; aq, aux scratch.
-    The pairs of one expert are consecutive (equal poffs). First each expert's down matrix is read front to back,
-    its rows dotted with its pairs 2 or 3 at a time (blocks.dot2_tokens: a row read once), into d (P, n_out);
-    then each token's row sums its pairs' d in order."""
+    weights[p] * (row r of pair p's expert's down matrix) . a[p], expert i's matrix at byte offs[i] of w and its
+    pairs starts[i]..starts[i+1] (as grouped_gate_up's). a (P, n_in) f32; aq, aux scratch. First each expert's
+    down matrix is read front to back, its rows dotted with its pairs 2 or 3 at a time (blocks.dot2_tokens: a row
+    read once), into d (P, n_out); then each token's row sums its pairs' d in order."""
     P, n_in = a.shape
     ng = n_in >> 5
     for p in prange(P):
         prepare(fmt, a[p], aq[p], aux[p])
-    gstarts = np.empty(P + 1, np.int64)  # the experts' first pairs
-    g = 0
-    for p in range(P):
-        if p == 0 or poffs[p] != poffs[p - 1]:
-            gstarts[g] = p
-            g += 1
-    gstarts[g] = P
+    g = starts.size - 1
     pairs = np.arange(P)
     n = out.shape[1]
     npair = (n + 1) >> 1
@@ -91,11 +85,11 @@ def grouped_down(fmt, w, poffs, row_bytes, a, aq, aux, weights, tstarts, perm, o
     d = np.empty((P, n), np.float32)
     for task in prange(g * runs):
         i = task // runs
-        p0, p1 = gstarts[i], gstarts[i + 1]
+        p0, p1 = starts[i], starts[i + 1]
         lo = (task - i * runs) * DOWN_ROWS
         for pr in range(lo, min(npair, lo + DOWN_ROWS)):  # output rows in pairs (blocks.dot2), as experts_down
             r = 2 * pr
-            off = poffs[p0] + r * row_bytes
+            off = offs[i] + r * row_bytes
             p = p0
             while p < p1:
                 if r + 1 < n:

@@ -203,13 +203,14 @@ def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_
                 if r == 0 or bstride == block_bytes:  # interleaved rows: row 0's prefetches cover the group
                     for j in range(0, block_bytes if bstride == block_bytes else bstride, 64):
                         e.prefetch(wb, builder.add(blk, builder.add(pf_, ir.Constant(I64, j))))
-                if n_tok > 1 and isinstance(body, SplitBody):
-                    W = body.weights(e, wb, blk)
-                    for j, (xqb, dxb, xsb) in enumerate(toks):
-                        new += body.token(e, W, xqb, dxb, xsb, b, accs[(r * n_tok + j) * k : (r * n_tok + j + 1) * k])
-                else:
-                    for j, (xqb, dxb, xsb) in enumerate(toks):
-                        new += body(e, wb, xqb, dxb, xsb, b, blk, accs[(r * n_tok + j) * k : (r * n_tok + j + 1) * k])
+                W = body.weights(e, wb, blk) if isinstance(body, SplitBody) else None  # once for the tokens
+                for j, (xqb, dxb, xsb) in enumerate(toks):
+                    acc = accs[(r * n_tok + j) * k : (r * n_tok + j + 1) * k]
+                    new += (
+                        body(e, wb, xqb, dxb, xsb, b, blk, acc)
+                        if W is None
+                        else body.token(e, W, xqb, dxb, xsb, b, acc)
+                    )
             return new
 
         accs = e.loop(nb_, one * (n_rows * n_tok), step)
