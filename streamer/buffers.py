@@ -39,13 +39,10 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 def arena_empty(nbytes: int, what: str = "the expert cache") -> np.ndarray:
     """A uint8 buffer for the expert cache's arena: a private anonymous mapping (page-aligned, as O_DIRECT wants;
     zero pages until written) advised MADV_NOHUGEPAGE, so it is faulted in 4 KiB pages. numpy advises 2 MiB pages
-    for an array this large, and a 2 MiB page is zeroed whole at its first fault. On a VM whose free memory
-    the host has taken back (virtio-balloon's free page reporting) those faults ran at 0.14-0.63
-    GB/s against 1.5-2.3 for 4 KiB ones, slower than the disk: the reader threads sat in the faults while the
-    disk idled (`bench/arena_pages.py`: filling a cold arena from the file 0.73 GB/s against 1.00; the cold time
-    to first token 0.44x). The price, once the arena is filled: more TLB misses in the decode kernels reading
-    experts from it, 0-11% on those kernels (`--kernels`, medians of three runs), and about 0.07 s per GiB to
-    free it at exit. `what` names the buffer in the error. --no-mmap's copy of the model uses it too (inram.py)."""
+    for an array this large, and a 2 MiB page is zeroed whole at its first fault: on a VM whose free memory the
+    host has taken back, slower than the disk (bench/arena_pages.py). The price: more TLB misses in the decode
+    kernels reading experts from it (0-11%). `what` names the buffer in the error. --no-mmap's copy of the model
+    uses it too (inram.py)."""
     try:
         m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)  # not Python's default MAP_SHARED (tmpfs pages)
     except OSError as e:  # as np.empty would: the CLI's one line for MemoryError suggests a smaller budget

@@ -1,22 +1,15 @@
-"""--no-mmap: the model's bytes read into the process's own memory, as llama.cpp's --no-mmap does, instead of
-used in place from the file's page cache pages.
+"""--no-mmap: the model's bytes read into the process's own memory, as llama.cpp's --no-mmap does, instead of used in
+place from the file's page cache pages.
 
-The copy has the mapping's layout (each shard at the same base), so every tensor view, expert offset and kernel
-is unchanged and the logits are the same bits. It is anonymous memory in 4 KiB pages (buffers.arena_empty: on a VM
-whose host takes freed memory back, 2 MiB pages fault in slower than the disk reads). The reads are O_DIRECT
-(--io auto or direct), so the page cache does not hold a second copy while the process holds the first; with
---io buffered, or where the filesystem refuses O_DIRECT, plain reads drop the pages they read behind them
-(POSIX_FADV_DONTNEED). The last bytes of a file past its last 4 KiB boundary are read plainly.
+The copy has the mapping's layout (each shard at the same base), so every tensor view, expert offset and kernel is
+unchanged and the logits are the same bits. It is anonymous memory in 4 KiB pages (buffers.arena_empty). The reads are
+O_DIRECT (--io auto or direct), so the page cache does not hold a second copy; with --io buffered, or where the
+filesystem refuses O_DIRECT, plain reads drop the pages behind them (POSIX_FADV_DONTNEED). The last bytes of a file past
+its last 4 KiB boundary are read plainly. On a VM, faulting fresh memory in costs more than the disk, so READERS threads
+each fault a CHUNK in (MADV_POPULATE_WRITE) and then read it (2026-12-02: 1.42 against 0.67 GB/s for one thread).
 
-On a KVM guest, faulting fresh memory in was the cost, not the disk: O_DIRECT into it, one thread, 0.67 GB/s
-(16 GiB in 48 s, 44 s of it system time). READERS threads each take CHUNK bytes at a time, fault the chunk in
-first (MADV_POPULATE_WRITE, one call) and then read it: 1.42 GB/s reading 4 GiB of the 30B-A3B file into fresh
-memory (2026-12-02).
-
-Why at all: on the same guest the decode steps reading the page cache's pages stalled in stretches (some steps
-2-5x the median) where the same bytes in anonymous 4 KiB pages, or llama.cpp's own copy, did not
-(bench/RESULTS.md, 2026-12-02). The price is the read at load: the whole file, every run.
-"""
+Why at all: on a VM, decode steps reading the page cache's pages stalled in stretches where the same bytes in
+anonymous memory did not (bench/RESULTS.md, 2026-12-02). The price is reading the whole file at every load."""
 
 from __future__ import annotations
 

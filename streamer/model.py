@@ -298,9 +298,8 @@ class Model:
     def _attend_rows(self, i: int, x: np.ndarray, h: np.ndarray, states: list[SequenceState], positions) -> None:
         """Layer i's attention for a batched step, row by row as the one-call block (decode.attn_block) of each
         sequence's own one-token step: bit for bit its logits alone, and faster than the batch's projections
-        at these sizes (the rows' second reads of a layer's weights come from the CPU cache; measured
-        2026-12-06 on the 30B-A3B Q4_K, 4 rows: 1.9 ms a layer through the int8 matmul, 1.5 through the lanes,
-        1.2 for 4 blocks)."""
+        at these sizes, the rows' second reads of a layer's weights coming from the CPU cache (2026-12-06, 4 rows:
+        1.2 ms a layer against 1.9 through the int8 matmul)."""
         attn, scratch, _ = self._decode
         formats, weights = attn[i]
         for b, (st, pos) in enumerate(zip(states, positions)):

@@ -30,13 +30,9 @@ from streamer.weights import MATVEC_ROWS, linear
 
 # A prefill expert with at most this many tokens goes through the grouped int16 row dots (one row read, a dot
 # per token: the decode kernels' math), one with more through int8.grouped_matmul (integer tiles, reused across
-# its tokens; grouped_matmul's f32 tiles without the integer kernel): the crossover model.linear measured
-# between matvec and matmul. (5 instead of 3 was no faster on the 30B-A3B prefill, 128 tokens, busy machine.)
-# Where lanes.grouped serves the layer (LANES_MAX), GROUPED_MAX_LANES = 0 would give it these experts too: its
-# 2-token lanes read each weight row once for both tokens (7.0 ns per (row, token, super-block) against the row
-# dots' 19.5 in bench/lanes_bench.py --min 1 --max 3, loaded machine), but on the 17 GB 30B-A3B file a 32-token
-# prefill (nearly every expert with 1-3 tokens) ran 13.2-15.9 tok/s that way against 14.2-16.4 with the row dots
-# (2026-12-01, noisy), so the row dots keep them.
+# its tokens; grouped_matmul's f32 tiles without the integer kernel): model.linear's crossover between matvec and
+# matmul. Where lanes.grouped serves the layer (LANES_MAX), the row dots still keep these experts: giving them to
+# the lanes was faster per product but not on a 32-token prefill of the 30B-A3B file (2026-12-01).
 GROUPED_MAX = MATVEC_ROWS
 GROUPED_MAX_LANES = GROUPED_MAX
 

@@ -18,10 +18,9 @@ from streamer import budget
 from streamer.errors import StreamerError
 from streamer.io import parse_size
 
-# Parallel expert reads. 8, not 4: a cold first token reads each layer's 8 routed experts (3 parts each) at
-# once, and this disk served 1-2 MiB random O_DIRECT reads at 0.6-0.7 GB/s 4 deep, 0.7-1.1 GB/s 8 deep; a cold
-# 1-token `run` on the 48-layer Q8_0 file under an 8 GiB cap took 0.69x / 0.83x the time (two alternating
-# A/B runs, bench/cold_start.py). Reads land in cache slots: more readers cost threads, not memory.
+# Parallel expert reads. 8, not 4: a cold first token reads each layer's 8 routed experts (3 parts each) at once,
+# and random O_DIRECT reads ran faster 8 deep (a cold 1-token run took 0.69-0.83x the time). Reads land in
+# cache slots: more readers cost threads, not memory.
 READERS = 8
 
 

@@ -1,34 +1,22 @@
 """Page-in: bring byte ranges of the model's mapping into RAM at the disk's sequential speed.
 
-The ranges are read in the order given (the caller puts them in the order the forward pass needs them), in
-pieces of at most `chunk` bytes. MADV_WILLNEED queues the kernel's reads of the pieces up to `ahead` bytes
-past the one being waited for: large asynchronous requests covering exactly those pages (no readahead beyond
-them), several in flight, so the device streams. The kernel truncates one WILLNEED to its readahead limit
-(readahead_bytes), so each is issued in steps of that size: a page left out would be faulted in later, and
-outside MADV_RANDOM a fault reads read_ahead_kb around itself, past the range (measured: 1.35 GB read for
-0.91 GB of non-expert weights with 16 MiB WILLNEEDs on an 8 MiB readahead device). MADV_POPULATE_READ on
-the current piece then waits for its pages and maps them, so the kernels computing on them later take no
-page faults at all. Neither depends on
-the range's own advice: expert ranges marked MADV_RANDOM are read in the same large requests, never one
-4 KiB fault at a time. Where POPULATE_READ is missing (Linux < 5.14) one byte per page is touched instead;
-those faults find the pages already being read and only wait.
+The ranges are read in the order given (the order the forward pass needs them), in pieces of at most `chunk` bytes.
+MADV_WILLNEED queues the kernel's reads up to `ahead` bytes past the piece being waited for: large asynchronous requests
+covering exactly those pages, several in flight, so the device streams. Each WILLNEED is issued in steps of the
+readahead limit (readahead_bytes), since the kernel truncates longer ones and a page left out would later be faulted in
+with read_ahead_kb around it, past the range. MADV_POPULATE_READ on the current piece then waits for its pages and maps
+them, so the kernels take no page faults. Neither depends on the range's own advice (MADV_RANDOM expert ranges are read
+in the same large requests). Without POPULATE_READ (Linux < 5.14) one byte per page is touched instead.
 
-Huge mode (huge=True: the caller reads the whole file, so reading past a range costs nothing): the mapping
-gets MADV_HUGEPAGE (all of it at once: a 2 MiB page is mapped whole only inside one VMA) and each piece is
-faulted in by MADV_POPULATE_READ alone, no WILLNEED. A fault there reads the 2 MiB around it into one 2 MiB
-page cache folio (filesystems with large folios: ext4, XFS), which mapping.py's aligned mapping then maps by
-one page-table entry: fewer TLB misses in every decode step after. MADV_WILLNEED reads into 4 KiB folios
-whatever the advice, so it is left out, and the faults' own readahead (2-4 MiB at a time) keeps fewer reads in
-flight: on the 17 GB 30B-A3B file, cold, alternating with the WILLNEED page-in over an evening, 1.61-2.12 GB/s
-against 1.84-2.13, about 0.9x its rate, with 16.0 GB then mapped by 2 MiB entries against none, for a decode
-step 4-7% faster ever after (mapping.py). Three helper threads faulting pieces in ahead (8 or 64 MiB at a
-time) were no faster (0.76-0.95x). Not for a part of the file: a fault near a range's end would read up to
-4 MiB past it, which no budget counted.
+Huge mode (huge=True: the caller reads the whole file, so reading past a range costs nothing): the whole mapping gets
+MADV_HUGEPAGE and each piece is faulted in by MADV_POPULATE_READ alone, into 2 MiB page cache folios that mapping.py
+maps by one page-table entry (fewer TLB misses). WILLNEED would read into 4 KiB folios, so it is left out (2026-12-06:
+0.9x the WILLNEED rate, then 4-7% faster decode steps). Not for part of a file: a fault near a range's end would read up
+to 4 MiB past it, which no budget counted.
 
-Only the given ranges are read (widened to whole pages): what the RAM budget allows is the caller's choice
-(session.pagein_ranges). A PageIn runs in the caller's thread (run) or in a background thread (start), with
-(done, total) progress either way.
-"""
+Only the given ranges are read (widened to whole pages); what the RAM budget allows is the caller's choice
+(session.pagein_ranges). A PageIn runs in the caller's thread (run) or a background thread (start), with (done,
+total) progress either way."""
 
 from __future__ import annotations
 
@@ -47,8 +35,8 @@ MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
 CHUNK = 8 * 2**20  # bytes waited for at a time (progress and stop granularity)
-# bytes of reads queued past the piece being waited for: 128 MiB was no faster (0.78-0.85 vs 0.77-0.92 GB/s, 3 GiB
-# of the 30B file, alternating), and less queued in front of the forward pass's reads of the experts it needs
+# bytes of reads queued past the piece being waited for: 128 MiB was no faster, and queued more in front of the
+# forward pass's reads of the experts it needs
 AHEAD = 32 * 2**20
 MIN_STEP = 128 * 2**10  # the kernel's smallest readahead window (VM_READAHEAD_PAGES)
 
@@ -222,13 +210,9 @@ class PageIn:
         return self.done
 
     def _map(self, start: int, n: int) -> None:
-        """Map the piece's pages (MADV_POPULATE_READ: waits for their reads), then read a byte of each page.
-        The read matters on a virtual machine whose memory was handed back to its host (free page reporting):
-        the disk's DMA fills such pages on the host's side, and the guest CPU's first access to each still
-        costs an exit to the host. After llama.cpp's run had freed 17 GB there, the first forward after a
-        8 GiB page-in of the 30B-A3B prefilled 32 tokens at 9.7-10.2 tok/s and decoded at 8.3-9.6, the next
-        one at 22-25 and 16-17 in the same process; one read per 4 KiB page took 2.5 s the first time (0.18 s
-        on the same 16 GB again), after which the first forward ran at 20.9 / 14.6 (2026-12-06)."""
+        """Map the piece's pages (MADV_POPULATE_READ: waits for their reads), then read a byte of each page. On a VM
+        whose memory went back to its host, the guest's first access to each page still costs an exit to the host;
+        doing it here keeps that out of the first forward pass (2026-12-06: its prefill at 21 tok/s, 10 without)."""
         if self._populate:
             err = self.advise(self.mm, start, n, MADV_POPULATE_READ)
             if err != 0 and err != errno.EINVAL:  # EFAULT: the file shrank under us; the forward pass will say so

@@ -249,14 +249,12 @@ def early_plan(
     rss_margin: int = 0,
     mapped: int = 0,
 ) -> tuple[list[tuple[int, int]], bool]:
-    """(ranges, whole): what open_model may start reading before any kernel loads, early_tensors in forward
-    order, when the budget is sure to keep them (pagein_ranges will): a streamed MoE whose budget plan holds
-    the non-expert weights and one layer's experts (checked with the process as it is now plus rss_margin,
-    smaller than later: a budget the plan refuses later has read nothing), or a model whose weights all fit
-    (dense, --no-stream). Nothing otherwise: the plan's error, or the OS paging, comes first. whole: the plan
-    keeps every byte of the file resident, so the page-in may read in 2 MiB pages (PageIn's huge mode).
-    mapped: bytes of those weights an early page-in has mapped already (in the RSS as file pages: not the
-    process's own share, as split_budget counts them). budget: the run's RAM budget in bytes (budget.resolve)."""
+    """(ranges, whole): what open_model may start reading before any kernel loads, early_tensors in forward order,
+    when the budget is sure to keep them: a streamed MoE whose plan holds the non-expert weights and one layer's
+    experts (checked with the process as it is now plus rss_margin), or a model whose weights all fit. Nothing
+    otherwise. whole: every byte of the file stays resident, so the page-in may use 2 MiB pages (PageIn's huge mode).
+    mapped: bytes of those weights already mapped by an early page-in (not counted by split_budget as the process's
+    own). budget: the run's RAM budget in bytes (budget.resolve)."""
     tensors = early_tensors(gf)
     if cfg.is_moe and options.stream:
         if options.expert_cache_bytes is None:
@@ -341,10 +339,9 @@ def warn_dense_budget(gf: GGUFFile, cfg: ModelConfig, n_ctx: int | None, budget:
 def read_model_into_memory(
     gf: GGUFFile, cfg: ModelConfig, options: StreamOptions, budget: int, n_ctx: int | None, progress=None
 ) -> None:
-    """--no-mmap: check that the whole file, the KV cache, the scratch and the process as it stands
-    (budget.process_baseline) fit the RAM budget (one error line before any read if not: this memory cannot be
-    paged out), then read the file into the process's memory (GGUFFile.read_into_memory). progress(done, total) in bytes; without it a line is logged if the read is
-    slow."""
+    """--no-mmap: check that the whole file, the KV cache, the scratch and the process as it stands fit the RAM
+    budget (this memory cannot be paged out), then read the file into memory (GGUFFile.read_into_memory).
+    progress(done, total) in bytes; without it a line is logged if the read is slow."""
     rest = cfg.state_bytes(cfg.context(n_ctx), options.n_seq) + scratch_bytes(cfg) + process_baseline()
     if gf.size + rest > budget:
         which = f"--ram-budget {human(budget)}" if options.ram_budget is not None else f"the RAM budget {human(budget)}"
@@ -376,15 +373,12 @@ def open_model(
     started_pagein=None,
     load_progress=None,
 ) -> Session:
-    """The file (a path, or a GGUFFile already opened to validate input against it), its model with the FFN
-    the options ask for, kernels compiled or loaded from numba's cache. trace: a path to record the MoE's
-    routing trace to (streamer/trace.py), written when the session closes. lazy_kernels: when numba's cache
-    holds every kernel the model may call, leave each to load at its first call (a one-off command's time to
-    first token: the kernels a short prompt does not use never load); else, or when anything must compile,
-    run them all once now (benchmarks and the server: no load or compile time inside what they time).
-    started_pagein: (ranges, PageIn) of a page-in the caller started before it had the options (the CLI's
-    entry point): continued if the budget check here asks for the same ranges, else stopped. load_progress:
-    progress(done, total) of --no-mmap's read, in bytes."""
+    """The file (a path, or a GGUFFile already opened), its model with the FFN the options ask for, kernels compiled
+    or loaded from numba's cache. trace: a path to record the MoE's routing trace to (streamer/trace.py).
+    lazy_kernels: when numba's cache holds every kernel, leave each to load at its first call (a short prompt never
+    loads the kernels it does not use); else run them all once now (no compile time inside what benchmarks time).
+    started_pagein: (ranges, PageIn) of a page-in the CLI started before it had the options: continued if the budget
+    check asks for the same ranges, else stopped. load_progress: progress(done, total) of --no-mmap's read."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     timing.mark("header")

@@ -11,7 +11,6 @@ prompt), and `restorable(n)` says the furthest position at or before n the state
 from __future__ import annotations
 
 import mmap
-from typing import Protocol
 
 import numpy as np
 
@@ -28,17 +27,11 @@ def check_room(n: int, m: int, n_ctx: int) -> None:
         )
 
 
-class LayerState(Protocol):
-    nbytes: int
-    recurrent: bool  # whether it summarises the past (cannot be cut back to an arbitrary position)
-
-
 def small_page_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """Zeroed memory of its own mapping, which the kernel fills in 4 KiB pages as it is first written, never in
     2 MiB ones (MADV_NOHUGEPAGE; numpy asks for huge pages on arrays of 4 MiB and more). A K/V array is written
-    a few rows at a time: a huge page would zero 2 MiB at the first row of each head. On a VM whose free memory
-    went back to its host, each such fault cost about 10 ms: a fresh state's 32-token prefill on the 30B-A3B
-    took 1.9-2.4 s against 1.2 s (96 huge-page faults; AMD EPYC Zen 4, AVX-512, 2026-12-06)."""
+    a few rows at a time: a huge page would zero 2 MiB at the first row of each head, which on a VM whose free
+    memory went back to its host cost about 10 ms a fault (2026-12-06)."""
     count = int(np.prod(shape, dtype=np.int64))
     m = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_NOHUGEPAGE)  # Linux only, as the project

@@ -1,15 +1,10 @@
 """Compile every kernel ahead of time (`stream-run warmup`), or load it from numba's on-disk cache.
 
-Each group runs its kernels once on tiny zero inputs: the QMatrix matvec, matmul and rows of each set of
-GGML types sharing kernels (F32; F16/BF16; the block formats), for every type of the set;
-the forward pass's ops (RMSNorm, head norm + RoPE, attention, SwiGLU); the multi-expert decode kernels; the
-int8 prefill matmul for each instruction set the CPU runs.
-numba compiles one machine-code version per argument-type signature, and a cached version is only found
-again for the same signature, so the inputs here have exactly the types a model run passes: weights
-read-only and C-contiguous (as views of the file's read-only mapping or of the expert cache's read-only
-arena), activations float32 and C-contiguous, Python ints and floats for the scalars.
-tests/test_first_run.py checks that a model run afterwards compiles nothing new.
-"""
+Each group runs its kernels once on tiny zero inputs: the QMatrix kernels of each set of GGML types sharing kernels,
+the forward pass's ops, the multi-expert decode kernels, and the int8 prefill matmul for each instruction set the CPU
+runs. numba finds a cached version again only for the same argument types, so the inputs here have exactly the types
+a model run passes: weights read-only and C-contiguous, activations float32 and C-contiguous, Python ints and floats
+for the scalars (tests/test_first_run.py checks that a model run afterwards compiles nothing new)."""
 
 from __future__ import annotations
 
@@ -495,11 +490,8 @@ def model_kernels(model, moe: bool = False, needs_tiles: bool = False) -> list:
 
 
 def cached(dispatchers) -> bool:
-    """Whether numba's on-disk cache holds machine code of each dispatcher, for its current source (numba's
-    index of the function, which it checks against the source file's stamp). A run can then skip the warm-up:
-    each kernel loads from the cache at its first call, so a one-token prompt never loads the prefill
-    kernels, and the expert kernels load while the first layer's expert reads are on their way. numba
-    internals: anything unexpected answers False (warm up, as before)."""
+    """Whether numba's on-disk cache holds machine code of each dispatcher for its current source. A run can then
+    skip the warm-up and load each kernel at its first call. numba internals: anything unexpected answers False."""
     try:
         return all(
             d.in_cache() if isinstance(d, (Specialised, FormatKernel)) else d._cache._cache_file._load_index()
@@ -582,11 +574,9 @@ def _run_claimed(jobs: list[Group], claims: str) -> None:
             g.run()
 
 
-# Seconds one process took to compile each kernel of the demo's first run (2026-12-06, AMD EPYC Zen 4,
-# AVX-512/VNNI; the integer kernels by their name before the ISA suffix, specialised to Q8_0; attn_block with
-# the attention it calls). Only their order matters: the shared
-# list puts the costliest groups first, so that the two processes finish together (in the list's old order the
-# helper ran out of work 8 s before this process did). Kernels not listed count 0.5 s.
+# Seconds to compile each kernel of the demo's first run (2026-12-06; integer kernels by their name before the ISA
+# suffix). Only their order matters: the shared list puts the costliest groups first, so that the two processes
+# finish together. Kernels not listed count 0.5 s.
 COMPILE_S = {
     "attn_block": 12.8, "i8_matmul": 6.1, "i8_grouped": 5.1, "block_matvec": 5.1, "attention": 4.5,
     "experts_matvec": 3.7, "gather_act": 1.5, "experts_down": 2.9, "f32_matmul": 2.5, "grouped_down": 2.7,
@@ -615,13 +605,11 @@ def warmup_shared(
     helper_allowed: bool = True,
     matrix_qtypes=None,
 ) -> None:
-    """Compile the groups named in `only` (and the matrix groups of matrix_qtypes, the formats `first` runs) and
-    then `first` (this process's own work, e.g. Model.warmup), with a helper process taking groups from the
-    same list while this one works (compile_jobs() > 1): numba's compiler holds one lock per process, and the
-    helper's machine code reaches this process through numba's on-disk cache (kernels/_cachelock.py makes its
-    saves whole). `first` and each group then run here: what the helper compiled loads from the cache. A helper
-    that fails or cannot start only costs the speed-up. helper_allowed: False where a second process's memory
-    (about 300 MB while it compiles) is not to be had, e.g. under a RAM budget the user set."""
+    """Compile the groups named in `only` (and the matrix groups of matrix_qtypes, the formats `first` runs) and then
+    `first` (this process's own work, e.g. Model.warmup), with a helper process taking groups from the same list
+    (compile_jobs() > 1): numba's compiler holds one lock per process, and the helper's machine code reaches this
+    process through the on-disk cache (kernels/_cachelock.py makes its saves whole). A helper that fails only costs
+    the speed-up. helper_allowed: False where a second process's memory (about 300 MB) is not to be had."""
     jobs = _jobs(only, qtypes, decode_combos, matrix_qtypes)
     helper = None
     with tempfile.TemporaryDirectory(prefix="stream-run-compile-") as claims:

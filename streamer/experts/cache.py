@@ -1,23 +1,15 @@
-"""The expert cache: a fixed arena of slots (allocated once, so its size is the budget we were given; one slot
-size per kind of layer, SlotClasses), split into a pinned tier (experts learned to be hot; never evicted) and
-an LRU tier (cachetools) of idle experts, each per slot size. Experts in use by the current layer, or still
-being read, sit in neither tier and cannot be evicted. Thread-safe: reader threads complete entries while the
-compute thread acquires and releases.
+"""The expert cache: a fixed arena of slots (allocated once, so its size is the budget we were given; one slot size per
+kind of layer, SlotClasses), split into a pinned tier (experts learned to be hot; never evicted) and an LRU tier
+(cachetools) of idle experts, each per slot size. Experts in use by the current layer, or still being read, sit in
+neither tier and cannot be evicted. Thread-safe: reader threads complete entries while the compute thread acquires and
+releases.
 
-A slot never used yet is memory the process has not touched: its first read faults in and zeroes every page of
-it (the kernel's first touch, which on a VM whose host took back free memory ran at 0.6 GB/s of CPU time inside
-the O_DIRECT reads, slower than the disk). acquire(grow=False) reuses the slot of an idle expert that was used (released, not a
-prefetch still waiting for its layer) before such a fresh one: a prompt, which reads each layer's experts once,
-then touches only the slots its reads in flight need, not the whole arena. Which experts were used is decided
-by the compute thread's own calls, never by when a read lands, so the trace replay makes the same choices. The
-fresh slots, which the tokens after a prompt grow into, are faulted in meanwhile on idle CPU (experts/prefault.py).
-
-A decode step grows into fresh slots only as far as those threads have faulted them in (`allow`, set per layer call
-from ready() and recorded in the trace, so the replay holds back where the run did); past it, it reuses idle
-slots as a prompt does. Where the host backs memory lazily, growing faster than that paid the first touch
-inside the reads: on the 122B-A10B IQ2_XXS file (2026-12-06, AMD EPYC Zen 4, AVX-512, free page reporting on,
-memory already handed back), 32 decode steps ran at 0.90-0.95 tok/s growing freely against 1.20-1.23 held back,
-at 32% hits against 9%; with memory the host still backed, the threads kept ahead and nothing changed."""
+A slot never used yet is memory the process has not touched: its first read also faults in and zeroes it, which on a
+VM whose host took back free memory is slower than the disk. So acquire(grow=False) reuses the slot of an idle expert
+that was used before taking a fresh one, and a decode step grows into fresh slots only as far as
+experts/prefault.py's threads have faulted them in on idle CPU (`allow`, set per layer call from ready()). Which
+experts were used is decided by the compute thread's own calls and `allow` is recorded in the trace, so the replay
+makes the same choices (2026-12-06: 1.20 against 0.90 tok/s growing freely, on lazily backed memory)."""
 
 from __future__ import annotations
 
@@ -44,10 +36,8 @@ def grows(roomy: bool, m: int, step: int) -> bool:
 
 class SlotClasses(NamedTuple):
     """Slots of several sizes, one size per class: a layer's experts take slots of its layer's class only.
-    Quantization recipes give some layers larger experts (llama-quantize's Q4_K_M a Q6_K ffn_down in about
-    half the layers, IQ1_S a Q2_K one in the first eighth): with one slot size, that of the largest expert,
-    the other layers' slots carry the difference unused (on the 235B-A22B IQ1_S recipe 3.52 MiB experts in
-    4.32 MiB slots)."""
+    Quantization recipes give some layers larger experts (Q4_K_M's Q6_K ffn_down in about half the layers): with one
+    slot size, the other layers' slots would carry the difference unused."""
 
     of_layer: tuple[int, ...]  # each layer's class
     slot_bytes: tuple[int, ...]  # per class

@@ -1,19 +1,15 @@
 """Fault in the expert cache's never-used slots ahead of need, on otherwise idle CPU.
 
 A slot's first read faults in and zeroes its pages inside the O_DIRECT read (experts/cache.py), on the path of the
-token that waits for it: about 1.7 s of CPU per GB (measured 2026-12-04) on a VM whose host backs a guest page only when it is
-first touched. A prompt reuses slots rather than take fresh ones, so the tokens after it grow the cache into fresh slots
-and would pay all of that. Two threads pay it beforehand where they can: MADV_POPULATE_WRITE 2 MiB at a time, from
-the lowest never-used slot up (the next ones the cache will take; with slots of several sizes, each size's
-range in turn), at SCHED_IDLE, so the scheduler runs it only on
-a CPU nothing else wants (a prompt that waits for the disk leaves one). Populating a page that is
-already there changes nothing, so racing a read into the same slot is harmless; and the cache's choices never
-depend on it (its own `fresh` count says which slots it has used), so replay still equals the live run.
+token that waits for it (2026-12-04: 1.7 s of CPU per GB on a VM whose host backs a page only when first touched).
+Two threads pay it beforehand: MADV_POPULATE_WRITE 2 MiB at a time, from the lowest never-used slot up (the next
+ones the cache will take; each slot size's range in turn), at SCHED_IDLE, so they run only on a CPU nothing else
+wants. Populating a page that is already there changes nothing, so racing a read into the same slot is harmless,
+and the cache's choices never depend on it, so replay still equals the live run.
 
-It starts when its owner calls start(): the MoE layer does so once the session's first layer call has run, not at
-start-up. While it faults pages in, start-up's own work that maps or touches new memory (numba loading the cached
-kernels at their first call, the madvise of the mapping's expert ranges) slowed down: a cold 1-token run's first
-expert read came 0.44-0.74 s after its forward began with the thread running from start-up, 0.29-0.37 s without it."""
+It starts when its owner calls start(): the MoE layer does so after the session's first layer call, not at
+start-up, whose own work that maps or touches new memory (numba loading cached kernels, the madvise of the expert
+ranges) it would slow down."""
 
 from __future__ import annotations
 
@@ -31,9 +27,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 CHUNK = 2 * 2**20
 
 
-# Threads faulting pages in: on a VM whose host took the memory back, one thread populated cold memory at
-# 0.38-0.39 GiB/s and two at 0.56-0.75 (bench/first_touch.py, alternating, 2026-12-06): the host backs both
-# vCPUs' faults at once. At SCHED_IDLE they only take CPU time nothing else wants.
+# Threads faulting pages in: the host backs both vCPUs' faults at once (2026-12-06: two threads 1.4-1.9x one).
+# At SCHED_IDLE they only take CPU time nothing else wants.
 THREADS = 2
 
 

@@ -4,15 +4,14 @@ The kernels inline their helpers as numba IR (`inline="always"`: the format-spec
 constant to reach the helpers' branches before typing, see specialise.py). For every call site numba runs the
 untyped front end over the helper again (bytecode to IR, and the helper's own inlining of its helpers, each
 copied again) and then deep-copies the result into the caller. A helper inlined at eight sites was prepared
-eight times, and its own helpers 8 x their sites: half of a first run's compile time was these copies.
+eight times, and its own helpers 8 x their sites.
 
 install() memoises InlineWorker.run_untyped_passes: the first call for a function (under the same compiler
 contexts and flags) runs numba's passes; later calls return a shallow copy of that IR with a fresh function
 identity, whose unique name numba uses to rename the inlined variables, so two inlined copies never share
 names. The inliner deep-copies that IR before it changes anything (numba's own rule: "Always copy the callee IR,
-it gets mutated"), so the kept IR stays as the passes left it. Measured 2026-12-06 on the demo's kernels in one
-process (AMD EPYC Zen 4, AVX-512/VNNI): 49-56 s of CPU against 57-69 s, alternating, 3 rounds, the same
-tokens. On a numba without the method this expects, install() does nothing and numba compiles as it would.
+it gets mutated"), so the kept IR stays as the passes left it (2026-12-06: the demo's compile 0.83x the CPU
+time). On a numba without the method this expects, install() does nothing and numba compiles as it would.
 """
 
 from numba.core import inline_closurecall

@@ -1,22 +1,17 @@
-"""Block-quantized weights: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (32-element blocks) and Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (256-element super-blocks);
-the low-bit layouts are drawn in simd_lowbit.py and simd_iq.py.
+"""Block-quantized weights: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (32-element blocks) and Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (256-element super-blocks); the low-bit layouts are
+drawn in simd_lowbit.py and simd_iq.py.
 
-Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes), block_q4_0 {ggml_half d; uint8_t qs[16]}
-(18 bytes; element l is the low nibble of qs[l], element l+16 the high nibble, value d * (q - 8)),
-block_q4_K {d, dmin, scales[12], qs[128]} (144 bytes), block_q5_K {d, dmin, scales[12], qh[32], qs[128]}
-(176 bytes) and block_q6_K {ql[128], qh[64], int8 scales[16], d} (210 bytes), as decoded by ggml's
-dequantize_row_*. Rows are read straight from the GGUF bytes: matvec runs simd's vector row dot on x
-quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32) or,
-where the CPU has AVX512-VNNI or AVX2, Q4_K's digit row dot (simd_vnni.py: vpdpbusd, or its AVX2 form) on x as two
-int8 digits per 32 (the
-activation buffer's dtype selects it: act_buffer, prepare); matmul and rows dequantize exactly (simd's *_deq)
-into f32.
+Mirrors ggml's block_q8_0 {ggml_half d; int8_t qs[32]} (34 bytes), block_q4_0 {ggml_half d; uint8_t qs[16]} (18 bytes;
+element l is the low nibble of qs[l], element l+16 the high nibble, value d * (q - 8)), block_q4_K {d, dmin, scales[12],
+qs[128]} (144 bytes), block_q5_K {d, dmin, scales[12], qh[32], qs[128]} (176 bytes) and block_q6_K {ql[128], qh[64],
+int8 scales[16], d} (210 bytes). Rows are read straight from the GGUF bytes: matvec runs simd's vector row dot on x
+quantized to int16 per 32 (Q8_0, Q4_0) or per 256 (K-quants, whose mins use exact f32 sums of x per 32) or, where the
+CPU has AVX512-VNNI or AVX2, Q4_K's digit row dot (simd_vnni.py) on int8 digits (selected by the activation buffer's
+dtype: act_buffer, prepare); matmul and rows dequantize exactly (simd's *_deq) into f32.
 
-One kernel serves every format: it takes the format's code (streamer.formats) and branches on it once per row,
-a predictable branch; the per-format work is simd's. The multi-expert kernels (experts.py) share prepare and
-dot.
-"""
+One kernel serves every format: it takes the format's code (streamer.formats) and branches on it once per row; the
+per-format work is simd's. The multi-expert kernels (experts.py) share prepare and dot."""
 
 import numba
 import numpy as np
@@ -209,11 +204,10 @@ _OV = {"fastmath": FASTMATH, "error_model": "numpy", "nogil": True}
 
 def prepare(fmt, x, xq, aux):
     """Quantize x for the format's row dot (kernels only). xq is the activation buffer: int16 [n] (prepare_i16,
-    simd.py's dots) or, where the CPU has AVX512-VNNI or AVX2 (DIGITS), the same bytes as int8 [2n]: then the formats in
-    DIGIT_CODES get two int8 digits per element (simd_avx2.act_digits: scales in aux[:n/32], one per 32 with
-    VNNI, one per 256 repeated in its 8 slots on AVX2; f32 sums per 32 after them) for simd_avx2.q4_k_digit_dot
-    (simd_vnni.py's vpdpbusd body, or simd_avx2.py's folded one), the others the int16 path in those bytes. Which one is
-    chosen when the kernel is compiled, by xq's dtype, never at run time. Returns (dx, xs) views of aux."""
+    simd.py's dots) or, where the CPU has AVX512-VNNI or AVX2 (DIGITS), the same bytes as int8 [2n]: then the formats
+    in DIGIT_CODES get int8 digits (simd_avx2.act_digits: scales in aux[:n/32], f32 sums per 32 after them) for
+    simd_avx2.q4_k_digit_dot, the others the int16 path in those bytes. Chosen when the kernel is compiled, by xq's
+    dtype, never at run time. Returns (dx, xs) views of aux."""
     raise NotImplementedError("blocks.prepare runs inside numba kernels only")
 
 

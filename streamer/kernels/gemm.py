@@ -4,9 +4,8 @@ Each quantized matmul dequantizes a tile of weight rows once into a small per-th
 scratch and then calls `gemm_tile`, so the dequantization cost is amortised over all m
 activation rows. The register block is chosen for the host's vector registers, once, at import:
 - 4x4 (16 accumulators, 8 vectors loaded per 16 FMAs) where there are 32 (AVX-512, and other targets);
-- 4x3 (12 accumulators, 7 loads per 12 FMAs) on x86 without AVX-512, whose 16 ymm registers cannot hold
-  the 4x4 block's 24 live vectors: LLVM spilled 6 accumulators to the stack inside the K loop, and the 4x4
-  block ran at 77-83 GFLOP/s on 2 AVX2-only AMD EPYC cores where 4x3 ran at 119-123 (bench/RESULTS.md, 2026-12-03).
+- 4x3 (12 accumulators, 7 loads per 12 FMAs) on x86 without AVX-512, whose 16 ymm registers cannot hold the
+  4x4 block's 24 live vectors (2026-12-03: the 4x4 block spilled and ran at 0.66x the 4x3 one).
 Both compute every output as a vectorised f32 dot along K, but not to the same last bits (LLVM orders each
 block's sums its own way); only one runs on a given CPU. The choice depends on the CPU alone, which is part of
 numba's cache key, so a cached caller cannot hold the other.
@@ -149,7 +148,6 @@ gemm_tile = gemm_tile_4x4 if _WIDE else gemm_tile_4x3
 
 
 # Rows of W dequantized per tile: TILE rows x K f32 stay in L2 while all m activation rows pass. A multiple of the
-# register block's columns, so that a full tile has no partial block: 16 rows left the 4x3 block one row (then
-# to a one-column tail), and 15 ran 1.07-1.09x faster per FLOP (gemm_tile alone, m = 32, K = 1024-3072, one AMD
-# EPYC Zen 4 core with AVX2-only kernels, medians of 9 alternating rounds; 2026-12-07).
+# register block's columns, so that a full tile has no partial block (2026-12-07: 15 rows 1.07-1.09x faster per
+# FLOP than 16 with the 4x3 block).
 TILE = 16 if _WIDE else 15

@@ -1,20 +1,14 @@
-"""The integer prefill matmul: activations quantized per group to int16 held as two int8 digits, or to one
-(ggml's int8 grid) on AVX2 (activation_digits), weight tiles unpacked to bytes, integer dot products
-(simd_i8.py, where the error bound is derived).
+"""The integer prefill matmul: activations quantized per group to int16 held as two int8 digits, or to one (ggml's int8
+grid) on AVX2 (activation_digits), weight tiles unpacked to bytes, integer dot products (simd_i8.py, where the error
+bound is derived).
 
-grouped_matmul is the MoE prefill's form: many experts' matrices (each with its own few tokens) in one parallel
-call, on activation rows quantized once (quantize, gather); each row's result equals matmul's bit for bit.
+grouped_matmul is the MoE prefill's form: many experts' matrices (each with its own few tokens) in one parallel call, on
+activation rows quantized once (quantize, gather); each row's result equals matmul's bit for bit.
 
-Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's
-f32 tiles. The instruction set is chosen here, in Python, once (host_isa): "vnni" (vpdpbusd) when the CPU has
-AVX512-VNNI and AVX512-BW, else "avx2" (vpmaddubsw; Q4_0 and Q4_K, the others keep the f32 tiles) where it
-has AVX2; STREAM_RUN_ISA=generic forces the portable kernel, =f32 the f32 tiles. On AVX2 the integer tiles run
-at the f32 tiles' speed with two digits and 1.34x it with one (the 0.6B Q4_K's 64-token prefill, 2026-12-07,
-AVX2-only kernels on an AMD EPYC Zen 4): the integer work per product is what one digit halves, so one digit is
-AVX2's default. Each is its own cached kernel (a choice made inside a cached kernel would be served stale from
-numba's cache). The vnni ones are compiled per weight format (specialise.py): a Q8_0 file's first run compiles
-only Q8_0's tile unpacking and integer dots (i8_matmul's compile 7.2 s -> 3.9 s; 2026-12-06, AMD EPYC Zen 4, AVX-512/VNNI).
-"""
+Formats: Q8_0, Q4_0, Q4_K, Q5_K (groups of 32) and Q6_K (groups of 16); the others keep blocks.block_matmul's f32
+tiles. The instruction set is chosen here, in Python, once (host_isa), since a choice made inside a cached kernel
+would be served stale from numba's cache: each is its own cached kernel. The vnni ones are compiled per weight format
+(specialise.py), so a Q8_0 file's first run compiles only Q8_0's tiles."""
 
 from __future__ import annotations
 
@@ -312,10 +306,9 @@ def decode_isa() -> str | None:
 
 
 def host_isa() -> str | None:
-    """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else 'avx2'
-    where it has AVX2 (for AVX2_CODES' formats; the others keep the f32 tiles), else None (the f32 tiles, which
-    the generic kernel does not beat: 0.4-0.5x of them). STREAM_RUN_ISA overrides: 'generic' forces the portable
-    kernel, 'f32' the f32 tiles."""
+    """The int8 kernel QMatrix.matmul uses: 'vnni' where the CPU has AVX512-VNNI and AVX512-BW, else 'avx2' where it
+    has AVX2 (for AVX2_CODES' formats; the others keep the f32 tiles), else None (the f32 tiles, which the generic
+    kernel does not beat). STREAM_RUN_ISA overrides: 'generic' forces the portable kernel, 'f32' the f32 tiles."""
     env = _isa_env()
     if env == "generic":
         return "generic"
@@ -329,9 +322,8 @@ def host_isa() -> str | None:
 def activation_digits(isa: str | None) -> int:
     """int8 digits per activation: STREAM_RUN_ACT=int8 asks for one (ggml's grid, 257x coarser), =int16 for two
     (int16-fine); by default two where vpdpbusd makes the second nearly free, one where the integer kernels run on
-    AVX2 (isa "avx2"), whose vpmaddubsw pays for each digit in full. On AVX2 one digit prefilled the 0.6B Q4_K
-    1.34x faster than two, and the trained models' held-out perplexity (Q4_K_M, 32 windows of 256) moved by
-    at most 0.01% with it, against a standard error of 4.4% (2026-12-07, AMD EPYC Zen 4 with AVX2-only kernels)."""
+    AVX2, whose vpmaddubsw pays for each digit in full (2026-12-07: a 1.34x faster prefill; held-out perplexity moved
+    by at most 0.01%)."""
     env = os.environ.get("STREAM_RUN_ACT", "").strip().lower()
     if env in ("int8", "int16"):
         return 1 if env == "int8" else 2
@@ -443,8 +435,7 @@ def gather(act: Act, rows: np.ndarray) -> Act:
 
 
 # Cost of unpacking one tile, in units of one N_TOK-token block of its product, for splitting the work items
-# between threads: one thread, Q4_K 32x2048 tiles, two digits, vpdpbusd: a block 2.6-2.8 us; unpacking 2.4-2.9
-# us from cache, 7-10 us from RAM (113 MB of weights; a software prefetch of the next tile gained 3-5%).
+# between threads (Q4_K, vpdpbusd: unpacking 2.4-10 us, from cache or RAM, against 2.6-2.8 us a block).
 DECODE_BLOCKS = 2.5
 
 

@@ -263,8 +263,7 @@ def quantize(fmt: int, X: np.ndarray) -> int8.Act:
 def best_isa(isa: str | None) -> str | None:
     """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: vpdpbusd, or the AMX
     tiles in its place where usable and asked for (STREAM_RUN_AMX=1; a forced "generic" stays generic). Not the
-    default: on the 17 GB 30B-A3B file (Intel Xeon with AMX, 2 threads, 2026-12-01) the tiles prefilled 32 tokens
-    slower than vpdpbusd (7.5-12.8 against 13.2-16.4 tok/s) and 128 tokens no faster (bench/RESULTS.md)."""
+    default: on the full 30B-A3B file the tiles were slower than vpdpbusd at 32 tokens (2026-12-01)."""
     return "amx" if isa == "vnni" and os.environ.get("STREAM_RUN_AMX", "").strip() == "1" and simd_amx.enable() else isa
 
 

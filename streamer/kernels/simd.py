@@ -153,23 +153,17 @@ class SplitBody:
 def _row_intrinsic(block_bytes, body_fn, n_acc, x_dtype=types.int16, n_vec=1, n_rows=1, block_stride=None, n_tok=1):
     """Wrap a per-block body into an intrinsic `(w, off, xq, dx, xs, nb, pf) -> f32`.
 
-    body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and,
-    if n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
-    (simd_vnni.py). body_fn may instead map activation dtypes to bodies, or to (body, its own n_vec): the intrinsic
-    then takes any of them, and xq's dtype picks the body when it is compiled (simd_vnni.py: int8 = two digits,
-    uint8 = one).
-    n_rows = 2: `(w, off, stride, xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and off + stride in one
-    loop (the activation loads shared, two chains in flight: 4-6% faster on Zen 4 at 768 and 2048 inputs); each
-    row's operations are the one-row intrinsic's, but LLVM may order the fast-math sums of its
-    accumulators otherwise in either version: a row agrees with the one-row result to float32 rounding, and
-    callers keep the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, r < n_rows, an
-    n_rows-tuple. block_stride: bytes from one block of a row to its next (default block_bytes: rows as in the
-    file; n_rows * block_bytes with stride = block_bytes reads rows interleaved block by block).
-    n_tok = 2 or 3: `(w, off, stride, xq_0, dx_0, xs_0, ..., xq_{n_tok-1}, dx_{n_tok-1}, xs_{n_tok-1}, nb, pf)`
-    (stride taken even with one row) -> the n_rows * n_tok dots, row by row (row 0 with each token, then row 1):
-    the rows read once for n_tok tokens, a SplitBody's weights part once per block (the MoE prefill's experts with
-    a few tokens each, kernels/grouped.py). Each dot has the operations of the one-token intrinsic's, in its order.
-    """
+    body_fn(e, wb, xq, dx, xs, b, blk, accs) -> accs; accs are n_vec <16 x f32> vectors summed at the end and, if
+    n_acc == 2, one <8 x f32> subtracted (the K-quant mins). x_dtype: int16 activations, or int8 digits
+    (simd_vnni.py). body_fn may instead map activation dtypes to bodies, or to (body, its own n_vec): xq's dtype then
+    picks the body when it is compiled (simd_vnni.py: int8 = two digits, uint8 = one). n_rows = 2: `(w, off, stride,
+    xq, dx, xs, nb, pf) -> (f32, f32)`, the rows at off and off + stride in one loop (activation loads shared: 4-6%
+    faster on Zen 4); LLVM may order each row's fast-math sums otherwise than the one-row intrinsic, so callers keep
+    the pairing of a row fixed (blocks.dot2). n_rows > 2: the rows at off + r stride, an n_rows-tuple. block_stride:
+    bytes from one block of a row to its next (default block_bytes). n_tok = 2 or 3: `(w, off, stride, xq_0, dx_0,
+    xs_0, ..., xq_{n_tok-1}, dx_{n_tok-1}, xs_{n_tok-1}, nb, pf)` -> the n_rows * n_tok dots, row by row: the rows
+    read once for n_tok tokens, a SplitBody's weights part once per block (kernels/grouped.py). Each dot has the
+    operations of the one-token intrinsic's, in its order."""
     bstride = block_bytes if block_stride is None else block_stride
     bodies = body_fn if isinstance(body_fn, dict) else {x_dtype: body_fn}
 

@@ -1,36 +1,26 @@
 """The MoE prefill's few-token Q4_K product on AMX tiles (Intel AMX-INT8: Sapphire Rapids and later).
 
 Same job as simd_lanes.py (a block of weight rows dotted with up to 16 tokens of one expert, the activations
-int8.quantize_act's two digits), with the integer sums on the tile unit: per 32-element sub-block, one
-`tdpbusd` multiplies 16 weight rows (tile A: 16 x 32 unsigned codes u, unpacked from the Q4_K nibbles once per
-row block and super-block) by the 16 tokens' high digits (tile B: 8 x 64 bytes, 4 elements x 16 tokens per row,
-lanes.pack_amx's layout) and one more by their low digits; both 16 x 16 int32 results go through memory to
-vector registers, where 256 hi + lo (exact: |.| < 2^24) is converted to f32 once and scaled, per row and token,
+int8.quantize_act's two digits), with the integer sums on the tile unit: per 32-element sub-block, one `tdpbusd`
+multiplies 16 weight rows (tile A: 16 x 32 unsigned codes u, unpacked from the Q4_K nibbles once per row block and
+super-block) by the 16 tokens' high digits (tile B: 8 x 64 bytes, lanes.pack_amx's layout) and one more by their low
+digits; both 16 x 16 int32 results go through memory to vector registers, where 256 hi + lo (exact) is converted to f32
+once and scaled, per row and token,
     acc += float(isum) * (d * sc_j * dx_t,j) - (dmin * m_j) * xs_t,j
-(the sub-block's scale times the token's activation step; the min term on the exact f32 sums xs). One sub-block's
-integer sum per tdpbusd: the Q4_K scales change every 32 elements, as the activation steps do.
+One sub-block per tdpbusd: the Q4_K scales change every 32 elements, as the activation steps do.
 
-Accuracy: the integer sums are exact and float(isum) exact, as in simd_lanes.py; per (row, token) the f32 sum
-has K/32 terms of each kind, so the bound is simd_lanes.py's (tests/test_lanes.py checks it against gguf-py in
-float64):
+Accuracy: the integer sums and float(isum) are exact, so the bound is simd_lanes.py's (tests/test_lanes.py):
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,  n = K/16 + 8.
 
 Tiles: two C pairs (hi / lo) alternate between even and odd sub-blocks, and so do two A tiles, so sub-block j + 1's
-products are issued before sub-block j's sums are read out. Measured (2026-12-01, Xeon with AMX-INT8, 2 cores shared
-with other work, best of rounds, bench/lanes_bench.py --min 1 --max 16 --lanes-isa amx): 1.34-1.44x the vpdpbusd
-lanes for one 30B-A3B layer's gate+up, 1.05-1.48x for down; the whole MoE FFN of a 128-token chunk 1.45x (best of
-7, bench/moe_prefill_ab.py). About half the time is the tile unit's part and half the read-out (measured by
-leaving either out); pipelining whole super-blocks (the read-out of b behind b + 1's products, 42 KB of scratch per
-thread) was slower (57 against 35 ms for a 4096 x 2048 x 128 product), and a dense 128-token product on these tiles
-only matched int8.matmul's vpdpbusd tiles (35 ms each, one thread): not used there.
+products are issued before sub-block j's sums are read out (2026-12-01: 1.45x the vpdpbusd lanes for a 128-token MoE FFN
+chunk; pipelining whole super-blocks was slower, and a dense product only matched int8.matmul's tiles).
 
-The tile unit needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: `enable`) and a
-tile configuration per thread (tiles_begin: ldtilecfg, before a thread's first call; tiles_end: tilerelease, after
-its last, so the threads carry no tile state between kernel calls). Compiled only where the CPU has AMX-INT8
-(lanes.isas / lanes.best_isa ask `enable()`), like every other instruction-set variant: its own cached kernel.
-lanes.best_isa uses it only when STREAM_RUN_AMX=1 (not the default: slower on the full 30B-A3B file); STREAM_RUN_AMX=0
-turns it off everywhere.
-"""
+The tile unit needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: `enable`) and a tile
+configuration per thread (tiles_begin: ldtilecfg, before a thread's first call; tiles_end: tilerelease, after its
+last, so the threads carry no tile state between kernel calls). Compiled only where the CPU has AMX-INT8 (lanes.isas
+/ lanes.best_isa ask `enable()`), as its own cached kernel. lanes.best_isa uses it only when STREAM_RUN_AMX=1 (not
+the default: slower on the full 30B-A3B file); STREAM_RUN_AMX=0 turns it off everywhere."""
 
 from __future__ import annotations
 

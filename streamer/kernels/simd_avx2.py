@@ -1,27 +1,20 @@
-"""The Q4_K decode row dot where the CPU has AVX2 but not AVX512-VNNI: two activation digits, one activation scale
-per 256-element super-block, and the sub-block scales folded into vpmaddwd.
+"""The Q4_K decode row dot where the CPU has AVX2 but not AVX512-VNNI: two activation digits, one activation scale per
+256-element super-block, and the sub-block scales folded into vpmaddwd.
 
-simd_vnni.py's bodies give each int32 lane the products of one sub-block and apply its scale in f32 (d * sc_j *
-dx_j): a cvt, a broadcast and an fma per 32 weights, beside the two vpmaddubsw and two vpmaddwd of the two digits.
+simd_vnni.py's bodies apply each sub-block's scale per int32 lane in f32 (a cvt, a broadcast and an fma per 32 weights).
 On AVX2 the vpmaddwd that widens the pair sums can multiply them by the sub-block scale instead of by 1 (sc_j <= 63:
 exact), if the activation scale is the same across the super-block. So here dx is one per super-block
-(simd_vnni.digits256: max|x over 256| / XD_MAX, stored in all 8 of its groups' slots, so the layout is simd_vnni's),
-and per super-block
+(simd_vnni.digits256: stored in all 8 of its groups' slots, so the layout is simd_vnni's), and per super-block
     isum = 256 * sum_j sc_j sum(u * hi) + sum_j sc_j sum(u * lo)   (u = nibble <= 15, per int32 lane),
-int32 accumulators per digit over the 8 sub-blocks (16 lanes, each summing 4 sub-blocks' vpmaddwd lanes: |hi sum|
-<= 4 * 2 * 3840 * 63 < 2^21, the pair sums at most 2 * 15 * 128 = 3840), so 256 * it + the lo sum < 2^30: exact.
-One cvt and one fma per 8 lanes per super-block: acc += float(isum) * (d dx). About 95 vector instructions per super-block instead of 125; the mins are simd_vnni's (exact f32 sums of x per 32).
+exact in int32 (< 2^30); one cvt and one fma per 8 lanes per super-block: acc += float(isum) * (d dx). The mins are
+simd_vnni's (exact f32 sums of x per 32).
 
-Accuracy: the activation grid is (256, XD_MAX): 2x finer levels than the int16 path's (256, 16383), and 8x coarser
-groups than simd_vnni's (32, XD_MAX). float(isum) rounds once (|isum| < 2^30), d dx once, then the fma chain and
-the final tree sum: the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py checks it
-against gguf-py's dequantizer in float64).
+Accuracy: the activation grid is (256, XD_MAX): 2x finer levels than the int16 path's (256, 16383), 8x coarser groups
+than simd_vnni's (32, XD_MAX); the bound of simd_vnni.py's docstring with that grid (tests/test_decode_digits.py).
 
 One digit (the default on AVX2, or STREAM_RUN_ACT=int8; the buffer's bytes typed uint8) keeps simd_vnni's grid and
-layout (a scale per 32 elements), and sums each sub-block's products in integers before one conversion per
-super-block (_q4_k_sum_token) where simd_vnni's body converts and scales every lane: on AVX2-only kernels on an
-AMD EPYC Zen 4 (2026-12-07) the 30B-A3B's decode MoE took 7% less time, and rows shared by 3 prefill tokens 13%.
-"""
+layout, and sums each sub-block's products in integers before one conversion per super-block (_q4_k_sum_token)
+(2026-12-07: 7% less decode MoE time than simd_vnni's AVX2 body)."""
 
 from llvmlite import ir
 from numba import types
@@ -77,12 +70,10 @@ def _q4_k_sum_weights(e, wb, blk):
 
 
 def _q4_k_sum_token(e, W, xdb, dxb, xsb, b, accs):
-    """One token's part of the one-digit Q4_K row dot on AVX2 (x: digits32's one-digit layout, a scale per 32).
-    Each sub-block's 32 products are summed in integers (vpmaddubsw, then vphaddw across the 8 sub-blocks), so a
-    super-block takes one f32 conversion and one fma for all 8: acc lanes 0-7 += float(isum_j) * (d sc_j dx_j),
-    lanes 8-15 += (m_j xs_j) * -dmin (the mins with their sign), and the row's value is the sum of the 16 lanes.
-    Exact integer sums as simd_vnni's body, fewer f32 roundings: within simd_vnni.py's bound, equal to its bits
-    only to float32 rounding (tests/test_decode_digits.py)."""
+    """One token's part of the one-digit Q4_K row dot on AVX2 (x: digits32's one-digit layout, a scale per 32). Each
+    sub-block's 32 products are summed in integers (vpmaddubsw, then vphaddw across the 8 sub-blocks), then one fma
+    for all 8: acc lanes 0-7 += float(isum_j) * (d sc_j dx_j), lanes 8-15 += (m_j xs_j) * -dmin; the row's value is
+    the sum of the 16 lanes. Within simd_vnni.py's bound, its bits only to float32 rounding."""
     bb = e.b
     dsc, dmin, mf, wb, blk = W
     mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])

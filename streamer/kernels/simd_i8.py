@@ -1,36 +1,27 @@
 """Integer matrix-matrix products (prefill): weight tiles unpacked to bytes, activations as int8 digits.
 
-The tile: ROWS = 32 weight rows unpacked once per matmul into unsigned codes u (0..255), 4-byte interleaved
-([K/4][32 rows][4 bytes]), so that one 64-byte vector holds 4 consecutive elements of each of 16 rows and
-`vpdpbusd` (u8 x s8, 4 products summed into each int32 lane) gives 16 rows' partial dots against 4 bytes of
-one token broadcast to every lane. The weight w = d_g * (u - OFF) - m_g per group g of G elements (G = 32, or
-16 for Q6_K): the tile keeps d_g (and m_g, the K-quant mins) per row as f32, exact products of the block's
-f16 scales and small integers; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_K 32, Q4_K/Q5_K 0).
+The tile: ROWS = 32 weight rows unpacked once per matmul into unsigned codes u (0..255), 4-byte interleaved ([K/4][32
+rows][4 bytes]), so that one 64-byte vector holds 4 consecutive elements of each of 16 rows and `vpdpbusd` (u8 x s8, 4
+products summed into each int32 lane) gives 16 rows' partial dots against 4 bytes of one token broadcast to every lane.
+The weight w = d_g * (u - OFF) - m_g per group g of G elements (G = 32, or 16 for Q6_K): the tile keeps d_g (and m_g,
+the K-quant mins) per row as f32; OFF is the format's offset (Q8_0 128, Q4_0 8, Q6_K 32, Q4_K/Q5_K 0).
 
-x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantize_act). q has two int8
-digits, q = 256 hi + lo (XA_MAX = 127 * 256 + 127 = 32639): two vpdpbusd per 4 elements give sum(u * hi)
-and sum(u * lo), combined exactly as 256 * the first + the second. (One digit, AVX2's default
-(int8.activation_digits) and STREAM_RUN_ACT=int8, is ggml's q8_0 activation, q int8 itself, XA_MAX = 127:
-about twice as fast without vpdpbusd, but 257x coarser; on the tiny test models it misses tests/test_model.py's
-1e-2 max-error bound against the float64 forward (0.7-1.2% by format; the float64 forward with its inputs
-rounded to that grid errs as much), so the tests check it against llama.cpp's logits instead. Its K-quant mins take the sums of the rounded x, as ggml's q8_K bsums: with the exact sums
-Q4_K and Q5_K erred 2.3% and 3.6% there.)
-For each token and group the int32 sum  sum(u * q) - OFF * sum(q)  is exact (|sum| < 2^30), and one f32
-step
+x ~= q * dx per group of G, q = rint(x / dx), dx = max|x| / XA_MAX (int8.quantize_act). q has two int8 digits, q = 256
+hi + lo (XA_MAX = 32639): two vpdpbusd per 4 elements, combined exactly as 256 * the first + the second. One digit
+(AVX2's default and STREAM_RUN_ACT=int8) is ggml's q8_0 activation, XA_MAX = 127: about twice as fast without vpdpbusd
+but 257x coarser, past tests/test_model.py's bound against the float64 forward, so the tests check it against
+llama.cpp's logits; its K-quant mins take the sums of the rounded x, as ggml's bsums. For each token and group the int32
+sum  sum(u * q) - OFF * sum(q)  is exact, and one f32 step
     acc += float(isum) * (d_g * dx_g)   [ - m_g * xs_g, xs_g the f32 sum of x over the group ]
-folds it in. So the error beyond f32 rounding is the activation step only: |x - q*dx| <= dx/2 + 4u|x|
-(f32 rounding of x/dx), dx/2 = max|x in group| / 65278, 2x finer than the int16 matvec (activations.py).
-The bound per output (tests/test_int8.py, tests/test_kernels.py check it against gguf-py in float64):
+folds it in, so the error beyond f32 rounding is the activation step only. The bound per output (tests/test_int8.py,
+tests/test_kernels.py check it against gguf-py in float64):
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|
-with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound;
-float(isum) may round once per group, well inside gamma_n).
+with A_k = |w_k| plus the offset/min magnitudes, u = 2^-24, n = K + K/16 + 8 (as simd.py's matvec bound).
 
 Three instruction sets, chosen in Python (int8.py), never inside a cached kernel: "vnni" calls
 llvm.x86.avx512.vpdpbusd.512; "avx2" (4-bit codes only: Q4_0, Q4_K) vpmaddubsw with int16 partial sums
-(_gemm_avx2_intrinsic); "generic" is plain vector IR (i16 products summed in pairs: vpmaddwd on
-AVX2/AVX-512BW) that any LLVM target lowers. All form the same exact int32 sums and then the same f32 step
-(rounded in their own order: they agree to about an ulp, tests/test_int8.py).
-"""
+(_gemm_avx2_intrinsic); "generic" is plain vector IR that any LLVM target lowers. All form the same exact int32 sums
+and the same f32 step (in their own order: they agree to about an ulp, tests/test_int8.py)."""
 
 from llvmlite import ir
 from numba import types
@@ -388,15 +379,11 @@ def _gemm_intrinsic(n_tok, group, has_min, dp, digits):
 
 
 def _gemm_avx2_intrinsic(has_min, digits):
-    """The tile product of _gemm_intrinsic (same arguments, same N_TOK tokens x 32 rows out) for AVX2 without
-    VNNI, for 4-bit codes (u <= 15: Q4_0, Q4_K) and groups of 32. Per pass, 2 tokens x 16 rows (two ymm of 8
-    rows x 4 bytes), over every group: per 4 elements one vpmaddubsw per ymm and digit (u8 x s8, adjacent pairs
-    summed into int16: |.| <= 2 * 15 * 128 = 3840), added in int16 over the group's 8 steps (|.| <= 30720: no
-    saturation, exact), then one vpmaddwd by 1 per digit into int32: the int32 group sums vpdpbusd forms, so the
-    same isum and the same f32 step as _gemm_intrinsic. Two passes' registers: 8 int16 sums, 4 f32 accumulators,
-    2 weight vectors and a broadcast. One token x 16 rows per pass ran at the f32 tiles' speed; 2 tokens at
-    1.0-1.1x them (two digits) and 1.3-1.4x (one digit): Q4_K, m = 32, 2 threads, AVX2-only kernels on an AMD
-    EPYC Zen 4 (2026-12-07)."""
+    """The tile product of _gemm_intrinsic (same arguments, same N_TOK tokens x 32 rows out) for AVX2 without VNNI,
+    for 4-bit codes (u <= 15: Q4_0, Q4_K) and groups of 32. Per pass, 2 tokens x 16 rows (two ymm of 8 rows x 4
+    bytes): per 4 elements one vpmaddubsw per ymm and digit (pair sums <= 3840), added in int16 over the group's 8
+    steps (<= 30720: exact), then one vpmaddwd by 1 per digit into int32: the same isum and f32 step as
+    _gemm_intrinsic. 2 tokens per pass, not one (2026-12-07: 1.0-1.4x the f32 tiles, one token only matched them)."""
     steps, tp = 8, 2
 
     @intrinsic
@@ -513,15 +500,12 @@ def abs_max(e, a):
 
 
 def group_digits(e, xb, dxb, xsb, g, levels, amax=None):
-    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as
-    <32 x i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32,
-    a tree sum) with two digits' levels, and with one digit's (XD1_MAX) the sum of the rounded x, float(sum q) *
-    dx[g], as ggml's bsums: the K-quant mins then see the x the dots see, and the product is W . (q dx) to
-    float32 rounding. The exact sum would add dmin m (sum x - sum q dx) per sub-block, an error as of weights
-    offset by their min, which at 127 levels doubled the tiny Q4_K models' error (bench/RESULTS.md, 2026-12-02;
-    tests/test_int8.py and test_decode_digits.py check the bound). amax: the scale's max|x| if the
-    caller took it over more than the group (digits256: one per super-block). Shared by digits32 and
-    digits256 (simd_vnni) and digits_i8 (here), which store the digits in their layouts."""
+    """The 32 f32 of group g at xb -> dx[g] = max|x| / levels, xs[g], and (q, hi, lo): q = rint(x / dx[g]) as <32 x
+    i32> (0 if the group is all zero), q = 256 hi + lo with lo in [-128, 127]. xs[g] is the sum of x (f32, a tree
+    sum) with two digits' levels, and with one digit's (XD1_MAX) float(sum q) * dx[g], as ggml's bsums: the K-quant
+    mins then see the x the dots see (the exact sum doubled the tiny Q4_K models' error, 2026-12-02). amax: the
+    scale's max|x| if the caller took it over more than the group (digits256: one per super-block). Shared by
+    digits32 and digits256 (simd_vnni) and digits_i8 (here), which store the digits in their layouts."""
     bb = e.b
     c = lambda k: ir.Constant(I64, k)  # noqa: E731
     v = e.load(xb, bb.mul(g, c(128)), V(F32, 32), 4)

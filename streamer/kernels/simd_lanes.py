@@ -1,42 +1,33 @@
 """The MoE prefill's few-token Q4_K product: each weight row read once, dotted with up to 16 tokens in lanes.
 
-At 128 prefill tokens an expert gets about 8 of them. simd_i8.py's tile kernel then spends more time unpacking
-each 32-row weight tile into its transposed byte layout (7-10 us from RAM) than multiplying it (2.6 us per 4
-tokens), and the decode row dot (simd_vnni.py) redoes the nibble and scale work per token. Here the weights stay
-in their Q4_K rows, read front to back, and the activations are the ones rearranged (once per expert, by
-lanes.pack: T tokens x 2K bytes against the expert's 2.6 MB of weights).
+At 128 prefill tokens an expert gets about 8 of them: simd_i8.py's tile kernel then spends more time unpacking each
+weight tile than multiplying it, and the decode row dot (simd_vnni.py) redoes the nibble and scale work per token. Here
+the weights stay in their Q4_K rows, read front to back, and the activations are rearranged instead (once per expert, by
+lanes.pack).
 
-Lanes: T tokens (T = 2, 4, 8, 16: the expert's count rounded up), Tv = min(T, 8) per vector, Cp = 8 / Tv.
-A 32-byte run q of qs holds elements 0..31 of sub-blocks 2q (low nibbles) and 2q + 1 (high nibbles). Lane
-L = 2 Cp t + Cp k + c' of a vector holds token t's chunk (4 elements) Cp s + c' of sub-block 2q + k: 4 Cp bytes
-of the run (chunk group s) broadcast to every lane group and masked with 0x0F (k = 0) or 0xF0 (k = 1) are the
-weight codes u (and 16 u) of both sub-blocks for all Tv tokens, so one load, one shuffle and ONE mask feed
-2 vpdpbusd per vector (two activation digits); each lane sums a whole sub-block's chunks for its token over
-s < Tv, as 256 * sum(u * hi) + sum(u * lo) in int32 (exact: |isum| < 2^28, a multiple of 16 beyond 2^24 for
-the high nibbles, whose 16 u the exact scale d * sc / 16 undoes), then per lane in f32
+Lanes: T tokens (T = 2, 4, 8, 16: the expert's count rounded up), Tv = min(T, 8) per vector, Cp = 8 / Tv. A 32-byte run
+q of qs holds elements 0..31 of sub-blocks 2q (low nibbles) and 2q + 1 (high nibbles). Lane L = 2 Cp t + Cp k + c' of a
+vector holds token t's chunk (4 elements) Cp s + c' of sub-block 2q + k: 4 Cp bytes of the run (chunk group s) broadcast
+to every lane group and masked with 0x0F (k = 0) or 0xF0 (k = 1) are the weight codes u (and 16 u) of both sub-blocks
+for all Tv tokens, so one load, one shuffle and ONE mask feed 2 vpdpbusd per vector (two activation digits); each lane
+sums a whole sub-block's chunks for its token over s < Tv, as 256 * sum(u * hi) + sum(u * lo) in int32 (exact; the high
+nibbles' factor 16 is undone by the exact scale d * sc / 16), then per lane in f32
     acc += float(isum) * (d * sc_(2q+k) * dx_t,(2q+k)),   accm += dmin * m_(2q+k) * xs_t,(2q+k)  (xs in c' = 0)
-and at the row's end each token's 2 Cp lanes are added up (a shuffle tree). R rows per call share each
-activation vector load (one row per load was load-bound); 4 Q4_K rows stream in while these are computed
-(software prefetch). Measured per (row, token, super-block), one thread, weights from RAM (bench/lanes_bench.py
-has the grouped form): 3.9 ns at 8 tokens, 3.4 at 16, against the tiles' 6.2 and 4.5.
+and at the row's end each token's 2 Cp lanes are added up (a shuffle tree). R rows per call share each activation vector
+load; 4 Q4_K rows stream in ahead (software prefetch).
 
-Accuracy: the activations are int8.quantize_act's (two digits per element, q = rint(x / dx), dx = max|x| /
-32639 per 32 elements, xs the exact f32 sums), the integer sums exact and float(isum) exact, so the bound is
+Accuracy: the activations are int8.quantize_act's two digits, the integer sums and float(isum) exact, so the bound is
 simd_i8.py's tile kernel's; only the f32 summation order differs:
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
-with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py checks it against
-gguf-py in float64). A token's result depends on its own lanes only, and on T (the summation order): the caller
-picks T from the expert's token count alone (and the token's rank in it, where lanes.split_lanes makes two
-passes), so it is the same for every cache state (streamed == resident).
+with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py). A token's result depends on
+its own lanes and on T only; the caller picks T from the expert's token count alone (and the token's rank in it, where
+lanes.split_lanes makes two passes), so it is the same for every cache state.
 
-Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py),
-and "avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high
-nibbles are shifted down to u (their scale then is d * sc, not / 16: the same products, exactly), and the pair
-sums of all Tv chunk vectors are added in int16 before one vpmaddwd per digit (simd_vnni._dp2_avx2, by _digits_dot). The same int32 lanes
-as vpdpbusd's, up to the exact factor 16, so the same bits as "generic" (tests/test_lanes.py). At most 8 tokens
-(lanes.SPLIT_AVX2) and one row per call (ROWS_AVX2): AVX2 has 16 vector registers. Against the f32 tiles that
-serve these experts without it: bench/lanes_bench.py --isa f32.
-"""
+Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py), and
+"avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high nibbles are
+shifted down to u (scale d * sc: the same products), and the pair sums of all Tv chunk vectors are added in int16
+before one vpmaddwd per digit (simd_vnni._dp2_avx2): the same bits as "generic". At most 8 tokens (lanes.SPLIT_AVX2)
+and one row per call (ROWS_AVX2): AVX2 has 16 vector registers."""
 
 from llvmlite import ir
 from numba import types
@@ -49,9 +40,8 @@ from .simd_vnni import _digits_dot, _dp_avx2
 BLOCK = 144  # bytes of a Q4_K super-block
 # weight rows per call, by T: they share each activation vector load; more rows at T = 8, 16 spill registers
 ROWS = {16: 2, 8: 2, 4: 4, 2: 4}
-# on AVX2 (16 vector registers) one row per call is fastest at every T: ns per (row, token, super-block), one
-# thread, weights from RAM, R = 1 / 2 / 4 rows per call: T = 8: 6.4 / 7.7 / 8.1; T = 4: 7.4 / 8.0 / 7.9; T = 2:
-# 9.8 / 10.8 / 13.8; T = 16: 8.6 / 14.4 / 14.6, slower per token than T = 8 (lanes.SPLIT_AVX2: two passes)
+# on AVX2 (16 vector registers) one row per call is fastest at every T, and T = 16 is slower per token than
+# T = 8 (lanes.SPLIT_AVX2: two passes)
 ROWS_AVX2 = {8: 1, 4: 1, 2: 1}
 
 
@@ -174,7 +164,6 @@ def _row_intrinsic(T, isa, R):
 
 
 # q4_k_lanes_<isa>_<T>: module globals for numba (lanes.py picks one per expert).
-TS = (2, 4, 8, 16)
 for _isa, _rows in (("vnni", ROWS), ("generic", ROWS), ("avx2", ROWS_AVX2)):
     for _T in _rows:
         globals()[f"q4_k_lanes_{_isa}_{_T}"] = _row_intrinsic(_T, _isa, _rows[_T])

@@ -1,45 +1,33 @@
-"""Decode row dots over int8 activation digits with vpdpbusd (AVX512-VNNI), or its AVX2 form: the Q4_K row dot
-without widening.
+"""Decode row dots over int8 activation digits with vpdpbusd (AVX512-VNNI), or its AVX2 form: the Q4_K row dot without
+widening.
 
-simd.py's Q4_K dot widens every nibble to a word, multiplies it by its sub-block scale and sums pairs against
-int16 x (vpmaddwd): about 80 instructions per 256-element super-block, compute-bound at ~25 GB/s on 2 threads.
-Here the nibbles stay bytes: one 64-byte load of qs gives, as its low nibbles, sub-blocks 2c and 2c + 2 (c =
-0 or 2) and, as its high nibbles, 2c + 1 and 2c + 3; `vpdpbusd` (u8 x s8, 4 products summed into each int32
-lane) dots each nibble vector with x directly. Each int32 lane then holds 4 products of ONE sub-block, so the
-sub-block scale is applied per lane in f32: acc += float(isum) * (d * sc_j * dx_j), one cvt and one fma per
-64 weights. digits32 (below) lays x out in exactly that order, per super-block b (512 bytes):
-[h = 0, 1][nibble n = lo, hi][digit hi, lo][64 bytes: elements 128h + 64(k // 32) + 32n + k % 32, k < 64].
+simd.py's Q4_K dot widens every nibble to a word and sums pairs against int16 x (vpmaddwd): compute-bound. Here the
+nibbles stay bytes: one 64-byte load of qs gives, as its low nibbles, sub-blocks 2c and 2c + 2 (c = 0 or 2) and, as its
+high nibbles, 2c + 1 and 2c + 3; `vpdpbusd` (u8 x s8, 4 products summed into each int32 lane) dots each nibble vector
+with x directly. Each int32 lane holds 4 products of ONE sub-block, so the sub-block scale is applied per lane in f32:
+acc += float(isum) * (d * sc_j * dx_j). digits32 (below) lays x out in that order, per super-block b (512 bytes): [h =
+0, 1][nibble n = lo, hi][digit hi, lo][64 bytes: elements 128h + 64(k // 32) + 32n + k % 32, k < 64].
 
-Accuracy: as simd_i8.py's prefill kernel, x is int16-fine, held as two int8 digits q = 256 hi + lo,
-q = rint(x / dx_j), dx_j = max|x in sub-block j| / XA_MAX (XA_MAX = 127 * 256 + 127 = 32639), per 32
-elements. Per lane, isum = 256 * sum(u * hi) + sum(u * lo) over 4 elements (u = nibble <= 15) is exact in int32
-and below 2^21, so float(isum) is exact; d * sc_j is exact in f32 (11 x 6 bits); (d * sc_j) * dx_j rounds once,
-and the fma chain and the final tree sum add the usual f32 summation error. Per output:
+Accuracy: as simd_i8.py's prefill kernel, x is held as two int8 digits q = 256 hi + lo, q = rint(x / dx_j), dx_j = max|x
+in sub-block j| / XA_MAX (32639), per 32 elements. isum is exact in int32 and below 2^21, so float(isum) is exact; d *
+sc_j is exact in f32; (d * sc_j) * dx_j rounds once. Per output:
     |out - W.x| <= sum_k A_k (dx_j(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
-n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_kernels.py's formula with the
-activation grid (32, XA_MAX): 2x finer levels and 8x finer groups than the int16 path's (256, 16383)). The
-mins use exact f32 sums of x per 32, as simd.py's dot does (two digits; one digit below).
+n = n_in + n_in/16 + 8, A_k = |w_k| plus the min term's magnitude (tests/test_kernels.py's formula with the activation
+grid (32, XA_MAX)). The mins use exact f32 sums of x per 32, as simd.py's dot does.
 
-One digit (AVX2's default, or STREAM_RUN_ACT=int8: int8.DIGITS == 1, as prefill; ggml's q8 grid, here per 32 elements):
-q = rint(x / dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digits32's one-digit bytes (SB_BYTES1 per
-super-block, the same element order with no lo digit); one vpdpbusd per 64 weights and no shift. The mins
-then take float(sum q) dx_j, the sum of the rounded x (ggml's bsums), so the product is W . (q dx) to f32
-rounding (tests/test_decode_digits.py). The bound above holds with the grid (32, 127): 257x coarser
-activations, outside the model tests' 1% of the largest logit against the float64 forward (tests/test_moe.py's
-Q4_K case: 0.8-1.7% by position, 5.4% where an expert choice flips; the float64 forward with its inputs rounded to this
-grid: 0.7-1.5%, the same flip), hence opt-in. The buffer's bytes are
-typed uint8 to tell the kernels apart (blocks.act_buffer).
+One digit (AVX2's default, or STREAM_RUN_ACT=int8: int8.DIGITS == 1; ggml's q8 grid, here per 32 elements): q = rint(x /
+dx_j) in [-127, 127], dx_j = max|x in sub-block j| / 127, at digits32's one-digit bytes (SB_BYTES1 per super-block); one
+vpdpbusd per 64 weights and no shift. The mins take float(sum q) dx_j (ggml's bsums), so the product is W . (q dx) to
+f32 rounding (tests/test_decode_digits.py). The bound holds with the grid (32, 127): coarse enough to miss the model
+tests' 1% of the largest logit (tests/test_moe.py), hence opt-in on VNNI. The buffer's bytes are typed uint8 to tell the
+kernels apart (blocks.act_buffer).
 
-The same bodies can sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubsw, then vpmaddwd by 1): exact for
-the nibbles, so the same int32 lanes and the same bits as vpdpbusd (tests/test_decode_digits.py checks them against
-each other where both run). The one-digit decode uses that where the CPU has no AVX512-VNNI; the two-digit decode
-there uses simd_avx2.py's body instead, which folds the sub-block scales into vpmaddwd over one activation scale
-per super-block (1.16-1.19x this AVX2 body on 2 AVX2-only AMD EPYC cores, 2026-12-03). simd_avx2.q4_k_digit_dot is the
-decode's choice. int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'; never inside a
-cached kernel: the vpdpbusd intrinsic does not compile for a CPU without AVX512-VNNI). The kernels take them when
-given the activation buffer as int8 digits (blocks.prepare / blocks.dot branch on its dtype at compile time); int16
-keeps simd.py's path.
-"""
+The same bodies can sum their 4 products per lane with AVX2 (_dp_avx2: vpmaddubsw, then vpmaddwd by 1): the same
+int32 lanes and bits as vpdpbusd. The one-digit decode uses that where the CPU has no AVX512-VNNI; the two-digit
+decode there uses simd_avx2.py's body, which folds the sub-block scales into vpmaddwd (2026-12-03: 1.16-1.19x this
+AVX2 body). int8.decode_isa() decides, in Python, whether these run at all ('vnni' or 'avx2'): the vpdpbusd intrinsic
+does not compile for a CPU without AVX512-VNNI. The kernels take them when given the activation buffer as int8 digits
+(blocks.prepare / blocks.dot branch on its dtype at compile time); int16 keeps simd.py's path."""
 
 from functools import partial
 
@@ -79,10 +67,8 @@ def _dp_avx2(e, acc, w, x):
 
 def _dp2_avx2(e, ws, xh, xl):
     """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (dot4: vpdpbusd's sum of 4 adjacent
-    u8 x s8 products; lists of up to 8 vectors of 64 bytes) on AVX2, per half of 32 bytes: the vpmaddubsw pair sums
-    (|.| <= 2 * 15 * 128 = 3840 for codes <= 15: never saturated) added over s in int16 (|.| <= 8 * 3840 = 30720:
-    exact), then one vpmaddwd per digit, by 256 and by 1 (|.| < 2^24), and added. The lanes of _dp_avx2's chain
-    (dot4 of hi, a shift by 8, dot4 of lo) without its shift and, for several s, with one widening per digit.
+    u8 x s8 products; up to 8 vectors of 64 bytes) on AVX2, per 32-byte half: the vpmaddubsw pair sums (<= 3840 for
+    codes <= 15) added over s in int16 (<= 30720: exact), then one vpmaddwd per digit, by 256 and by 1, and added.
     The decode row dot takes one vector (s < 1), simd_lanes.py's AVX2 form Tv."""
     bb = e.b
     mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
@@ -120,10 +106,8 @@ def _digits_dot(e, dp, ws, xh, xl):
 
 def _q4_k_weights(e, wb, blk):
     """A Q4_K super-block's scales, computed once per block when several tokens share the row (_row_intrinsic's
-    n_tok): (d, dmin, scales, mins, wb, blk). Each token's part loads the nibbles where it uses them, as the
-    one-token dot always did: loading them first kept 8 more AVX2 registers live through a two-row dot and made
-    the decode's 30B-A3B MoE 15% slower (AVX2-only kernels on AMD EPYC Zen 4, 2026-12-07); LLVM shares the
-    repeated loads between tokens."""
+    n_tok): (d, dmin, scales, mins, wb, blk). Each token's part loads the nibbles where it uses them: loading them
+    here kept 8 more AVX2 registers live (2026-12-07: a 15% slower MoE decode); LLVM shares the repeated loads."""
     # block_q4_K: d, dmin, scales[12], qs[128]; qs[32c + l] holds element l of sub-block 2c (low nibble) and
     # of sub-block 2c + 1 (high nibble)
     d, dmin = e.f16x2(wb, blk)

@@ -1,28 +1,18 @@
 """Kernels compiled per weight format: a model compiles only the formats it uses.
 
-A kernel that serves many formats takes the format's code as an argument (`fmt`, first by convention) and
-branches on it. Compiled for a runtime code, every format's row dot is in its machine code: 23 formats' worth
-of LLVM work for each kernel, when a model uses one to three. `format_kernel` makes such a kernel a
-FormatKernel: called from Python, each distinct tuple of format codes gets its own numba dispatcher
-(`specialise`), which compiles with those arguments typed as integer literals. A compiler pass then turns the
-literal arguments into constants before numba's dead-branch pruning, so `if fmt == Q4_K:` chains in the kernel
-and in the functions it inlines keep the one branch taken, and blocks.py's overloads (prepare, dot, dot2)
-select the format's code at typing time. The specialisations share the kernel's on-disk cache (numba keys an
-entry on the signature, which holds the literal codes), so a second process loads each from the cache.
+A kernel that serves many formats takes the format's code as an argument (`fmt`, first by convention) and branches on
+it; compiled for a runtime code, it holds every format's row dot. `format_kernel` makes such a kernel a FormatKernel:
+called from Python, each distinct tuple of format codes gets its own numba dispatcher (`specialise`), compiled with
+those arguments typed as integer literals. A compiler pass turns the literal arguments into constants before numba's
+dead-branch pruning, so `if fmt == Q4_K:` chains keep the one branch taken, and blocks.py's overloads (prepare, dot,
+dot2) select the format's code at typing time. The specialisations share the kernel's on-disk cache (the signature holds
+the literal codes). Called from another kernel with constant codes, the kernel is typed with the literal codes too and
+shares the same compiled version.
 
-Called from another kernel with constant codes (the caller's own literals), the kernel is typed with the
-literal codes too, and takes the specialisation's compiled version for those exact argument types (or the
-specialisation takes the callee's, whichever came first): one compile, one version.
-
-Only the formats of the commonest uploads are compiled apart (SPECIALISED: Q8_0, the packaged demo's and Q8_0
-files'; Q4_K and Q6_K, which make up Q4_K_M and Q6_K files; and -1, moe_block's float router): a tuple with any
-other code calls the kernel's every-format version, compiled once for all of them. Each specialisation costs a
-compile of its own (typing, parfors, LLVM's fixed work): the test suite runs every one of the 23 formats through
-every kernel, and one version per format and kernel took it far past CI's limit (tests/test_formats.py alone:
-many minutes), where the every-format version is compiled once. Q4_0 and Q5_K were compiled apart too until CI
-neared its 20 minutes (20 min 16 s once, 2026-12-01): a Q5_K_M file now compiles the every-format version on its
-first run (the demo's kernels: 129 s against 53 s for its specialisations, once).
-"""
+Only the commonest formats are compiled apart (SPECIALISED: Q8_0, the packaged demo's; Q4_K and Q6_K, which make up
+Q4_K_M and Q6_K files; and -1, moe_block's float router): any other code calls the kernel's every-format version,
+compiled once for all of them. Each specialisation is a compile of its own, and the test suite runs all 23 formats
+through every kernel: Q4_0 and Q5_K were dropped from the list when CI neared its 20 minutes (2026-12-01)."""
 
 from __future__ import annotations
 
