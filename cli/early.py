@@ -1,22 +1,17 @@
-"""Start reading a model before the command line is parsed: the time to first token of a one-off `run` or
-`chat` on a cold file is mostly disk time, and the CLI's imports (typer, the commands) take a few tenths of a
-second the disk would otherwise sit idle through.
+"""Start reading a model before the command line is parsed: the time to first token of a one-off `run` or `chat` on a
+cold file is mostly disk time, and the CLI's imports take a few tenths of a second the disk would otherwise sit idle
+through.
 
-start(argv) runs first in the entry point (cli/main.py), before typer is imported. For `run MODEL ...` and
-`chat MODEL ...` it reads the few flags that decide what may be read early (--ram-budget, --no-stream,
---preset/--profile, -c/--ctx-size), parses MODEL's header and starts session.start_early_pagein's
-background page-in of the non-expert weights, under the same budget check open_model makes (with
-RSS_MARGIN more resident memory than the process has now, for the imports still to come). It is a hint only:
-- any doubt (another command, --help, a flag it cannot read, a file that does not parse) starts nothing,
+start(argv) runs first in the entry point (cli/main.py), before typer is imported. For `run MODEL ...` and `chat MODEL
+...` it reads the few flags that decide what may be read early (--ram-budget, --no-stream, --preset/--profile,
+-c/--ctx-size), parses MODEL's header and starts session.start_early_pagein's background page-in of the non-expert
+weights, under open_model's budget check (with RSS_MARGIN for the imports still to come). It is a hint only: - any doubt
+(another command, --help, a flag it cannot read, a file that does not parse) starts nothing,
   silently; the CLI then validates and reports exactly as without it;
-- the CLI's checks run as before, and a bad argument is one line and exit 2 at once: the reads are a daemon
-  thread's, at most pagein.AHEAD bytes queued, that the user does not wait for;
-- open_model, handed the page-in (take_pagein, in cli/common.open_session), makes the real budget check
-  with the options typer parsed and the process as it is then (session.start_early_pagein): it goes on
-  with the page-in only if that check asks for exactly the same ranges, else stops it; so a budget the plan
-  refuses has read at most what ran in the meantime.
-cli/common.probe takes the parsed header (take_file) instead of parsing it again.
-"""
+- a bad argument is still one line and exit 2 at once: the reads are a daemon thread's; - open_model, handed the page-in
+(take_pagein, in cli/common.open_session), makes the real budget check and
+  goes on with the page-in only if it asks for exactly the same ranges, else stops it.
+cli/common.probe takes the parsed header (take_file) instead of parsing it again."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Ctrl-C at safe points. Python raises KeyboardInterrupt in the main thread at whatever bytecode it runs when
-SIGINT arrives; inside threading.Condition.notify (queue.put: asking an expert reader for a read) that can
-leave a notified waiter in the condition's list, so a later put wakes nobody and the reader pool's close
-waits forever (seen 2026-12-05: 2 of 150 runs interrupted under CPU load hung at exit). A forward pass
-therefore runs under deferred(): a first Ctrl-C is held and raised by the next check(), at a layer boundary,
-where every expert request has been released; a second Ctrl-C before that raises at once, as the default
-would (a read that never returns must not make the program deaf). Only the main thread gets SIGINT, and only
-there is a handler installed; elsewhere, or when the program installed its own handler, deferred() is a no-op."""
+"""Ctrl-C at safe points. Python raises KeyboardInterrupt in the main thread at whatever bytecode it runs when SIGINT
+arrives; inside threading.Condition.notify (queue.put: asking an expert reader for a read) that can leave a notified
+waiter in the condition's list, so the reader pool's close waits forever (seen 2026-12-05). A forward pass therefore
+runs under deferred(): a first Ctrl-C is held and raised by the next check(), at a layer boundary, where every expert
+request has been released; a second Ctrl-C before that raises at once (a read that never returns must not make the
+program deaf). Only the main thread gets SIGINT, and only there is a handler installed; elsewhere, or when the
+program installed its own handler, deferred() is a no-op."""
 
 import signal
 import threading

@@ -1,19 +1,15 @@
 """Read-only mappings of one or more files, side by side in one reserved address range.
 
-A split GGUF is N files. Each is mapped on its own (read-only, shared, from its own descriptor), but all of
-them land back to back, each at a page boundary, inside one range reserved first with PROT_NONE. So one
-numpy uint8 array spans every shard and a tensor is a byte offset into it, whichever file holds it: the
-multi-expert kernels take one base array and a byte offset per matrix, and a layer's gate, up and down may
-sit in different shards. The pages are the files' own page cache pages, exactly as with np.memmap (a file
-truncated under us raises SIGBUS on its pages, as before). Linux only, like the O_DIRECT expert reads.
+A split GGUF is N files. Each is mapped on its own (read-only, shared, from its own descriptor), but all of them land
+back to back, each at a page boundary, inside one range reserved first with PROT_NONE. So one numpy uint8 array spans
+every shard and a tensor is a byte offset into it, whichever file holds it: the multi-expert kernels take one base array
+and a byte offset per matrix, and a layer's gate, up and down may sit in different shards. The pages are the files' own
+page cache pages, exactly as with np.memmap (a file truncated under us raises SIGBUS on its pages, as before). Linux
+only, like the O_DIRECT expert reads.
 
-Each file starts at a 2 MiB-aligned address (ALIGN), as the kernel places a plain mmap of a large file: file
-offset and address then agree modulo 2 MiB, so page cache folios of 2 MiB (ext4 and XFS read files into such
-large folios) are mapped whole, by one page-table entry (PMD) each, instead of 512 of 4 KiB. A decode step
-reads 1.75 GB of the 30B-A3B file: 840 TLB entries' worth instead of 430,000 (measured by bench/mapping_ab.py,
-paired steps: a decode step 4.0-4.9% faster with 11 of 17 GB in 2 MiB folios, 7.2% with 16 GB; pagein.py's
-whole-file page-in reads into them).
-"""
+Each file starts at a 2 MiB-aligned address (ALIGN), as the kernel places a plain mmap of a large file, so page cache
+folios of 2 MiB (ext4, XFS; pagein.py's whole-file page-in) are mapped whole by one page-table entry each, instead of
+512 of 4 KiB: fewer TLB misses (bench/mapping_ab.py: a decode step 4-7% faster)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """numba's on-disk cache, safe when several processes compile at once (numba/numba#10128, open).
 
-numba saves a compiled version by reading the function's index, taking the first data-file number the index
-does not use, and writing the index and then the data file. Two processes compiling different signatures of
-one kernel at the same time can both take number 1: the index one of them writes then names a data file that
-holds the other's machine code, and every later run loads that wrong code for the signature. Two `stream-run`
-commands started together on a fresh install, or two pytest-xdist workers, could meet it (found by reading numba's
-code; not reproduced in 18 trials, and not what failed the tests under two workers: see _bits.intrinsic).
+numba saves a compiled version by reading the function's index, taking the first data-file number the index does not
+use, and writing the index and then the data file. Two processes compiling different signatures of one kernel at once
+(two `stream-run` commands on a fresh install, two pytest-xdist workers) can both take number 1, and every later run
+then loads the other's machine code for the signature (found by reading numba's code, not reproduced).
 
-install() makes each save hold an exclusive flock on one lock file in the cache directory and each load a
-shared one, so a save is seen whole or not at all. Where the lock file cannot be opened (a read-only cache
-directory, where numba cannot save either) numba runs as it would without this.
-"""
+install() makes each save hold an exclusive flock on one lock file in the cache directory and each load a shared one,
+so a save is seen whole or not at all. Where the lock file cannot be opened (a read-only cache directory, where numba
+cannot save either) numba runs as it would without this."""
 
 import contextlib
 import fcntl
