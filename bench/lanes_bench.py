@@ -40,7 +40,6 @@ def main() -> None:
     ap.add_argument("--min", type=int, default=4)
     ap.add_argument("--max", type=int, default=16)
     ap.add_argument("--isa", default=int8.ISA or "f32", choices=int8.usable_isas() + ["f32"])
-    ap.add_argument("--lanes-isa", action="append", help="also time lanes.grouped with this ISA (repeat; e.g. amx)")
     ap.add_argument("--split-ab", action="store_true", help="also time lanes.grouped without lanes.SPLIT's two passes")
     args = ap.parse_args()
     set_threads(args.threads)
@@ -106,15 +105,6 @@ def main() -> None:
         lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, out, lisa)
 
     fns = {"tiles gate+up": tiles_gu, "lanes gate+up": lanes_gu, "tiles down": tiles_dn, "lanes down": lanes_dn}
-    for isa in args.lanes_isa or []:
-
-        def gu(isa=isa):
-            lanes.grouped(base, gu_offs, rb_gu, hq, rows, starts, np.empty((2, P, f), np.float32), isa)
-
-        def dn(isa=isa):
-            lanes.grouped(base, dn_offs, rb_dn, aq, arows, starts, np.empty((1, P, d), np.float32), isa)
-
-        fns[f"lanes/{isa} gate+up"], fns[f"lanes/{isa} down"] = gu, dn
     if args.split_ab:  # the same lanes calls with every expert in one pass (lanes.SPLIT off), alternating
 
         def unsplit(fn):
@@ -143,8 +133,6 @@ def main() -> None:
         print(f"lanes / tiles {kind}: {best[f'tiles {kind}'] / best[f'lanes {kind}']:.2f}x faster")
         if args.split_ab:
             print(f"lanes split / 1-pass {kind}: {best[f'lanes 1-pass {kind}'] / best[f'lanes {kind}']:.2f}x faster")
-        for isa in args.lanes_isa or []:
-            print(f"lanes/{isa} / lanes {kind}: {best[f'lanes {kind}'] / best[f'lanes/{isa} {kind}']:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
 """A/B of the MoE prefill's expert paths in one process: each layer's FFN on one chunk of tokens (the model's own
 router on random hidden states), under two or more splits of the experts between the paths, alternating, whole
-model resident. A split is NAME=GROUPED_MAX,LANES_MAX[,ISA]: experts with at most GROUPED_MAX tokens by the int16 row
-dots, then up to LANES_MAX by lanes.grouped (on ISA: vnni or amx; default lanes.best_isa's), the rest by the
-integer tiles. Default: "rowdots=3,16" (the
-1..3-token experts by row dots, the default since 2026-12-01) against "lanes=0,16" (every expert up to 16 tokens in lanes).
+model resident. A split is NAME=GROUPED_MAX,LANES_MAX: experts with at most GROUPED_MAX tokens by the int16 row
+dots, then up to LANES_MAX by lanes.grouped, the rest by the integer tiles. Default: "rowdots=3,16" (the 1..3-token
+experts by row dots, the default since 2026-12-01) against "lanes=0,16" (every expert up to 16 tokens in lanes).
 
     python bench/moe_prefill_ab.py /work/models/qwen3-30b-a3b-4L-Q4_K.gguf [-m 128] [-t 2] [--rounds 7]
     python bench/moe_prefill_ab.py MODEL --split tiles=3,0 --split lanes=3,16
@@ -28,7 +27,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers (0: all)")
     ap.add_argument("--split", action="append", help="NAME=GROUPED_MAX,LANES_MAX (repeat; default two, see above)")
     args = ap.parse_args()
-    from streamer.kernels import lanes, set_threads
+    from streamer.kernels import set_threads
     from streamer.options import StreamOptions
     from streamer.session import open_model
 
@@ -40,13 +39,11 @@ def main() -> None:
     hs = [rng.standard_normal((args.m, cfg.n_embd)).astype(np.float32) for _ in layers]
     splits = args.split or ["rowdots=3,16", "lanes=0,16"]
     variants = {n: sv.split(",") for n, sv in (x.split("=") for x in splits)}
-    best = lanes.best_isa
     times: dict[str, list[float]] = {k: [] for k in variants}
     outs = {}
     for r in range(args.rounds + 1):
-        for name, (gm, lm, *isa) in variants.items():
+        for name, (gm, lm) in variants.items():
             moe.grouped_max, moe.lanes_max = int(gm), int(lm)
-            lanes.best_isa = (lambda _, i=isa[0]: i) if isa else best
             t = time.perf_counter()
             outs[name] = [moe(layer, h) for layer, h in zip(layers, hs)]
             if r:  # round 0 warms up (page-in, kernels)

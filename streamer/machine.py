@@ -20,11 +20,6 @@ def _read(path: str) -> str | None:
         return None
 
 
-def cpu_flags() -> set[str]:
-    """The first CPU's flags in /proc/cpuinfo (the kernel's names: 'avx2', 'avx512_vnni', 'amx_tile', ...)."""
-    return _cpuinfo()[1]
-
-
 def _cpuinfo() -> tuple[str | None, set[str]]:
     text = _read("/proc/cpuinfo") or ""
     model, flags = None, set()

@@ -286,7 +286,7 @@ class Fused:
         pairs' SwiGLU outputs (quantized), then scatter_add (per token in ascending expert order)."""
         plan, g, n_ff = self.plans[layer], len(group), self.cfg.n_ff_exp
         base, offs = self.source.offsets(layer, group)
-        P, isa = len(toks), lanes.host_isa()  # the AMX tiles where the CPU has them
+        P, isa = len(toks), lanes.host_isa()
         gu = np.empty((2, P, n_ff), np.float32)
         lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
         a = ops.swiglu_rows(gu[0], gu[1], gu[0])

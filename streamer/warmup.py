@@ -259,7 +259,7 @@ def _run_int8() -> None:
             if int8.serves(SUPPORTED[qtype].fmt, isa):
                 int8.matmul(SUPPORTED[qtype].fmt, w, np.zeros((2, N_IN), np.float32), out, isa)
     _run_int8_grouped(None, int8.usable_isas())
-    _run_lanes(None, _lanes_isas())
+    _run_lanes(None, lanes.isas())
 
 
 def _run_int8_grouped(qtypes=None, isas=()) -> None:
@@ -299,16 +299,8 @@ def _lanes(qtype) -> bool:
     return qtype == T.Q4_K
 
 
-def _lanes_isas() -> list[str]:
-    """Every instruction set's lanes kernel this CPU runs but the AMX tiles (the "int8" group's)."""
-    return [i for i in lanes.isas() if i != "amx"]
-
-
 def _lanes_kernels(isas) -> tuple:
-    if not isas:
-        return ()
-    packs = ((lanes.pack,) if set(isas) - {"amx"} else ()) + ((lanes.pack_amx,) if "amx" in isas else ())
-    return tuple(lanes.GROUPED[i] for i in isas) + packs
+    return (tuple(lanes.GROUPED[i] for i in isas) + (lanes.pack,)) if isas else ()
 
 
 def groups(qtypes=None, decode_combos=None, matrix_qtypes=None) -> list[Group]:
@@ -360,7 +352,7 @@ def groups(qtypes=None, decode_combos=None, matrix_qtypes=None) -> list[Group]:
             "int8",
             tuple(k[i] for k in (int8.KERNELS, int8.GROUPED) for i in int8.usable_isas())
             + (int8.gather_act,)
-            + _lanes_kernels(_lanes_isas()),
+            + _lanes_kernels(lanes.isas()),
             _run_int8,
         ),
     ]

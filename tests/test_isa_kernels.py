@@ -33,8 +33,6 @@ def _globals_after_pruning(py_func) -> set[str]:
 def test_each_isa_version_keeps_only_its_own_row_kernels(module):
     calls = CALLS[module]
     for key, disp in KERNELS[module].items():
-        if key == "amx":  # lanes' AMX kernel is written apart (its own activation layout)
-            continue
         isa = key.split("-")[-1]
         kept = _globals_after_pruning(disp.py_func) & set(calls.values())
         assert kept == {calls[isa]}, (module, key, kept)

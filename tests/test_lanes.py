@@ -1,8 +1,7 @@
 """The MoE prefill's few-token Q4_K kernel (kernels/lanes.py, simd_lanes.py) against gguf-py's dequantizer in
 float64, with the bound derived in simd_lanes.py (test_kernels' formula, int8.quantize_act's activation grid),
 for 0..16 tokens per expert (every lane width C), experts at arbitrary byte offsets, gate and up parts, and
-every instruction set (vpdpbusd where the CPU has it, the AMX tiles where it has those, the generic integer dot
-forced explicitly)."""
+every instruction set (vpdpbusd where the CPU has it, the generic integer dot forced explicitly)."""
 
 import numpy as np
 import pytest
@@ -63,9 +62,9 @@ def test_lanes_against_oracle(n_out, n_in, isa, regime):
 
 @pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
 def test_lanes_isas_agree_and_token_independent():
-    """vpdpbusd, its AVX2 form, the AMX tiles and the generic dot form the same integer sums (results agree to f32
-    rounding; AVX2's and the generic dot's, same lanes, are the same bits); a token's result does not depend on
-    the other tokens in its lanes (only on the lane width C)."""
+    """vpdpbusd, its AVX2 form and the generic dot form the same integer sums (results agree to f32 rounding;
+    AVX2's and the generic dot's, same lanes, are the same bits); a token's result does not depend on the other
+    tokens in its lanes (only on the lane width C)."""
     rng = np.random.default_rng(2)
     n_out, n_in = 24, 512
     base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
@@ -89,25 +88,6 @@ def test_lanes_isas_agree_and_token_independent():
     lanes.grouped(base, same, row_bytes, act, rows, starts, out, int8.usable_isas()[-1])
     i7, i8 = COUNTS.index(7), COUNTS.index(8)
     assert np.array_equal(out[:, starts[i7] : starts[i7] + 7], out[:, starts[i8] : starts[i8] + 7])
-
-
-@pytest.mark.skipif("amx" not in lanes.isas(), reason="no AMX-INT8 tiles on this CPU")
-def test_lanes_amx_token_independent():
-    """On the AMX tiles every expert computes 16 token columns whatever its count: token t's result is the same
-    bits for every expert that has it (same weights), and a row block's tail (n_out not a multiple of 16) too."""
-    rng = np.random.default_rng(4)
-    n_out, n_in = 37, 768
-    base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
-    X = rng.standard_normal((20, n_in)).astype(np.float32)
-    act = int8.quantize(Q4_K, X, 2)
-    starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
-    rows = np.concatenate([np.arange(c) for c in COUNTS]).astype(np.int64)
-    same = np.zeros_like(offs) + offs[:, :1]
-    out = np.full((2, starts[-1], n_out), np.nan, np.float32)
-    lanes.grouped(base, same, row_bytes, act, rows, starts, out, "amx")
-    full = out[:, starts[COUNTS.index(16)] : starts[COUNTS.index(16)] + 16]
-    for i, c in enumerate(COUNTS):
-        assert np.array_equal(out[:, starts[i] : starts[i + 1]], full[:, :c]), c
 
 
 def test_split_lanes_cuts_9_to_12_token_experts_after_8():

@@ -14,7 +14,7 @@ from test_moe import slot_bytes
 from test_moe_prefill import FixedRouter
 
 from streamer.formats import FORMATS
-from streamer.kernels import int8, lanes
+from streamer.kernels import int8
 from streamer.options import StreamOptions
 from streamer.session import open_model
 
@@ -96,20 +96,12 @@ def _chunk(session, layer, h, ids, w):
         ffn.router = router
 
 
-# "amx-lanes": the AMX tiles for the lanes (lanes.best_isa with STREAM_RUN_AMX=1), where the CPU grants them
-AMX_TOO = ["amx-lanes"] if "amx" in lanes.isas() else []
-
-
 @pytest.mark.parametrize("lanes_max", [0, 16])  # Q4_K experts with 4..16 tokens: lanes.grouped, or the tiles
 @pytest.mark.parametrize("grouped_max", [0, 3])
-@pytest.mark.parametrize("isa", int8.usable_isas() + AMX_TOO + [None], ids=lambda i: i or "f32-tiles")
+@pytest.mark.parametrize("isa", int8.usable_isas() + [None], ids=lambda i: i or "f32-tiles")
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
 def test_moe_prefill_grouping_against_float64(synth_model, monkeypatch, qtype, isa, grouped_max, lanes_max):
     path = synth_model("tiny-moe", qtype)
-    if isa == "amx-lanes":
-        monkeypatch.setenv("STREAM_RUN_AMX", "1")
-        isa = "vnni"
-        assert lanes.best_isa(isa) == "amx"
     monkeypatch.setattr(int8, "ISA", isa)
     s = open_model(path, StreamOptions(stream=False, learn=False))
     s.moe.tuning.grouped_max = grouped_max

@@ -1,6 +1,5 @@
 """What the host CPU can run, as LLVM sees it: the features numba compiles the kernels for (and keys its cache
-on), read once. The one exception is AMX (simd_amx.py), which also needs the Linux kernel's support and so
-reads /proc/cpuinfo."""
+on), read once."""
 
 from functools import cache
 

@@ -5,23 +5,18 @@ lanes of T tokens (the expert's count rounded up to 2, 4, 8 or 16: lanes_t; an e
 two passes, 8 tokens and the rest: split_lanes); grouped computes, for every part j
 (gate and up, or the down alone) and expert i of a group, out[j, starts[i] + t] = W_ji . x_t for the expert's
 tokens, in one parallel call over (part, expert, block of rows), the work split between the threads by its cost.
-The error bound is simd_lanes.py's. Where the CPU has AMX-INT8 tiles (Intel, Sapphire Rapids on), best_isa picks
-"amx": pack_amx lays the tokens out as 16-column tiles and grouped_amx computes 16 rows per simd_amx.py call, with
-the same error bound.
+The error bound is simd_lanes.py's.
 """
 
 from __future__ import annotations
-
-import os
 
 import numba
 import numpy as np
 from numba import prange
 
-from . import int8, simd_amx
+from . import int8
 from ._bits import FASTMATH, isa_kernels, kernel
 from .int8 import _item  # work item -> (part, expert, row block), as the grouped integer kernel's
-from .simd_amx import SCRATCH, q4_k_amx_16, tiles_begin, tiles_end
 from .simd_lanes import (
     ROWS,
     ROWS_AVX2,
@@ -168,81 +163,21 @@ def _grouped_source(isa):
     return grouped
 
 
-@kernel(parallel=True)
-def pack_amx(xq, dx, xs, rows, starts, boffs, loffs, bt, dxv, xsv):
-    """Expert i's activation rows rows[starts[i]]..rows[starts[i+1]-1] (<= 16 tokens; zeros past them) as
-    simd_amx.py's B tiles: for sub-block j (32 elements) and digit d, 512 bytes at bt[boffs[i] + 1024 j + 512 d]:
-    row r (64 bytes) = token t's digit d of elements 4r..4r+3 of the sub-block at bytes 4t..4t+3; and at
-    dxv / xsv[loffs[i] + 16 j + t] token t's dx and xs of sub-block j."""
-    xw = xq.view(np.int32)  # [rows, K / 2]: dword 2k + d = digit d of elements 4k..4k+3
-    btw = bt.view(np.int32)
-    ng = dx.shape[1]
-    for i in prange(starts.size - 1):
-        a, n = starts[i], starts[i + 1] - starts[i]
-        bo, lo = boffs[i] >> 2, loffs[i]
-        for j in range(ng):
-            for t in range(16):
-                at = lo + 16 * j + t
-                if t < n:
-                    r = rows[a + t]
-                    dxv[at] = dx[r, j]
-                    xsv[at] = xs[r, j]
-                    for q in range(8):
-                        k4 = 8 * j + q
-                        btw[bo + 256 * j + 16 * q + t] = xw[r, 2 * k4]
-                        btw[bo + 256 * j + 128 + 16 * q + t] = xw[r, 2 * k4 + 1]
-                else:
-                    dxv[at] = 0
-                    xsv[at] = 0
-                    for q in range(8):
-                        btw[bo + 256 * j + 16 * q + t] = 0
-                        btw[bo + 256 * j + 128 + 16 * q + t] = 0
-
-
-@kernel(parallel=True, fastmath=FASTMATH)
-def grouped_amx(w, offs, row_bytes, bt, dxv, xsv, boffs, loffs, starts, bounds, scr, out):
-    """As GROUPED["vnni"], on the AMX tiles (simd_amx.py; activations by pack_amx); scr: SCRATCH bytes per thread
-    slot, each with the tile configuration at simd_amx._CFG."""
-    parts, g = offs.shape
-    P, n_out = out.shape[1], out.shape[2]
-    nb = row_bytes // 144
-    nt = (n_out + ROW_BLOCK - 1) // ROW_BLOCK
-    for s in prange(bounds.size - 1):
-        so = s * SCRATCH
-        tiles_begin(scr, so)
-        for q in range(bounds[s], bounds[s + 1]):
-            j, i, t = _item(q, g, nt)
-            a, n = starts[i], starts[i + 1] - starts[i]
-            if n > 0:
-                end = min(n_out, (t + 1) * ROW_BLOCK)
-                for r in range(t * ROW_BLOCK, end, 16):
-                    o = offs[j, i] + r * row_bytes
-                    d = (j * P + a) * n_out + r
-                    q4_k_amx_16(
-                        w, o, row_bytes, end - r, nb, bt, boffs[i], dxv, xsv, loffs[i], scr, so, out, d, n_out, n
-                    )
-        tiles_end()
-
-
 GROUPED = isa_kernels(_grouped_source, ("vnni", "generic", "avx2"), "grouped", parallel=True, fastmath=FASTMATH)
-GROUPED["amx"] = grouped_amx
 
 
 def isas() -> list[str]:
-    """The instruction sets lanes.grouped can use on this CPU: int8.usable_isas(), "avx2" where the CPU has AVX2,
-    and "amx" where it has AMX-INT8 (and AVX512-VNNI) and the kernel grants the tile state (simd_amx.enable;
-    STREAM_RUN_AMX=0: never)."""
-    usable = int8.usable_isas() + (["avx2"] if int8.host_has_avx2() else [])
-    return usable + (["amx"] if "vnni" in usable and simd_amx.enable() else [])
+    """The instruction sets lanes.grouped can use on this CPU: int8.usable_isas(), and "avx2" where it has AVX2."""
+    return int8.usable_isas() + (["avx2"] if int8.host_has_avx2() else [])
 
 
 def host_isa() -> str | None:
-    """The instruction set the MoE prefill's lanes run with here: best_isa(int8.ISA) where the integer prefill
-    kernel runs; else "avx2" where the decode's digit row dots run on AVX2 (int8.DECODE_ISA: a CPU without VNNI,
-    STREAM_RUN_ISA unset), although the larger experts' matmuls keep the f32 tiles there; else None (the tiles
-    serve every expert)."""
+    """The instruction set the MoE prefill's lanes run with here: int8.ISA where the integer prefill kernel runs;
+    else "avx2" where the decode's digit row dots run on AVX2 (int8.DECODE_ISA: a CPU without VNNI, STREAM_RUN_ISA
+    unset), although the larger experts' matmuls keep the f32 tiles there; else None (the tiles serve every
+    expert)."""
     if int8.ISA is not None:
-        return best_isa(int8.ISA)
+        return int8.ISA
     return "avx2" if int8.DECODE_ISA == "avx2" else None
 
 
@@ -258,13 +193,6 @@ def quantize(fmt: int, X: np.ndarray) -> int8.Act:
     """X's rows as lanes.grouped takes them: DIGITS int8 digits each (where the other kernels take another
     number, on AVX2, a layer's lanes and matmul experts each quantize its input once)."""
     return int8.quantize(fmt, X, digits=DIGITS)
-
-
-def best_isa(isa: str | None) -> str | None:
-    """The instruction set lanes.grouped runs with where the integer kernels run with `isa`: vpdpbusd, or the AMX
-    tiles in its place where usable and asked for (STREAM_RUN_AMX=1; a forced "generic" stays generic). Not the
-    default: on the full 30B-A3B file the tiles were slower than vpdpbusd at 32 tokens (2026-12-01)."""
-    return "amx" if isa == "vnni" and os.environ.get("STREAM_RUN_AMX", "").strip() == "1" and simd_amx.enable() else isa
 
 
 # Cost of a work item (a block of rows) in units of one row dotted with one lane vector's worth of tokens, beyond
@@ -298,10 +226,6 @@ def grouped(
     parts, g = offs.shape
     n_out = out.shape[2]
     ng = act.dx.shape[1]
-    cnt = np.diff(starts)
-    if isa == "amx":
-        _grouped_amx(w, offs, row_bytes, act, rows, starts, out, cnt)
-        return
     offs, starts = split_lanes(offs, starts, SPLIT_AVX2 if isa == "avx2" else SPLIT)
     cnt = np.diff(starts)
     ts = lanes_t(cnt)
@@ -342,31 +266,3 @@ def _bounds(cost: np.ndarray, parts: int, n_out: int) -> np.ndarray:
     bounds = bounds.astype(np.int64)
     bounds[0], bounds[-1] = 0, len(cum)
     return bounds
-
-
-_SCRATCH: dict = {}
-
-
-def _amx_scratch(n: int) -> np.ndarray:
-    """n thread slots' simd_amx scratch (64-byte aligned), each with the tile configuration in place."""
-    s = _SCRATCH.get(n)
-    if s is None:
-        s = _SCRATCH[n] = _aligned(n * SCRATCH, np.uint8).reshape(n, SCRATCH)
-        s[:, simd_amx._CFG : simd_amx._CFG + 64] = simd_amx.config()
-    return s
-
-
-def _grouped_amx(w, offs, row_bytes, act, rows, starts, out, cnt) -> None:
-    if not simd_amx.enable():  # the tile state is the kernel's to grant: without it tileloadd is SIGILL
-        raise RuntimeError("lanes.grouped: AMX tiles are not usable here")
-    parts, g = offs.shape
-    ng = act.dx.shape[1]
-    boffs = np.arange(g, dtype=np.int64) * (ng * 1024)
-    loffs = np.arange(g, dtype=np.int64) * (ng * 16)
-    bt = _aligned(g * ng * 1024, np.int8)
-    dxv = _aligned(g * ng * 16, np.float32)
-    xsv = _aligned(g * ng * 16, np.float32)
-    pack_amx(act.xq, act.dx, act.xs, rows, starts, boffs, loffs, bt, dxv, xsv)
-    bounds = _bounds(np.where(cnt > 0, 1.0, 0.0), parts, out.shape[2])
-    scr = _amx_scratch(bounds.size - 1)
-    grouped_amx(w, offs, row_bytes, bt, dxv, xsv, boffs, loffs, starts, bounds, scr.reshape(-1), out)
