@@ -130,9 +130,10 @@ def process_baseline(mapped: int = 0) -> int:
 def split_budget(
     budget: int, cfg, gf, expert_total: int, slot_bytes: int, kv_bytes: int, paged_in=lambda: 0
 ) -> BudgetSplit:
-    """paged_in() -> bytes of non-expert weights a page-in has mapped into this process so far: they are in
-    its RSS and counted as non-expert weights, so the process's own share leaves them out (asked before the
-    RSS is, so what is mapped meanwhile errs on the safe side)."""
+    """paged_in() -> bytes of the model a page-in has mapped into this process so far (PageIn.mapped: non-expert
+    weights, and the experts' bytes sharing their 2 MiB folios): they are in its RSS and counted as the model's, so
+    the process's own share leaves them out (asked before the RSS is, so what is mapped meanwhile errs on the safe
+    side)."""
     nonexpert = sum(t.nbytes for t in gf.tensors.values() if "_exps." not in t.name)
     baseline = process_baseline(paged_in())
     plan = split_at(budget, baseline, nonexpert, kv_bytes, scratch_bytes(cfg), expert_total, slot_bytes)

@@ -508,6 +508,18 @@ class GGUFFile:
         for start, n in ranges:
             madvise(self.mm, start, n, advice)
 
+    def drop_cached(self, start: int, n: int) -> None:
+        """Evict the page cache of mapping bytes [start, start + n) (POSIX_FADV_DONTNEED on each file they fall
+        in): pages nobody maps go and are read again on their next use. The model's content is unchanged."""
+        for s in self.shards:
+            a, b = max(start, s.base), min(start + n, s.base + s.size)
+            if a < b:
+                fd = os.open(s.path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, a - s.base, b - a, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
     def close(self) -> None:
         self._buf.release()
         self.mm = None

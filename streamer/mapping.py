@@ -14,6 +14,7 @@ folios of 2 MiB (ext4, XFS; pagein.py's whole-file page-in) are mapped whole by 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 
@@ -79,3 +80,78 @@ def madvise(arr: np.ndarray, start: int, length: int, advice: int) -> int:
     if end > a0 and _libc.madvise(arr.ctypes.data + a0, end - a0, advice) != 0:
         return ctypes.get_errno() or -1
     return 0
+
+
+class _ScanArg(ctypes.Structure):  # struct pm_scan_arg (linux/fs.h)
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages")
+        + ("category_inverted", "category_mask", "category_anyof_mask", "return_mask")
+    ]
+
+
+class _PageRegion(ctypes.Structure):  # struct page_region
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+_PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_HUGE = 1 << 2, 1 << 3, 1 << 6  # linux/fs.h
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16  # _IOWR('f', 16, pm_scan_arg)
+
+
+def _scan(arr: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(start, end, categories) runs of arr's pages, relative to arr, by the kernel's PAGEMAP_SCAN of this process's
+    page tables (Linux 6.7+; None without it); categories: present, a file's, mapped by a 2 MiB entry."""
+    base, size = arr.ctypes.data, arr.size
+    n = 4096
+    vec = (_PageRegion * n)()
+    out = []
+    try:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        at = base
+        while at < base + size:
+            a = _ScanArg(size=ctypes.sizeof(_ScanArg), start=at, end=base + size, vec=ctypes.addressof(vec))
+            a.vec_len, a.return_mask = n, _PAGE_IS_PRESENT | _PAGE_IS_FILE | _PAGE_IS_HUGE
+            got = fcntl.ioctl(fd, _PAGEMAP_SCAN, a)
+            out += [(r.start - base, r.end - base, r.categories) for r in vec[:got]]
+            if a.walk_end <= at:
+                break
+            at = a.walk_end
+    except OSError:  # ENOTTY or EINVAL: no PAGEMAP_SCAN
+        return None
+    finally:
+        os.close(fd)
+    return out
+
+
+def mapped_bytes(arr: np.ndarray) -> int | None:
+    """Bytes of arr's pages mapped in this process now (in its RSS): a 2 MiB page cache folio is mapped whole, so
+    this can exceed the bytes asked for. None where the kernel cannot tell (PAGEMAP_SCAN)."""
+    runs = _scan(arr)
+    return None if runs is None else sum(e - s for s, e, c in runs if c & _PAGE_IS_PRESENT)
+
+
+def small_page_blocks(arr: np.ndarray) -> list[tuple[int, int]] | None:
+    """Runs (start, length) of an array from map_files (which starts at an ALIGN boundary), in whole ALIGN blocks,
+    whose pages are all mapped and none by a 2 MiB entry: page cache folios smaller than 2 MiB, mapped 4 KiB at a
+    time (a file's pages only, never anonymous memory such as a copy). None where the kernel cannot tell
+    (PAGEMAP_SCAN: Linux 6.7+). A block the file ends inside, or with a page not mapped, is left out."""
+    runs = _scan(arr) if arr.ctypes.data % ALIGN == 0 else None
+    if runs is None:
+        return None
+    counts = np.zeros(-(-arr.size // ALIGN), np.int64)  # per block: bytes present in small pages
+    for s, e, c in runs:
+        if c == _PAGE_IS_PRESENT | _PAGE_IS_FILE:  # a file's page, mapped, not huge
+            while s < e:  # split at block edges
+                t = min(e, (s // ALIGN + 1) * ALIGN)
+                counts[s // ALIGN] += t - s
+                s = t
+    blocks: list[tuple[int, int]] = []
+    for b in np.flatnonzero(counts == ALIGN).tolist():
+        if blocks and blocks[-1][0] + blocks[-1][1] == b * ALIGN:
+            blocks[-1] = (blocks[-1][0], blocks[-1][1] + ALIGN)
+        else:
+            blocks.append((b * ALIGN, ALIGN))
+    return blocks

@@ -11,8 +11,10 @@ in the same large requests). Without POPULATE_READ (Linux < 5.14) one byte per p
 Huge mode (huge=True: the caller reads the whole file, so reading past a range costs nothing): the whole mapping gets
 MADV_HUGEPAGE and each piece is faulted in by MADV_POPULATE_READ alone, into 2 MiB page cache folios that mapping.py
 maps by one page-table entry (fewer TLB misses). WILLNEED would read into 4 KiB folios, so it is left out (2026-12-06:
-0.9x the WILLNEED rate, then 4-7% faster decode steps). Not for part of a file: a fault near a range's end would read up
-to 4 MiB past it, which no budget counted.
+0.9x the WILLNEED rate, then 4-7% faster decode steps). Pages the page cache already held in smaller folios (another
+program's reads) are mapped as they are, 4 KiB at a time; given `evict`, the page-in then finds those 2 MiB blocks
+(mapping.small_page_blocks) and reads them again (_small_blocks). Not for part of a file: a fault near a range's end
+would read up to 4 MiB past it, which no budget counted.
 
 Only the given ranges are read (widened to whole pages); what the RAM budget allows is the caller's choice
 (session.pagein_ranges). A PageIn runs in the caller's thread (run) or a background thread (start), with (done,
@@ -29,7 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise
+from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, mapped_bytes, small_page_blocks
 
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
@@ -109,10 +111,12 @@ class PageIn:
         step: int = MIN_STEP,
         advise=madvise,
         huge: bool = False,
+        evict: Callable[[int, int], None] | None = None,
     ):
         """step: bytes per MADV_WILLNEED call, at most what the kernel reads for one (readahead_bytes).
         huge: the ranges are the whole file (see the module's docstring); partial() if it turns out they are
-        not."""
+        not. evict(start, length): drop those bytes' page cache (GGUFFile.drop_cached); in huge mode the blocks
+        found mapped by 4 KiB pages after the last piece are then read again, into 2 MiB folios (_small_blocks)."""
         self.mm = mm
         self.huge = huge
         self.chunk = chunk
@@ -121,6 +125,10 @@ class PageIn:
         self.total = sum(n for _, n in self.pieces)
         self.ahead, self.step = ahead, max(PAGE, step // PAGE * PAGE)
         self.advise = advise
+        self.evict = evict
+        self._reread: set[int] = set()  # starts of the pieces that re-read small-folio blocks
+        self.reread_bytes = 0  # their bytes (in total and done too)
+        self._scanned = 0  # pieces when the mapping was last scanned for them
         self.done = 0
         self.seconds = 0.0  # time spent running (a page-in extended after it ended does not count the gap)
         self.ended: float | None = None  # perf_counter() when the last piece was mapped
@@ -173,6 +181,8 @@ class PageIn:
         try:
             while True:
                 with self._lock:
+                    if self._next >= len(self.pieces) and self._scanned < len(self.pieces) and self.huge:
+                        self._small_blocks()
                     if self._next >= len(self.pieces) or self._stop.is_set():
                         self._finished.set()  # under the lock: extend() sees either a piece taken or the end
                         break
@@ -197,6 +207,9 @@ class PageIn:
                         self.advise(self.mm, a, min(self.step, s + m - a), mmap.MADV_WILLNEED)
                     self._queued += 1
                     self._queued_bytes += m
+                if start in self._reread:  # unmapped here, so that the page cache can let the folios go
+                    self.advise(self.mm, start, n, mmap.MADV_DONTNEED)
+                    self.evict(start, n)
                 self._map(start, n)
                 self._next += 1
                 self.done += n
@@ -208,6 +221,28 @@ class PageIn:
             self.ended = time.perf_counter()
             self._finished.set()
         return self.done
+
+    def mapped(self) -> int:
+        """Bytes of the mapping in this process's RSS now (mapping.mapped_bytes; a 2 MiB folio is mapped whole, so
+        this can exceed done), or done where the kernel cannot tell: what the budget's process share leaves out."""
+        got = mapped_bytes(self.mm)
+        return self.done if got is None else got
+
+    def _small_blocks(self) -> None:
+        """Huge mode, every piece read (under the lock): the 2 MiB blocks the page cache already held in smaller
+        folios were mapped 4 KiB at a time. Each block not re-read before becomes a piece to read again, after its
+        folios are evicted, so that the whole file is mapped by 2 MiB entries, as when it came from the disk.
+        2026-12-07, the 30B-A3B (16.3 GiB) right after llama.cpp's run: 13.3-13.6 GiB mapped so without this, 15.8
+        with it (2.2-3.1 GiB read again; the page-in's time within its spread). mapping.py's paired decode steps:
+        4.0-4.9% faster with 11 of 17 GB in 2 MiB folios, 7.2% with 16 GB (2026-12-01)."""
+        self._scanned = len(self.pieces)
+        runs = small_page_blocks(self.mm) if self.evict is not None and not self._stop.is_set() else None
+        new = [(s, n) for a, m in runs or () for s, n in pieces([(a, m)], self.chunk) if s not in self._reread]
+        self._reread.update(s for s, _ in new)
+        self.pieces.extend(new)
+        self.reread_bytes += sum(n for _, n in new)
+        self.total += sum(n for _, n in new)
+        self._scanned = len(self.pieces)
 
     def _map(self, start: int, n: int) -> None:
         """Map the piece's pages (MADV_POPULATE_READ: waits for their reads), then read a byte of each page. On a VM

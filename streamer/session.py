@@ -230,7 +230,9 @@ def start_pagein(session: Session, budget: int, early: PageIn | None = None) -> 
         early.extend([r for r in ranges if r not in have])
         session.pagein = early
     elif ranges and session.gf.mm is not None:
-        session.pagein = PageIn(session.gf.mm, ranges, step=readahead_step(session.gf), huge=whole).start()
+        session.pagein = PageIn(
+            session.gf.mm, ranges, step=readahead_step(session.gf), huge=whole, evict=session.gf.drop_cached
+        ).start()
 
 
 def early_tensors(gf: GGUFFile) -> list:
@@ -302,7 +304,7 @@ def start_early_pagein(
     caller began before it had the options (the CLI's entry point, cli/early.py): it goes on if it reads
     exactly these ranges, else it is stopped."""
     held = started[1] if started is not None else None
-    ranges, whole = early_plan(gf, cfg, options, budget, n_ctx, mapped=held.done if held is not None else 0)
+    ranges, whole = early_plan(gf, cfg, options, budget, n_ctx, mapped=held.mapped() if held is not None else 0)
     if held is not None:
         if started[0] == ranges:
             if held.huge and not whole:
@@ -316,7 +318,7 @@ def start_early_pagein(
 
 def start_pagein_of(gf: GGUFFile, ranges, whole: bool = False) -> PageIn:
     """A background page-in of `ranges` (in that order), started; whole: the file will be read whole (huge)."""
-    p = PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole).start()
+    p = PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole, evict=gf.drop_cached).start()
     timing.mark("pagein_start", early_pagein_bytes=p.total)
     return p
 
@@ -409,7 +411,7 @@ def _open(gf, cfg, options, budget, n_ctx, threads, tokenizer, trace, early, laz
     timing.mark("kernels_imported")
     moe = None
     if cfg.is_moe:
-        paged_in = (lambda: early.done) if early is not None else (lambda: 0)
+        paged_in = early.mapped if early is not None else (lambda: 0)
         moe = moe_build.build_moe_ffn(gf, cfg, options, budget, n_ctx=n_ctx, trace=trace, paged_in=paged_in)
     elif options.ram_budget is not None:  # a budget the user gave
         warn_dense_budget(gf, cfg, n_ctx, budget, options.n_seq)

@@ -18,7 +18,7 @@ from procfs import vma_fields
 
 from streamer.budget import resolve as resolve_budget
 from streamer.gguf_file import GGUFFile
-from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files
+from streamer.mapping import MADV_POPULATE_READ, PAGE, madvise, map_files, small_page_blocks
 from streamer.options import StreamOptions
 from streamer.pagein import MADV_HUGEPAGE, MADV_NOHUGEPAGE, PageIn, pieces, readahead_bytes
 from streamer.session import open_model, pagein_ranges
@@ -131,6 +131,20 @@ def _cold_mapped(path, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return data, mm
 
 
+def _skip_without_2mib_file_pages(path) -> None:
+    """Skip where the kernel maps no 2 MiB pages of this filesystem's files (THP off, or no large folios): a plain
+    mmap of the file, evicted, advised MADV_HUGEPAGE and faulted in, tells."""
+    cgroup.evict(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as plain:
+        view = np.frombuffer(plain, np.uint8)
+        madvise(view, 0, view.size, MADV_HUGEPAGE)
+        madvise(view, 0, view.size, MADV_POPULATE_READ)
+        control = _pmd_mapped(view.ctypes.data, view.size)
+        del view
+    if control == 0:
+        pytest.skip("the kernel maps no 2 MiB pages of this filesystem's files (THP off, or no large folios)")
+
+
 def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
     path = tmp_path / "blob"
     data, mm = _cold_mapped(path, 24 * MiB + 3 * PAGE, 1)
@@ -139,17 +153,45 @@ def test_a_huge_pagein_maps_the_file_by_2mib_pages(tmp_path):
     p.run()
     assert resident_pages(mm).all() and np.array_equal(mm, data)
     got = _pmd_mapped(mm.ctypes.data, mm.size)
-    if got == 0:  # no 2 MiB file pages on this kernel or filesystem? A plain mmap of the file tells
-        cgroup.evict(path)
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as plain:
-            view = np.frombuffer(plain, np.uint8)
-            madvise(view, 0, view.size, MADV_HUGEPAGE)
-            madvise(view, 0, view.size, MADV_POPULATE_READ)
-            control = _pmd_mapped(view.ctypes.data, view.size)
-            del view
-        if control == 0:
-            pytest.skip("the kernel maps no 2 MiB pages of this filesystem's files (THP off, or no large folios)")
+    if got == 0:
+        _skip_without_2mib_file_pages(path)
     assert got >= 20 * MiB  # all but the 2 MiB pages at the file's end
+
+
+def test_a_huge_pagein_reads_blocks_cached_in_small_folios_again(tmp_path):
+    """A file the page cache holds in 4 KiB folios (faults under MADV_RANDOM read so; another program's reads can
+    leave a model so) is mapped 4 KiB at a time, whatever the advice. Given evict, the huge page-in finds those blocks
+    (the kernel's PAGEMAP_SCAN) and reads them again into 2 MiB folios: smaps then counts them as 2 MiB mappings,
+    the bytes unchanged, and its progress counts the bytes read again."""
+    path = tmp_path / "blob"
+    data, mm = _cold_mapped(path, 24 * MiB + 3 * PAGE, 2)
+    madvise(mm, 0, mm.size, mmap.MADV_RANDOM)  # each fault reads its own 4 KiB page, into a 4 KiB folio
+    madvise(mm, 0, mm.size, MADV_POPULATE_READ)
+    PageIn(mm, [(0, data.size)], huge=True).run()  # no evict: mapped as they are
+    if small_page_blocks(mm) is None:
+        pytest.skip("no PAGEMAP_SCAN in this kernel (Linux < 6.7)")
+    if _pmd_mapped(mm.ctypes.data, mm.size) > 0:
+        pytest.skip("this kernel read the faults into large folios: no small ones to find")
+    assert small_page_blocks(mm) == [(0, 24 * MiB)]  # every whole 2 MiB block; not the file's last 3 pages
+
+    def evict(start, n):
+        evicted_ranges.append((start, n))
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    evicted_ranges: list = []
+    progress: list = []
+    p = PageIn(mm, [(0, data.size)], huge=True, evict=evict)
+    p.run(lambda d, t: progress.append((d, t)))
+    assert evicted_ranges == pieces([(0, 24 * MiB)])  # each block once, in CHUNK pieces
+    assert p.done == p.total == data.size + 24 * MiB and p.reread_bytes == 24 * MiB  # the file, then 12 blocks
+    assert progress[-1] == (p.total, p.total)
+    assert np.array_equal(mm, data) and resident_pages(mm).all()
+    got = _pmd_mapped(mm.ctypes.data, mm.size)
+    if got == 0:
+        _skip_without_2mib_file_pages(path)
+    assert got == 24 * MiB and small_page_blocks(mm) == []
 
 
 @pytest.mark.parametrize(
@@ -244,7 +286,8 @@ def test_forward_order_and_warmup_progress(synth_model):
     layers = [int(n.split(".")[1]) for n in order if "_exps." in n]
     assert layers == sorted(layers)  # experts layer by layer, as the forward pass needs them
     assert seen and seen[-1] == (p.total, p.total) and p.done == p.total
-    assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, resolve_budget(None)))) * PAGE
+    # and any 2 MiB block the page cache held in small folios (the file was just written), read again
+    assert p.total == len(_covered(pagein_ranges(s.gf, s.moe, resolve_budget(None)))) * PAGE + p.reread_bytes
 
 
 def test_warmup_progress_lines(capsys):

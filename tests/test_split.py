@@ -295,3 +295,28 @@ print(int(gf.mm[last.base:last.base + last.size].sum()), flush=True)
         f"error: {files[0]} (or one of its {len(files)} shards) was truncated or changed "
         f"while in use (bus error reading its mapping)"
     ]
+
+
+def test_drop_cached_evicts_those_bytes_of_each_shard(models):
+    """GGUFFile.drop_cached takes offsets in the mapping of all shards: it evicts the part of each file they cover
+    (asked of the kernel: mincore through bench/cgroup.py), and nothing else."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import cgroup  # bench/cgroup.py: cached_bytes, evict
+
+    _, by_size, _ = models
+    files = shard_files(by_size)
+    for f in files:
+        cgroup.evict(f)
+        if cgroup.cached_bytes(f):
+            pytest.skip("this filesystem keeps files in the page cache (tmpfs)")
+        f.read_bytes()
+    full = [cgroup.cached_bytes(f) for f in files]
+    gf = GGUFFile(by_size)  # maps every file and reads their headers
+    one, two = gf.shards[1], gf.shards[2]
+    cut1, cut2 = one.size // 2 // PAGE * PAGE, two.size // 2 // PAGE * PAGE
+    gf.drop_cached(one.base + cut1, two.base + cut2 - (one.base + cut1))  # the gap between the files too
+    after = [cgroup.cached_bytes(f) for f in files]
+    head = 64 * 1024  # the header's page and what the kernel's fault-around mapped with it stay (they are mapped)
+    assert after[1] == cut1 and full[2] - cut2 <= after[2] <= full[2] - cut2 + head + PAGE  # its last page whole
+    assert after[:1] + after[3:] == full[:1] + full[3:]
+    gf.close()
