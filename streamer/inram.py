@@ -6,7 +6,8 @@ unchanged and the logits are the same bits. It is anonymous memory in 4 KiB page
 O_DIRECT (--io auto or direct), so the page cache does not hold a second copy; with --io buffered, or where the
 filesystem refuses O_DIRECT, plain reads drop the pages behind them (POSIX_FADV_DONTNEED). The last bytes of a file past
 its last 4 KiB boundary are read plainly. On a VM, faulting fresh memory in costs more than the disk, so READERS threads
-each fault a CHUNK in (MADV_POPULATE_WRITE) and then read it (2026-12-02: 1.42 against 0.67 GB/s for one thread).
+each fault a CHUNK in (MADV_POPULATE_WRITE) and then read it (2026-12-02: 1.42 GB/s, against 0.67 for one thread
+reading into unfaulted memory).
 
 Why at all: on a VM, decode steps reading the page cache's pages stalled in stretches where the same bytes in
 anonymous memory did not (bench/RESULTS.md, 2026-12-02). The price is reading the whole file at every load."""
