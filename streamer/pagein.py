@@ -10,7 +10,7 @@ in the same large requests). Without POPULATE_READ (Linux < 5.14) one byte per p
 
 Huge mode (huge=True: the caller reads the whole file, so reading past a range costs nothing): the whole mapping gets
 MADV_HUGEPAGE and each piece is faulted in by MADV_POPULATE_READ alone, into 2 MiB page cache folios that mapping.py
-maps by one page-table entry (fewer TLB misses). WILLNEED would read into 4 KiB folios, so it is left out (2026-12-06:
+maps by one page-table entry (fewer TLB misses). WILLNEED would read into 4 KiB folios, so it is left out (2026-12-01:
 0.9x the WILLNEED rate, then 4-7% faster decode steps). Pages the page cache already held in smaller folios (another
 program's reads) are mapped as they are, 4 KiB at a time; given `evict`, the page-in then finds those 2 MiB blocks
 (mapping.small_page_blocks) and reads them again (_small_blocks). Not for part of a file: a fault near a range's end
@@ -232,10 +232,9 @@ class PageIn:
         """Huge mode, every piece read (under the lock): the 2 MiB blocks the page cache already held in smaller
         folios were mapped 4 KiB at a time. Each block not re-read before becomes a piece to read again, after its
         folios are evicted, so that the whole file is mapped by 2 MiB entries, as when it came from the disk.
-        2026-12-07, the 30B-A3B (16.3 GiB) right after llama.cpp's run: 13.3-13.6 GiB mapped so without this, 15.8
+        2026-12-07, the 30B-A3B (16.3 GiB) right after llama.cpp's run: 11.4-13.8 GiB mapped so without this, 15.8
         with it (2.2-3.1 GiB read again; the page-in's time within its spread). mapping.py's paired decode steps:
         4.0-4.9% faster with 11 of 17 GB in 2 MiB folios, 7.2% with 16 GB (2026-12-01)."""
-        self._scanned = len(self.pieces)
         runs = small_page_blocks(self.mm) if self.evict is not None and not self._stop.is_set() else None
         new = [(s, n) for a, m in runs or () for s, n in pieces([(a, m)], self.chunk) if s not in self._reread]
         self._reread.update(s for s, _ in new)

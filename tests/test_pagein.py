@@ -359,6 +359,8 @@ def test_early_pagein_reads_only_the_nonexpert_weights_before_the_plan_and_never
     with open_model(path, StreamOptions(learn=False, ram_budget=4 * 2**30)) as s:
         p = s.populate()
         want = pagein_ranges(s.gf, s.moe, 4 * 2**30)
-        assert p.total == len(_covered(want)) * PAGE == p.done
-        assert _covered(p.pieces) == _covered(want)
+        # each page once, and any 2 MiB block the page cache held in small folios once more (the file is new)
+        assert p.total - p.reread_bytes == len(_covered(want)) * PAGE and p.done == p.total
+        extra = _covered(p.pieces) - _covered(want)  # the header's pages, in a block read again
+        assert _covered(want) <= _covered(p.pieces) and len(extra) * PAGE <= p.reread_bytes
         assert p.huge and _covered(want) == _covered([(s, n) for s, n, _, _ in ts])  # every tensor
