@@ -134,8 +134,8 @@ def mapped_bytes(arr: np.ndarray) -> int | None:
 
 
 def small_page_blocks(arr: np.ndarray) -> list[tuple[int, int]] | None:
-    """Runs (start, length) of an array from map_files (which starts at an ALIGN boundary), in whole ALIGN blocks,
-    whose pages are all mapped and none by a 2 MiB entry: page cache folios smaller than 2 MiB, mapped 4 KiB at a
+    """The ALIGN blocks (start, ALIGN) of an array from map_files (which starts at an ALIGN boundary) whose pages
+    are all mapped and none by a 2 MiB entry: page cache folios smaller than 2 MiB, mapped 4 KiB at a
     time (a file's pages only, never anonymous memory such as a copy). None where the kernel cannot tell
     (PAGEMAP_SCAN: Linux 6.7+). A block the file ends inside, or with a page not mapped, is left out."""
     runs = _scan(arr) if arr.ctypes.data % ALIGN == 0 else None
@@ -148,10 +148,4 @@ def small_page_blocks(arr: np.ndarray) -> list[tuple[int, int]] | None:
                 t = min(e, (s // ALIGN + 1) * ALIGN)
                 counts[s // ALIGN] += t - s
                 s = t
-    blocks: list[tuple[int, int]] = []
-    for b in np.flatnonzero(counts == ALIGN).tolist():
-        if blocks and blocks[-1][0] + blocks[-1][1] == b * ALIGN:
-            blocks[-1] = (blocks[-1][0], blocks[-1][1] + ALIGN)
-        else:
-            blocks.append((b * ALIGN, ALIGN))
-    return blocks
+    return [(b * ALIGN, ALIGN) for b in np.flatnonzero(counts == ALIGN).tolist()]

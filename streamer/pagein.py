@@ -235,8 +235,8 @@ class PageIn:
         2026-12-07, the 30B-A3B (16.3 GiB) right after llama.cpp's run: 11.4-13.8 GiB mapped so without this, 15.8
         with it (2.2-3.1 GiB read again; the page-in's time within its spread). mapping.py's paired decode steps:
         4.0-4.9% faster with 11 of 17 GB in 2 MiB folios, 7.2% with 16 GB (2026-12-01)."""
-        runs = small_page_blocks(self.mm) if self.evict is not None and not self._stop.is_set() else None
-        new = [(s, n) for a, m in runs or () for s, n in pieces([(a, m)], self.chunk) if s not in self._reread]
+        blocks = small_page_blocks(self.mm) if self.evict is not None and not self._stop.is_set() else None
+        new = [(s, n) for s, n in pieces(blocks or (), self.chunk) if s not in self._reread]  # adjacent ones merged
         self._reread.update(s for s, _ in new)
         self.pieces.extend(new)
         self.reread_bytes += sum(n for _, n in new)

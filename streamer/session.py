@@ -230,9 +230,7 @@ def start_pagein(session: Session, budget: int, early: PageIn | None = None) -> 
         early.extend([r for r in ranges if r not in have])
         session.pagein = early
     elif ranges and session.gf.mm is not None:
-        session.pagein = PageIn(
-            session.gf.mm, ranges, step=readahead_step(session.gf), huge=whole, evict=session.gf.drop_cached
-        ).start()
+        session.pagein = _pagein(session.gf, ranges, whole)
 
 
 def early_tensors(gf: GGUFFile) -> list:
@@ -318,9 +316,15 @@ def start_early_pagein(
 
 def start_pagein_of(gf: GGUFFile, ranges, whole: bool = False) -> PageIn:
     """A background page-in of `ranges` (in that order), started; whole: the file will be read whole (huge)."""
-    p = PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole, evict=gf.drop_cached).start()
+    p = _pagein(gf, ranges, whole)
     timing.mark("pagein_start", early_pagein_bytes=p.total)
     return p
+
+
+def _pagein(gf: GGUFFile, ranges, whole: bool) -> PageIn:
+    """A background page-in of the file's `ranges`, started (huge mode when whole; blocks held in small folios read
+    again through gf.drop_cached)."""
+    return PageIn(gf.mm, ranges, step=readahead_step(gf), huge=whole, evict=gf.drop_cached).start()
 
 
 def readahead_step(gf: GGUFFile) -> int:
