@@ -46,8 +46,8 @@ def _pairs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # A prefill expert with more than grouped_max and at most this many tokens goes through lanes.grouped (each Q4_K
-# weight row read once and dotted with all of its tokens in vector lanes, no unpacked tiles; two activation digits
-# on every ISA) where it runs (lanes.host_isa: VNNI or AVX2): at 128 tokens (about 8 per expert) the
+# weight row read once and dotted with all of its tokens in vector lanes, no unpacked tiles; int8.DIGITS activation
+# digits, as the integer tiles) where it runs (lanes.host_isa: VNNI or AVX2): at 128 tokens (about 8 per expert) the
 # tiles' unpacking from RAM cost more than their products (bench/lanes_bench.py).
 LANES_MAX = lanes.MAX_TOKENS
 
@@ -187,12 +187,12 @@ class Fused:
             prepare_rows(plan.gate_up_format, h, xq, aux)
         lanes_out = np.zeros_like(out) if (kind == 1).any() else None
         big_out = np.zeros_like(out) if (kind == 2).any() else None
-        # h quantized once per layer for the lanes and for the integer kernels (one form where both take the same
-        # digits); hq_mm None: the matmul experts run on the f32 tiles
-        hq = lanes.quantize(plan.gate_up_format, h) if (kind == 1).any() else None
+        # h quantized once per layer, for the lanes and the integer kernels alike; hq_mm None: the matmul experts
+        # run on the f32 tiles
+        hq = int8.quantize(plan.gate_up_format, h) if (kind == 1).any() else None
         hq_mm = None
         if (kind == 2).any() and int8.serves(plan.gate_up_format):
-            hq_mm = hq if hq is not None and int8.DIGITS == lanes.DIGITS else int8.quantize(plan.gate_up_format, h)
+            hq_mm = hq if hq is not None else int8.quantize(plan.gate_up_format, h)
 
         def compute(start, group, mats):
             for k in range(3):
@@ -291,7 +291,7 @@ class Fused:
         lanes.grouped(base, offs[: 2 * g].reshape(2, g), plan.gate_up_row_bytes, hq, toks, starts, gu, isa)
         a = ops.swiglu_rows(gu[0], gu[1], gu[0])
         y = np.empty((1, P, out.shape[1]), np.float32)
-        aq = lanes.quantize(plan.down_format, a)
+        aq = int8.quantize(plan.down_format, a)
         lanes.grouped(base, offs[2 * g :].reshape(1, g), plan.down_row_bytes, aq, np.arange(P), starts, y, isa)
         perm, tstarts = _by_token(toks, out.shape[0])
         scatter_add(out, y[0], weights, tstarts, perm)

@@ -300,7 +300,7 @@ def _lanes(qtype) -> bool:
 
 
 def _lanes_kernels(isas) -> tuple:
-    return (tuple(lanes.GROUPED[i] for i in isas) + (lanes.pack,)) if isas else ()
+    return (lanes.kernels(isas) + (lanes.pack,)) if isas else ()
 
 
 def groups(qtypes=None, decode_combos=None, matrix_qtypes=None) -> list[Group]:

@@ -6,7 +6,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from streamer.gguf_file import GGUFFile
-from streamer.kernels import QMatrix, lanes
+from streamer.kernels import QMatrix, int8, lanes
 
 
 def qmatrix(gf: GGUFFile, name: str, expert: int | None = None) -> QMatrix:
@@ -41,7 +41,7 @@ def linear_few(w: QMatrix, h: np.ndarray) -> np.ndarray:
         return linear(w, h)
     fmt, rows = w.block
     out = np.empty((1, m, w.n_out), np.float32)
-    act = lanes.quantize(fmt, np.ascontiguousarray(h, np.float32))
+    act = int8.quantize(fmt, np.ascontiguousarray(h, np.float32))
     one = np.zeros((1, 1), np.int64)
     lanes.grouped(rows.reshape(-1), one, rows.shape[1], act, np.arange(m), np.array([0, m]), out, lanes.host_isa())
     return out[0]

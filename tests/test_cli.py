@@ -91,11 +91,12 @@ def test_bench_json_is_one_line_with_the_keys(synth_model):
     ):
         assert k in d
     assert len(d["tokens"]) == 4 and d["pp_tok_s"] > 0 and d["tg_tok_s"] > 0
-    # the 3 decode steps' spread: ordered, and the mean step that tg_tok_s implies lies inside it (the loop's own
-    # overhead outside the steps is microseconds)
+    # the 3 decode steps' spread: ordered; with 3 steps min, median and max are the steps themselves, and they lie
+    # inside the decode's wall time that tg_tok_s is taken from (3 steps in 3 / tg_tok_s seconds). How much the
+    # loop spends outside its steps depends on the machine's load, so only this side is exact.
     q = d["tg_step_ms"]
     assert 0 < q["min"] <= q["median"] <= q["p90"] <= q["max"]
-    assert q["min"] <= 1e3 / d["tg_tok_s"] <= q["max"] + 0.05
+    assert q["min"] + q["median"] + q["max"] <= 3e3 / d["tg_tok_s"] * (1 + 1e-9)
 
 
 def test_bench_text_shows_the_step_spread_and_one_token_has_none(synth_model):

@@ -8,12 +8,15 @@ from numba.core.analysis import dead_branch_prune
 
 from streamer.kernels import int8, lanes
 
-# each ISA's row kernels, by the helper names its source calls
+# each version's row kernels, by the helper names its source calls (lanes: per ISA and activation digits)
 CALLS = {
-    "lanes": {"vnni": "_row_vnni", "avx2": "_row_avx2", "generic": "_row_generic"},
+    "lanes": {f"{isa}-{d}": f"_row_{isa}_{d}" for isa in lanes.ISAS for d in (1, 2)},
     "int8": {"vnni": "_gemm_vnni", "avx2": "_gemm_avx2", "generic": "_gemm_generic"},
 }
-KERNELS = {"lanes": lanes.GROUPED, "int8": {**int8.KERNELS, **{f"grouped-{k}": v for k, v in int8.GROUPED.items()}}}
+KERNELS = {
+    "lanes": {f"{isa}-{d}": k for (isa, d), k in lanes.GROUPED.items()},
+    "int8": {**int8.KERNELS, **{f"grouped-{k}": v for k, v in int8.GROUPED.items()}},
+}
 
 
 def _globals_after_pruning(py_func) -> set[str]:
@@ -33,13 +36,13 @@ def _globals_after_pruning(py_func) -> set[str]:
 def test_each_isa_version_keeps_only_its_own_row_kernels(module):
     calls = CALLS[module]
     for key, disp in KERNELS[module].items():
-        isa = key.split("-")[-1]
         kept = _globals_after_pruning(disp.py_func) & set(calls.values())
-        assert kept == {calls[isa]}, (module, key, kept)
+        assert kept == {calls[key if module == "lanes" else key.split("-")[-1]]}, (module, key, kept)
 
 
 def test_each_isa_version_has_its_own_name():
     names = [d.py_func.__name__ for d in (*lanes.GROUPED.values(), *int8.KERNELS.values(), *int8.GROUPED.values())]
     assert len(set(names)) == len(names)
     assert int8.KERNELS["vnni"].py_func.__name__ == "i8_matmul_vnni"
-    assert lanes.GROUPED["avx2"].py_func.__name__ == "grouped_avx2"
+    assert lanes.GROUPED["avx2", 2].py_func.__name__ == "grouped_avx2"
+    assert lanes.GROUPED["avx2", 1].py_func.__name__ == "grouped_d1_avx2"

@@ -31,17 +31,18 @@ def _group(rng, n_out, n_in, regime="normal"):
     return base, offs, row_bytes, mats, deq
 
 
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("regime", ["normal", "extreme"])
 @pytest.mark.parametrize("isa", lanes.isas())
 @pytest.mark.parametrize("n_out,n_in", [(40, 256), (33, 768), (16, 2048)])
-def test_lanes_against_oracle(n_out, n_in, isa, regime):
+def test_lanes_against_oracle(n_out, n_in, isa, regime, digits):
     rng = np.random.default_rng(n_out * 7 + n_in)
     base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in, regime)
     m = 20
     X = rng.standard_normal((m, n_in)).astype(np.float32)
     X[0, : n_in // 2] *= np.float32(1e3)  # groups of very different magnitudes in one row
     X[3] = 0.0  # an all-zero row gives exactly 0
-    act = int8.quantize(Q4_K, X, 2)
+    act = int8.quantize(Q4_K, X, digits)
     toks = [np.sort(rng.choice(m, c, replace=False)) for c in COUNTS]
     starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
     rows = np.concatenate(toks).astype(np.int64)
@@ -54,14 +55,41 @@ def test_lanes_against_oracle(n_out, n_in, isa, regime):
                 continue
             raw = mats[j * g + i][1]
             ref = X[t].astype(np.float64) @ deq[j * g + i].T
-            tol = _tolerance(T.Q4_K, raw, deq[j * g + i], X[t], (32, int8.LEVELS[2]))
+            tol = _tolerance(T.Q4_K, raw, deq[j * g + i], X[t], (32, int8.LEVELS[digits]))
             got = out[j, starts[i] : starts[i + 1]]
             assert np.all(np.abs(got - ref) <= tol), (j, i, len(t), np.max(np.abs(got - ref) / tol))
             assert np.all(got[t == 3] == 0)
 
 
+@pytest.mark.parametrize("isa", lanes.isas())
+def test_one_digit_lanes_are_exact_for_their_own_rounded_x(isa):
+    """One digit (AVX2's default): each output is W . xh to float32 rounding, xh = q dx the activations as
+    int8.quantize rounded them (the mins take the sums of xh, as ggml's bsums), for every lane width."""
+    rng = np.random.default_rng(5)
+    n_out, n_in = 24, 768
+    base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
+    m = 20
+    X = rng.standard_normal((m, n_in)).astype(np.float32)
+    act = int8.quantize(Q4_K, X, 1)
+    xh = act.xq[:m].astype(np.float64) * np.repeat(act.dx[:m].astype(np.float64), 32, axis=1)
+    starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
+    rows = np.concatenate([rng.choice(m, c, replace=False) for c in COUNTS]).astype(np.int64)
+    out = np.full((2, starts[-1], n_out), np.nan, np.float32)
+    lanes.grouped(base, offs, row_bytes, act, rows, starts, out, isa)
+    g = len(COUNTS)
+    for j in range(2):
+        for i in range(g):
+            t = rows[starts[i] : starts[i + 1]]
+            if len(t):
+                ref = xh[t] @ deq[j * g + i].T
+                tol = _tolerance(T.Q4_K, mats[j * g + i][1], deq[j * g + i], xh[t])
+                err = np.abs(out[j, starts[i] : starts[i + 1]] - ref)
+                assert np.all(err <= tol), (j, i, len(t), np.max(err / tol))
+
+
 @pytest.mark.slow  # an exhaustive case: every ISA / format / kernel compiled cold
-def test_lanes_isas_agree_and_token_independent():
+@pytest.mark.parametrize("digits", [1, 2])
+def test_lanes_isas_agree_and_token_independent(digits):
     """vpdpbusd, its AVX2 form and the generic dot form the same integer sums (results agree to f32 rounding;
     AVX2's and the generic dot's, same lanes, are the same bits); a token's result does not depend on the other
     tokens in its lanes (only on the lane width C)."""
@@ -69,7 +97,7 @@ def test_lanes_isas_agree_and_token_independent():
     n_out, n_in = 24, 512
     base, offs, row_bytes, mats, deq = _group(rng, n_out, n_in)
     X = rng.standard_normal((20, n_in)).astype(np.float32)
-    act = int8.quantize(Q4_K, X, 2)
+    act = int8.quantize(Q4_K, X, digits)
     starts = np.concatenate(([0], np.cumsum(COUNTS))).astype(np.int64)
     rows = np.concatenate([np.arange(c) for c in COUNTS]).astype(np.int64)
     outs = {}

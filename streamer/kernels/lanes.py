@@ -10,6 +10,8 @@ The error bound is simd_lanes.py's.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numba
 import numpy as np
 from numba import prange
@@ -17,21 +19,7 @@ from numba import prange
 from . import int8
 from ._bits import FASTMATH, isa_kernels, kernel
 from .int8 import _item  # work item -> (part, expert, row block), as the grouped integer kernel's
-from .simd_lanes import (
-    ROWS,
-    ROWS_AVX2,
-    q4_k_lanes_avx2_2,
-    q4_k_lanes_avx2_4,
-    q4_k_lanes_avx2_8,
-    q4_k_lanes_generic_2,
-    q4_k_lanes_generic_4,
-    q4_k_lanes_generic_8,
-    q4_k_lanes_generic_16,
-    q4_k_lanes_vnni_2,
-    q4_k_lanes_vnni_4,
-    q4_k_lanes_vnni_8,
-    q4_k_lanes_vnni_16,
-)
+from .simd_lanes import KERNELS, ROWS, ROWS_AVX2
 
 _R2, _R4, _R8, _R16 = ROWS[2], ROWS[4], ROWS[8], ROWS[16]  # rows per intrinsic call, by T (numba globals)
 MAX_TOKENS = 16  # the most tokens one pass holds
@@ -44,14 +32,14 @@ def lanes_t(n: np.ndarray) -> np.ndarray:
 
 
 @kernel(parallel=True)
-def pack(xq, dx, xs, rows, starts, ts, xoffs, loffs, xt, dl, sl):
-    """Expert i's activation rows rows[starts[i]]..rows[starts[i+1]-1] (of int8.quantize's xq, dx, xs; per 32
-    elements), T = ts[i] lanes' worth (zeros past its tokens), Tv = min(T, 8) tokens per vector, V = T / Tv
-    vectors, Cp = 8 / Tv chunks (of 4 elements) per lane group: for chunk run q (sub-blocks 2q, 2q + 1), s < Tv,
-    v < V, digit d: 64 bytes at xt[xoffs[i] + 128 (T q + V s + v) + 64 d], lane L (4 bytes) = token v Tv + t's
-    chunk Cp s + c' of sub-block 2q + k, with L = 2 Cp t + Cp k + c'; and at dl / sl[loffs[i] + 16 (V q + v) + L]
-    that token's dx of that sub-block, and its xs in the lanes c' = 0 (else 0)."""
-    xw = xq.view(np.int32)  # [rows, K / 2]: dword 2k + d = digit d of elements 4k..4k+3
+def pack(digits, xq, dx, xs, rows, starts, ts, xoffs, loffs, xt, dl, sl):
+    """Expert i's activation rows rows[starts[i]]..rows[starts[i+1]-1] (of int8.quantize's xq, dx, xs, with
+    `digits` digits; per 32 elements), T = ts[i] lanes' worth (zeros past its tokens), Tv = min(T, 8) tokens per
+    vector, V = T / Tv vectors, Cp = 8 / Tv chunks (of 4 elements) per lane group: for chunk run q (sub-blocks 2q,
+    2q + 1), s < Tv, v < V, digit d: 64 bytes at xt[xoffs[i] + 64 (digits (T q + V s + v) + d)], lane L (4 bytes)
+    = token v Tv + t's chunk Cp s + c' of sub-block 2q + k, with L = 2 Cp t + Cp k + c'; and at dl / sl[loffs[i]
+    + 16 (V q + v) + L] that token's dx of that sub-block, and its xs in the lanes c' = 0 (else 0)."""
+    xw = xq.view(np.int32)  # [rows, digits K / 4]: dword digits k + d = digit d of elements 4k..4k+3
     nq = dx.shape[1] >> 1
     xtw = xt.view(np.int32)
     for i in prange(starts.size - 1):
@@ -76,50 +64,42 @@ def pack(xq, dx, xs, rows, starts, ts, xoffs, loffs, xt, dl, sl):
                         sl[at] = xs[r, g] if cp == 0 else np.float32(0)
                         for s in range(Tv):
                             k4 = 8 * g + Cp * s + cp
-                            base = xo + 32 * (T * q + V * s + v) + L
-                            xtw[base] = xw[r, 2 * k4]
-                            xtw[base + 16] = xw[r, 2 * k4 + 1]
+                            base = xo + 16 * digits * (T * q + V * s + v) + L
+                            for d in range(digits):
+                                xtw[base + 16 * d] = xw[r, digits * k4 + d]
                     else:
                         dl[at] = 0
                         sl[at] = 0
                         for s in range(Tv):
-                            base = xo + 32 * (T * q + V * s + v) + L
-                            xtw[base] = 0
-                            xtw[base + 16] = 0
+                            base = xo + 16 * digits * (T * q + V * s + v) + L
+                            for d in range(digits):
+                                xtw[base + 16 * d] = 0
 
 
-@kernel(fastmath=FASTMATH, inline="always")
-def _row_vnni(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
-    if T == 16:
-        q4_k_lanes_vnni_16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    elif T == 8:
-        q4_k_lanes_vnni_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    elif T == 4:
-        q4_k_lanes_vnni_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    else:
-        q4_k_lanes_vnni_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+def _dispatch(isa, digits):
+    """The row intrinsic of isa and digits for an expert's T (AVX2's T <= 8: lanes.SPLIT_AVX2)."""
+    k = {T: KERNELS[isa, digits, T] for T in (2, 4, 8)}
+    k16 = KERNELS.get((isa, digits, 16), k[8])  # never taken on AVX2 (grouped checks)
+    k8, k4, k2 = k[8], k[4], k[2]
+
+    @kernel(fastmath=FASTMATH, inline="always")
+    def row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+        if T == 16:
+            k16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+        elif T == 8:
+            k8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+        elif T == 4:
+            k4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+        else:
+            k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
+    return row
 
 
-@kernel(fastmath=FASTMATH, inline="always")
-def _row_generic(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
-    if T == 16:
-        q4_k_lanes_generic_16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    elif T == 8:
-        q4_k_lanes_generic_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    elif T == 4:
-        q4_k_lanes_generic_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    else:
-        q4_k_lanes_generic_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-
-
-@kernel(fastmath=FASTMATH, inline="always")
-def _row_avx2(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):  # T <= 8: SPLIT_AVX2
-    if T == 8:
-        q4_k_lanes_avx2_8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    elif T == 4:
-        q4_k_lanes_avx2_4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-    else:
-        q4_k_lanes_avx2_2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+# _row_<isa>_<digits>: module globals, so that each grouped version's pruned branches name the ones it keeps
+_row_vnni_1, _row_vnni_2 = _dispatch("vnni", 1), _dispatch("vnni", 2)
+_row_generic_1, _row_generic_2 = _dispatch("generic", 1), _dispatch("generic", 2)
+_row_avx2_1, _row_avx2_2 = _dispatch("avx2", 1), _dispatch("avx2", 2)
 
 
 _A2, _A4, _A8 = ROWS_AVX2[2], ROWS_AVX2[4], ROWS_AVX2[8]
@@ -135,10 +115,11 @@ def _rows(T):
     return _R16 if T == 16 else _R8 if T == 8 else _R4 if T == 4 else _R2
 
 
-def _grouped_source(isa):
+def _grouped_source(isa, digits):
     def grouped(w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out):
         """Rows of every (part, expert) by the lanes kernels of `isa` (vpdpbusd, its AVX2 form simd_vnni._dp2_avx2,
-        or the portable integer dot); thread slot s computes work items bounds[s]..bounds[s+1]."""
+        or the portable integer dot) on `digits` activation digits; thread slot s computes work items
+        bounds[s]..bounds[s+1]."""
         parts, g = offs.shape
         P, n_out = out.shape[1], out.shape[2]
         nb = row_bytes // 144
@@ -152,18 +133,43 @@ def _grouped_source(isa):
                     step = _rows_avx2(ts[i]) if isa == "avx2" else _rows(ts[i])
                     for r in range(t * ROW_BLOCK, end, step):
                         o = offs[j, i] + r * row_bytes
-                        xo, lo, d = xoffs[i], loffs[i], (j * P + a) * n_out + r
+                        xo, lo, d, nr = xoffs[i], loffs[i], (j * P + a) * n_out + r, end - r
                         if isa == "vnni":
-                            _row_vnni(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                            if digits == 1:
+                                _row_vnni_1(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                            else:
+                                _row_vnni_2(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
                         elif isa == "avx2":
-                            _row_avx2(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                            if digits == 1:
+                                _row_avx2_1(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                            else:
+                                _row_avx2_2(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                        elif digits == 1:
+                            _row_generic_1(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
                         else:
-                            _row_generic(ts[i], w, o, row_bytes, end - r, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
+                            _row_generic_2(ts[i], w, o, row_bytes, nr, nb, xt, xo, dl, sl, lo, out, d, n_out, n)
 
     return grouped
 
 
-GROUPED = isa_kernels(_grouped_source, ("vnni", "generic", "avx2"), "grouped", parallel=True, fastmath=FASTMATH)
+ISAS = ("vnni", "generic", "avx2")
+# (isa, activation digits) -> the grouped kernel; the two-digit ones keep their names (and numba cache files)
+GROUPED = {
+    (isa, digits): k
+    for digits in (1, 2)
+    for isa, k in isa_kernels(
+        partial(_grouped_source, digits=digits),
+        ISAS,
+        "grouped" if digits == 2 else "grouped_d1",
+        parallel=True,
+        fastmath=FASTMATH,
+    ).items()
+}
+
+
+def kernels(isas, digits: int | None = None) -> tuple:
+    """The grouped kernels of these instruction sets for `digits` activation digits (default int8.DIGITS)."""
+    return tuple(GROUPED[isa, digits or int8.DIGITS] for isa in isas)
 
 
 def isas() -> list[str]:
@@ -184,15 +190,6 @@ def host_isa() -> str | None:
 def ready() -> bool:
     """lanes.grouped runs here: an instruction set for it (host_isa)."""
     return host_isa() is not None
-
-
-DIGITS = 2  # activation digits lanes.grouped takes, whatever int8.DIGITS
-
-
-def quantize(fmt: int, X: np.ndarray) -> int8.Act:
-    """X's rows as lanes.grouped takes them: DIGITS int8 digits each (where the other kernels take another
-    number, on AVX2, a layer's lanes and matmul experts each quantize its input once)."""
-    return int8.quantize(fmt, X, digits=DIGITS)
 
 
 # Cost of a work item (a block of rows) in units of one row dotted with one lane vector's worth of tokens, beyond
@@ -221,24 +218,27 @@ def grouped(
     isa: str,
 ) -> None:
     """For part j and expert i (out.shape[2] Q4_K rows of row_bytes at byte offs[j, i] of the flat uint8 w):
-    out[j, starts[i] + t] = W_ji . (activation row rows[starts[i] + t] of act, lanes.quantize's),
-    for t < starts[i+1] - starts[i] <= MAX_TOKENS. isa: 'vnni' or 'generic'."""
+    out[j, starts[i] + t] = W_ji . (activation row rows[starts[i] + t] of act, int8.quantize's with one or two
+    digits), for t < starts[i+1] - starts[i] <= MAX_TOKENS. isa: one of isas()."""
     parts, g = offs.shape
     n_out = out.shape[2]
     ng = act.dx.shape[1]
+    digits = act.xq.shape[1] // (32 * ng)
     offs, starts = split_lanes(offs, starts, SPLIT_AVX2 if isa == "avx2" else SPLIT)
     cnt = np.diff(starts)
     ts = lanes_t(cnt)
+    if isa == "avx2" and ts.max(initial=0) > 8:  # AVX2's kernels hold 8 tokens (SPLIT_AVX2 cuts the rest)
+        raise ValueError("AVX2 lanes take at most 8 tokens per pass")
     V = ts // np.minimum(ts, 8)
-    xoffs = np.concatenate(([0], np.cumsum(ng * 64 * ts)[:-1])).astype(np.int64)  # 2K bytes per token lane
+    xoffs = np.concatenate(([0], np.cumsum(ng * 32 * digits * ts)[:-1])).astype(np.int64)  # digits K bytes a token
     loffs = np.concatenate(([0], np.cumsum((ng >> 1) * 16 * V)[:-1])).astype(np.int64)
-    xt = _aligned(int(ng * 64 * ts.sum()), np.int8)
+    xt = _aligned(int(ng * 32 * digits * ts.sum()), np.int8)
     nl = int((ng >> 1) * 16 * V.sum())
     dl = _aligned(nl, np.float32)
     sl = _aligned(nl, np.float32)
-    pack(act.xq, act.dx, act.xs, rows, starts, ts, xoffs, loffs, xt, dl, sl)
+    pack(digits, act.xq, act.dx, act.xs, rows, starts, ts, xoffs, loffs, xt, dl, sl)
     bounds = _bounds(np.where(cnt > 0, ts + ROW_COST, 0.0), parts, n_out)  # lane vectors, + the row's own work
-    GROUPED[isa](w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out)
+    GROUPED[isa, digits](w, offs, row_bytes, xt, dl, sl, xoffs, loffs, ts, starts, bounds, out)
 
 
 def split_lanes(offs: np.ndarray, starts: np.ndarray, split=SPLIT) -> tuple[np.ndarray, np.ndarray]:

@@ -9,24 +9,28 @@ Lanes: T tokens (T = 2, 4, 8, 16: the expert's count rounded up), Tv = min(T, 8)
 q of qs holds elements 0..31 of sub-blocks 2q (low nibbles) and 2q + 1 (high nibbles). Lane L = 2 Cp t + Cp k + c' of a
 vector holds token t's chunk (4 elements) Cp s + c' of sub-block 2q + k: 4 Cp bytes of the run (chunk group s) broadcast
 to every lane group and masked with 0x0F (k = 0) or 0xF0 (k = 1) are the weight codes u (and 16 u) of both sub-blocks
-for all Tv tokens, so one load, one shuffle and ONE mask feed 2 vpdpbusd per vector (two activation digits); each lane
-sums a whole sub-block's chunks for its token over s < Tv, as 256 * sum(u * hi) + sum(u * lo) in int32 (exact; the high
-nibbles' factor 16 is undone by the exact scale d * sc / 16), then per lane in f32
+for all Tv tokens, so one load, one shuffle and ONE mask feed a vpdpbusd per activation digit and vector; each lane
+sums a whole sub-block's chunks for its token over s < Tv, as 256 * sum(u * hi) + sum(u * lo) (two digits) or sum(u * q)
+(one) in int32 (exact; the high nibbles' factor 16 is undone by the exact scale d * sc / 16), then per lane in f32
     acc += float(isum) * (d * sc_(2q+k) * dx_t,(2q+k)),   accm += dmin * m_(2q+k) * xs_t,(2q+k)  (xs in c' = 0)
 and at the row's end each token's 2 Cp lanes are added up (a shuffle tree). R rows per call share each activation vector
 load; 4 Q4_K rows stream in ahead (software prefetch).
 
-Accuracy: the activations are int8.quantize_act's two digits, the integer sums and float(isum) exact, so the bound is
-simd_i8.py's tile kernel's; only the f32 summation order differs:
+Accuracy: the activations are int8.quantize_act's digits, two by default and one where int8.DIGITS is 1 (AVX2), the
+integer sums and float(isum) exact, so the bound is simd_i8.py's tile kernel's on the same grid; only the f32
+summation order differs:
     |out - W.x| <= sum_k A_k (dx_g(k)/2 + 4u|x_k|) + gamma_n sum_k A_k |x_k|,   u = 2^-24,
-with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py). A token's result depends on
+with A_k = |w_k| plus the min term's magnitude and n = K + K/16 + 8 (tests/test_lanes.py); with one digit the mins
+take the sums of the rounded x (ggml's bsums), so the result is W . (q dx) to f32 rounding. A token's result depends on
 its own lanes and on T only; the caller picks T from the expert's token count alone (and the token's rank in it, where
 lanes.split_lanes makes two passes), so it is the same for every cache state.
 
 Instruction sets as simd_i8.py: "vnni" (vpdpbusd) or "generic" (plain vector IR), chosen in Python (lanes.py), and
 "avx2" for CPUs without VNNI (lanes.host_isa): vpmaddubsw's pair sums would saturate on 16 u, so the high nibbles are
 shifted down to u (scale d * sc: the same products), and the pair sums of all Tv chunk vectors are added in int16
-before one vpmaddwd per digit (simd_vnni._dp2_avx2): the same bits as "generic". At most 8 tokens (lanes.SPLIT_AVX2)
+before one vpmaddwd per digit (simd_vnni._dp2_avx2): the same bits as "generic". One digit halves those integer
+instructions and the activation bytes (2026-12-07, AMD EPYC Zen 4 with AVX2-only kernels: the lanes' share of a
+32-token 30B-A3B prefill 0.37 -> 0.27 s). At most 8 tokens (lanes.SPLIT_AVX2)
 and one row per call (ROWS_AVX2): AVX2 has 16 vector registers."""
 
 from llvmlite import ir
@@ -45,12 +49,12 @@ ROWS = {16: 2, 8: 2, 4: 4, 2: 4}
 ROWS_AVX2 = {8: 1, 4: 1, 2: 1}
 
 
-def _row_intrinsic(T, isa, R):
+def _row_intrinsic(T, isa, R, digits=2):
     """Intrinsic `(w, off, row_bytes, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)`: the R Q4_K rows at byte
     off + i * row_bytes of w (i < R; rows past nr repeat row nr - 1 and are not stored; nb super-blocks each)
-    dotted with the T tokens packed at byte xo of xt (lanes.pack's layout) with their dx / xs lanes from f32
-    index lo of dl / sl: dst[doff + t * ld + i] = row i's dot for token t < n. The R rows share each activation
-    vector load."""
+    dotted with the T tokens packed at byte xo of xt (lanes.pack's layout, `digits` activation digits) with their
+    dx / xs lanes from f32 index lo of dl / sl: dst[doff + t * ld + i] = row i's dot for token t < n. The R rows
+    share each activation vector load."""
     Tv = min(T, 8)  # tokens per vector
     NV = T // Tv  # vectors per (chunk run, digit)
     Cp = 8 // Tv  # chunks per lane group
@@ -109,14 +113,17 @@ def _row_intrinsic(T, isa, R):
                 acc = list(accs)  # [row][v]: acc, then [row][v]: accm
                 for cc in range(4):
                     run = bb.add(bb.mul(b, c(4)), c(cc))  # chunk run (sub-blocks 2cc, 2cc + 1) in the row
-                    xr = bb.add(xo_, bb.mul(run, c(128 * T)))
-                    xh = [
-                        [e.load(xb, bb.add(xr, c(128 * (s * NV + v))), V(I8, 64), 1) for v in range(NV)]
-                        for s in range(Tv)
-                    ]
-                    xl = [
-                        [e.load(xb, bb.add(xr, c(128 * (s * NV + v) + 64)), V(I8, 64), 1) for v in range(NV)]
-                        for s in range(Tv)
+                    xr = bb.add(xo_, bb.mul(run, c(64 * digits * T)))
+                    # [digit][s][v]: the hi digits (or the one digit), then the lo digits
+                    xd = [
+                        [
+                            [
+                                e.load(xb, bb.add(xr, c(64 * (digits * (s * NV + v) + d))), V(I8, 64), 1)
+                                for v in range(NV)
+                            ]
+                            for s in range(Tv)
+                        ]
+                        for d in range(digits)
                     ]
                     lat = [bb.add(lo_b, bb.mul(bb.add(bb.mul(run, c(NV)), c(v)), c(64))) for v in range(NV)]
                     dxv = [e.load(dlb, la, V(F32, 16), 4) for la in lat]
@@ -133,7 +140,7 @@ def _row_intrinsic(T, isa, R):
                         scl = e.shuffle(dsc[i], dsc[i], pick)
                         mnv = e.shuffle(dmn[i], dmn[i], pick)
                         for v in range(NV):
-                            t = _digits_dot(e, dp, ws, [x[v] for x in xh], [x[v] for x in xl])
+                            t = _digits_dot(e, dp, ws, *[[x[v] for x in xs] for xs in xd])
                             k = i * NV + v
                             sv = bb.fmul(scl, dxv[v])
                             acc[k] = e.fma(acc[k], bb.sitofp(t, V(F32, 16)), sv)
@@ -163,7 +170,10 @@ def _row_intrinsic(T, isa, R):
     return row
 
 
-# q4_k_lanes_<isa>_<T>: module globals for numba (lanes.py picks one per expert).
-for _isa, _rows in (("vnni", ROWS), ("generic", ROWS), ("avx2", ROWS_AVX2)):
-    for _T in _rows:
-        globals()[f"q4_k_lanes_{_isa}_{_T}"] = _row_intrinsic(_T, _isa, _rows[_T])
+# (isa, activation digits, T) -> the row intrinsic (lanes.py dispatches on T per expert)
+KERNELS = {
+    (isa, digits, T): _row_intrinsic(T, isa, rows[T], digits)
+    for isa, rows in (("vnni", ROWS), ("generic", ROWS), ("avx2", ROWS_AVX2))
+    for digits in (1, 2)
+    for T in rows
+}

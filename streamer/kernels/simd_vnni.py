@@ -65,20 +65,22 @@ def _dp_avx2(e, acc, w, x):
     return bb.add(acc, e.shuffle(half[0], half[1], list(range(16))))
 
 
-def _dp2_avx2(e, ws, xh, xl):
+def _dp2_avx2(e, ws, xh, xl=None):
     """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (dot4: vpdpbusd's sum of 4 adjacent
     u8 x s8 products; up to 8 vectors of 64 bytes) on AVX2, per 32-byte half: the vpmaddubsw pair sums (<= 3840 for
     codes <= 15) added over s in int16 (<= 30720: exact), then one vpmaddwd per digit, by 256 and by 1, and added.
-    The decode row dot takes one vector (s < 1), simd_lanes.py's AVX2 form Tv."""
+    xl None: one digit, sum_s dot4(ws[s], xh[s]) (one vpmaddwd, by 1). The decode row dot takes one vector (s < 1),
+    simd_lanes.py's AVX2 form Tv."""
     bb = e.b
     mub = e.declare("llvm.x86.avx2.pmadd.ub.sw", V(I16, 16), [V(I8, 32), V(I8, 32)])
     mwd = e.declare("llvm.x86.avx2.pmadd.wd", V(I32, 8), [V(I16, 16), V(I16, 16)])
-    by = (ir.Constant(V(I16, 16), [256] * 16), ir.Constant(V(I16, 16), [1] * 16))
+    one = ir.Constant(V(I16, 16), [1] * 16)
+    digits = ((xh, one),) if xl is None else ((xh, ir.Constant(V(I16, 16), [256] * 16)), (xl, one))
     half = []
     for h in range(2):
         at = list(range(32 * h, 32 * h + 32))
         acc = None
-        for xs, k in zip((xh, xl), by):
+        for xs, k in digits:
             p = None
             for w, x in zip(ws, xs):
                 m = bb.call(mub, [e.shuffle(w, w, at), e.shuffle(x, x, at)])
@@ -89,15 +91,18 @@ def _dp2_avx2(e, ws, xh, xl):
     return e.shuffle(half[0], half[1], list(range(16)))
 
 
-def _digits_dot(e, dp, ws, xh, xl):
+def _digits_dot(e, dp, ws, xh, xl=None):
     """256 * sum_s dot4(ws[s], xh[s]) + sum_s dot4(ws[s], xl[s]) per int32 lane (two activation digits; dp: an ISA's
-    dot4 accumulator, `(e, acc, w, x)`): with AVX2's, _dp2_avx2; else dp's chain, the hi digits, a shift by 8, the
-    lo digits. The decode row dot takes one vector (s < 1), simd_lanes.py's kernel Tv."""
+    dot4 accumulator, `(e, acc, w, x)`), or with xl None (one digit) sum_s dot4(ws[s], xh[s]): with AVX2's,
+    _dp2_avx2; else dp's chain, the hi digits, a shift by 8, the lo digits. The decode row dot takes one vector
+    (s < 1), simd_lanes.py's kernel Tv."""
     if dp is _dp_avx2:
         return _dp2_avx2(e, ws, xh, xl)
     t = ir.Constant(V(I32, 16), [0] * 16)
     for w, x in zip(ws, xh):
         t = dp(e, t, w, x)
+    if xl is None:
+        return t
     t = e.b.shl(t, ir.Constant(V(I32, 16), [8] * 16))
     for w, x in zip(ws, xl):
         t = dp(e, t, w, x)
