@@ -77,13 +77,26 @@ def pack(digits, xq, dx, xs, rows, starts, ts, xoffs, loffs, xt, dl, sl):
 
 
 def _dispatch(isa, digits):
-    """The row intrinsic of isa and digits for an expert's T (AVX2's T <= 8: lanes.SPLIT_AVX2)."""
-    k = {T: KERNELS[isa, digits, T] for T in (2, 4, 8)}
-    k16 = KERNELS.get((isa, digits, 16), k[8])  # never taken on AVX2 (grouped checks)
-    k8, k4, k2 = k[8], k[4], k[2]
+    """The row intrinsic of isa and digits for an expert's T; AVX2 has none for T = 16 (lanes.SPLIT_AVX2 cuts those
+    experts into passes of 8, and grouped checks): each intrinsic is inlined once."""
+    k2, k4, k8 = (KERNELS[isa, digits, T] for T in (2, 4, 8))
+    k16 = KERNELS.get((isa, digits, 16))
+
+    if k16 is None:
+
+        @kernel(fastmath=FASTMATH, inline="always")
+        def row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+            if T == 8:
+                k8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+            elif T == 4:
+                k4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+            else:
+                k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
+        return row
 
     @kernel(fastmath=FASTMATH, inline="always")
-    def row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
+    def row16(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
         if T == 16:
             k16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
         elif T == 8:
@@ -93,7 +106,7 @@ def _dispatch(isa, digits):
         else:
             k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
 
-    return row
+    return row16
 
 
 # _row_<isa>_<digits>: module globals, so that each grouped version's pruned branches name the ones it keeps
