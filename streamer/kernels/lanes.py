@@ -82,29 +82,24 @@ def _dispatch(isa, digits):
     k2, k4, k8 = (KERNELS[isa, digits, T] for T in (2, 4, 8))
     k16 = KERNELS.get((isa, digits, 16))
 
+    @kernel(fastmath=FASTMATH, inline="always")
+    def row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):  # T <= 8
+        if T == 8:
+            k8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+        elif T == 4:
+            k4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+        else:
+            k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+
     if k16 is None:
-
-        @kernel(fastmath=FASTMATH, inline="always")
-        def row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
-            if T == 8:
-                k8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-            elif T == 4:
-                k4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-            else:
-                k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-
         return row
 
     @kernel(fastmath=FASTMATH, inline="always")
     def row16(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n):
         if T == 16:
             k16(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-        elif T == 8:
-            k8(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
-        elif T == 4:
-            k4(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
         else:
-            k2(w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
+            row(T, w, off, rb, nr, nb, xt, xo, dl, sl, lo, dst, doff, ld, n)
 
     return row16
 
